@@ -1,0 +1,78 @@
+"""
+The Rhapsode worker SDK: write one class, call L{serve}, and the SDK speaks the protocol.
+"""
+
+from typing import Mapping, NoReturn
+
+from ._engine import (
+    ALL_CUES,
+    ALL_DELIVERIES,
+    DialogueRequest,
+    Dial,
+    Engine,
+    IEngine,
+    License,
+    NativeFormat,
+    Reference,
+    SpeakRequest,
+    Turn,
+    Variant,
+    Voice,
+)
+from ._vocab import clean_text
+from ._errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Internal,
+    ModelUnavailable,
+    OutOfMemory,
+    Overloaded,
+    SpeechError,
+    UnknownEngine,
+    UnknownVoice,
+    Unsupported,
+)
+
+__version__ = "0.1.0"
+
+
+def serve(engine: IEngine, environ: "Mapping[str, str] | None" = None) -> "NoReturn":
+    """
+    Serve C{engine} under the spawn contract (see L{rhapsode_worker._runtime}).
+
+    Imported on call, so that importing the SDK to declare an adapter stays light.
+    """
+    from ._runtime import serve as run
+
+    run(engine, environ)
+
+__all__ = [
+    "ALL_CUES",
+    "ALL_DELIVERIES",
+    "BadRequest",
+    "Conflict",
+    "Dial",
+    "DialogueRequest",
+    "Engine",
+    "Forbidden",
+    "IEngine",
+    "Internal",
+    "License",
+    "ModelUnavailable",
+    "NativeFormat",
+    "OutOfMemory",
+    "Overloaded",
+    "Reference",
+    "SpeakRequest",
+    "SpeechError",
+    "Turn",
+    "UnknownEngine",
+    "UnknownVoice",
+    "Unsupported",
+    "Variant",
+    "Voice",
+    "__version__",
+    "clean_text",
+    "serve",
+]

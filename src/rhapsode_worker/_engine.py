@@ -1,0 +1,333 @@
+"""
+The adapter contract: what an engine author writes, and the shapes the SDK hands them.
+
+An adapter is one class implementing L{IEngine}, usually by subclassing L{Engine}, which
+supplies every optional part.  What a variant can do beyond speaking (clone, blend,
+dialogue) is derived from which methods the class overrides, so an adapter cannot
+declare a capability it did not write.
+
+Threading: every method that touches the model (C{load}, C{unload}, C{speak},
+C{dialogue}, C{fetch}, C{create_voice}, C{blend_voice}, C{delete_voice}) is called on a
+worker thread, never on the reactor thread, and may block.  The SDK never calls C{load},
+C{unload} or C{speak} concurrently unless C{concurrency} says it may.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+from zope.interface import Attribute, Interface, implementer
+
+from ._errors import Unsupported
+
+#: The closed vocabulary of cues (protocol.md section 5), in the spec's order.
+ALL_CUES: tuple[str, ...] = (
+    "laugh",
+    "chuckle",
+    "sigh",
+    "gasp",
+    "cough",
+    "clear throat",
+    "sniff",
+    "groan",
+)
+
+#: The two deliveries; deliberately no word for "ordinary".
+ALL_DELIVERIES: tuple[str, ...] = ("hushed", "frantic")
+
+
+@dataclass(frozen=True)
+class Dial:
+    """
+    A number the variant really varies, with its range and default.
+    """
+
+    min: float
+    max: float
+    default: float
+
+    def __post_init__(self) -> None:
+        if not (self.min <= self.default <= self.max):
+            raise ValueError(f"dial default {self.default} outside [{self.min}, {self.max}]")
+
+
+@dataclass(frozen=True)
+class NativeFormat:
+    """
+    The PCM an adapter yields: always signed 16-bit little-endian here.
+    """
+
+    sample_rate: int
+    channels: int = 1
+    encoding: str = "pcm_s16le"
+
+    def __post_init__(self) -> None:
+        if self.encoding != "pcm_s16le":
+            raise ValueError("the SDK encodes from pcm_s16le only")
+
+    @property
+    def bytes_per_frame(self) -> int:
+        return 2 * self.channels
+
+    @property
+    def bytes_per_second(self) -> int:
+        return self.sample_rate * self.bytes_per_frame
+
+    def duration_ms(self, byte_count: int) -> int:
+        return (byte_count // self.bytes_per_frame) * 1000 // self.sample_rate
+
+
+@dataclass(frozen=True)
+class License:
+    """
+    The licences of what the worker process runs and of the weights it loads (section 4).
+
+    C{code} is the most restrictive licence among everything the worker loads, and
+    C{notes} names the dependency responsible.  C{weights} is C{None} for an engine with
+    no weights, and so is C{weights_commercial_use}.
+    """
+
+    code: str
+    weights: str | None = None
+    weights_commercial_use: bool | None = None
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """
+    One loadable build of an engine and what it performs.
+
+    @ivar dials: name to L{Dial}, or to a C{(min, max, default)} tuple.
+    @ivar languages: the first is the default when a request names none.
+    @ivar max_characters: what one request may carry; C{None} takes the engine's.
+    @ivar clones: whether this build can use a cloned voice, where the adapter
+        implements C{create_voice} at all.
+    @ivar blends: likewise for C{blend_voice}.
+    @ivar max_speakers: speakers one dialogue may have, where the adapter implements
+        C{dialogue}; 0 means this variant does not perform dialogue.
+    @ivar seed_reproducible: whether the same seed gives the same audio.  Claim it
+        only if it is true: the conformance checker tests it.
+    """
+
+    cues: Sequence[str] = ()
+    deliveries: Sequence[str] = ()
+    dials: Mapping[str, Dial | tuple[float, float, float]] = field(default_factory=dict)
+    languages: Sequence[str] = ("en",)
+    max_characters: int | None = None
+    clones: bool = True
+    blends: bool = True
+    max_speakers: int = 2
+    seed_reproducible: bool = False
+    reference_seconds: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.cues if c not in ALL_CUES]
+        if unknown:
+            raise ValueError(f"not cues of the vocabulary: {unknown}")
+        unknown = [d for d in self.deliveries if d not in ALL_DELIVERIES]
+        if unknown:
+            raise ValueError(f"not deliveries of the vocabulary: {unknown}")
+        if not self.languages:
+            raise ValueError("a variant speaks at least one language")
+        dials = {
+            name: d if isinstance(d, Dial) else Dial(*d) for name, d in self.dials.items()
+        }
+        object.__setattr__(self, "dials", dials)
+        object.__setattr__(self, "cues", tuple(self.cues))
+        object.__setattr__(self, "deliveries", tuple(self.deliveries))
+        object.__setattr__(self, "languages", tuple(self.languages))
+
+
+@dataclass(frozen=True)
+class Voice:
+    """
+    A voice as C{GET /voices} lists it.  C{spec} changes whenever the rendering would.
+    """
+
+    id: str
+    label: str
+    spec: str
+    description: str = ""
+    tags: Sequence[str] = ()
+    builtin: bool = True
+
+
+@dataclass(frozen=True)
+class SpeakRequest:
+    """
+    One generation: a segment of a request's text, already validated and cleaned.
+
+    C{params} holds every dial of the variant, defaults filled in.  C{text} carries only
+    cues the variant claims, written C{[cue]}; the adapter translates them.
+    """
+
+    text: str
+    variant: str
+    voice: str | None = None
+    language: str = "en"
+    delivery: str | None = None
+    params: Mapping[str, float] = field(default_factory=dict)
+    seed: int | None = None
+    segment_index: int = 0
+    segment_count: int = 1
+
+
+@dataclass(frozen=True)
+class Turn:
+    speaker: str
+    text: str
+
+
+@dataclass(frozen=True)
+class DialogueRequest:
+    """
+    A conversation in one take.  C{voices} maps speaker labels to voice ids; a speaker
+    missing from it is read in a voice the model picks, which a seed holds fixed.
+    """
+
+    turns: Sequence[Turn]
+    variant: str
+    voices: Mapping[str, str] = field(default_factory=dict)
+    language: str = "en"
+    params: Mapping[str, float] = field(default_factory=dict)
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Reference:
+    """
+    An uploaded reference for cloning: its bytes and the type its filename names.
+    """
+
+    filename: str
+    extension: str
+    data: bytes
+    transcript: str | None = None
+
+
+class IEngine(Interface):
+    """
+    An engine adapter.  Methods marked blocking run on a worker thread.
+    """
+
+    id = Attribute("Engine id, as the core names it")
+    display_name = Attribute("Human name")
+    license = Attribute("L{License}")
+    native_format = Attribute("L{NativeFormat} of the PCM speak() yields")
+    default_variant = Attribute("Variant loaded when a request names none")
+    adapter_version = Attribute("Version of the adapter package")
+    upstream_version = Attribute("Version of the upstream library, or None")
+    max_characters = Attribute("Most text one request may carry")
+    segment_characters = Attribute("Most text one generation gets; None: the whole text")
+    first_segment_characters = Attribute("A shorter first segment, or None")
+    joint_silence_ms = Attribute("Silence inserted between segments")
+    concurrency = Attribute("Generations that may run at once (default 1)")
+    reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")
+    private_tag_patterns = Attribute("Regexes of the engine's own tag syntax, stripped")
+    voice_dir = Attribute("Directory the SDK gives the adapter for its voice store")
+
+    def variants() -> Mapping[str, Variant]:
+        """Every variant this worker can load on this machine."""
+
+    def load(variant: str) -> None:
+        """Blocking: put C{variant} on the device."""
+
+    def unload() -> None:
+        """Blocking: release the model."""
+
+    def voices() -> Sequence[Voice]:
+        """Built-in and created voices; cheap, no model needed."""
+
+    def speak(request: SpeakRequest) -> Iterator[bytes]:
+        """Blocking: yield native PCM for one segment."""
+
+    def dialogue(request: DialogueRequest) -> Iterator[bytes]:
+        """Blocking: yield native PCM for a conversation. Optional."""
+
+    def create_voice(voice_id: str, label: str, reference: Reference) -> Voice:
+        """Blocking: store a voice made from a reference; loads no model. Optional."""
+
+    def blend_voice(voice_id: str, label: str, components: Sequence[tuple[str, float]]) -> Voice:
+        """Blocking: store a mix of existing voices, weights summing to 1. Optional."""
+
+    def delete_voice(voice_id: str) -> None:
+        """Blocking: remove a created voice."""
+
+    def fetch(variant: str) -> None:
+        """Blocking: download a variant's weights without loading them. Optional."""
+
+    def memory_bytes() -> int | None:
+        """What the loaded model holds, when the adapter knows better than a delta."""
+
+
+@implementer(IEngine)
+class Engine:
+    """
+    Defaults for every optional part of L{IEngine}.  Subclass it and write what you have.
+    """
+
+    id: str = ""
+    display_name: str = ""
+    license: License = License(code="UNKNOWN")
+    native_format: NativeFormat = NativeFormat(sample_rate=24000)
+    default_variant: str = "default"
+    adapter_version: str = "0.1.0"
+    upstream_version: str | None = None
+    max_characters: int = 4096
+    segment_characters: int | None = None
+    first_segment_characters: int | None = None
+    joint_silence_ms: int = 0
+    concurrency: int = 1
+    reference_formats: Sequence[str] = ()
+    private_tag_patterns: Sequence[str] = ()
+    voice_dir: Path = Path(".")
+
+    def variants(self) -> Mapping[str, Variant]:
+        return {self.default_variant: Variant()}
+
+    def load(self, variant: str) -> None:
+        pass
+
+    def unload(self) -> None:
+        pass
+
+    def voices(self) -> Sequence[Voice]:
+        return []
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def dialogue(self, request: DialogueRequest) -> Iterator[bytes]:
+        raise Unsupported("this engine does not perform dialogue", field="turns")
+
+    def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
+        raise Unsupported("this engine does not make voices from a reference", field="reference")
+
+    def blend_voice(
+        self, voice_id: str, label: str, components: Sequence[tuple[str, float]]
+    ) -> Voice:
+        raise Unsupported("this engine does not blend voices", field="blend")
+
+    def delete_voice(self, voice_id: str) -> None:
+        raise Unsupported("this engine does not make voices", field="id")
+
+    def fetch(self, variant: str) -> None:
+        raise Unsupported("this engine has nothing to fetch", field="variant")
+
+    def memory_bytes(self) -> int | None:
+        return None
+
+
+def overrides(engine: object, name: str) -> bool:
+    """
+    Whether C{engine}'s class supplies its own C{name} rather than L{Engine}'s default.
+
+    An adapter that does not subclass L{Engine} overrides whatever it has.
+    """
+    method = getattr(type(engine), name, None)
+    if method is None:
+        return False
+    return method is not getattr(Engine, name, None)

@@ -1,0 +1,157 @@
+"""
+The error taxonomy of protocol.md section 6, as exceptions an adapter may raise.
+
+Each class fixes the code, the HTTP status and whether a caller should retry; the
+table is the single source both the SDK and the contract module read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# code -> (HTTP status, retryable, meaning).  Order is the spec's; new codes go at the end.
+ERROR_TABLE: dict[str, tuple[int, bool, str]] = {
+    "bad_request": (400, False, "Malformed, or a params key the variant does not have"),
+    "unknown_engine": (404, False, "Not in GET /engines. Core only; a worker is one engine"),
+    "unknown_voice": (404, False, "Not in GET /voices"),
+    "unsupported": (422, False, "A format, language or feature this variant does not do"),
+    "model_unavailable": (503, True, "Loading, evicted, or a load that ran out of time"),
+    "oom": (503, True, "Out of device memory"),
+    "overloaded": (429, True, "Draining, or at the concurrency limit"),
+    "internal": (500, False, "The adapter threw"),
+    "forbidden": (403, False, "A management route called from somewhere it does not answer"),
+    "conflict": (409, False, "A management route asked for something the current state rules out"),
+}
+
+
+class SpeechError(Exception):
+    """
+    A failure with a place in the taxonomy.
+
+    @ivar field: the request field the failure is about, when there is one; it is
+        named in the message and carried in the envelope so a client can point at it.
+    """
+
+    code = "internal"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    @property
+    def status(self) -> int:
+        return ERROR_TABLE[self.code][0]
+
+    @property
+    def retryable(self) -> bool:
+        return ERROR_TABLE[self.code][1]
+
+    def envelope(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "code": self.code,
+            "message": self.message,
+            "retryable": self.retryable,
+        }
+        if self.field is not None:
+            body["field"] = self.field
+        return {"error": body}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, field={self.field!r})"
+
+
+class BadRequest(SpeechError):
+    code = "bad_request"
+
+
+class UnknownEngine(SpeechError):
+    code = "unknown_engine"
+
+
+class UnknownVoice(SpeechError):
+    code = "unknown_voice"
+
+
+class Unsupported(SpeechError):
+    code = "unsupported"
+
+
+class ModelUnavailable(SpeechError):
+    code = "model_unavailable"
+
+
+class OutOfMemory(SpeechError):
+    code = "oom"
+
+
+class Overloaded(SpeechError):
+    code = "overloaded"
+
+
+class Internal(SpeechError):
+    code = "internal"
+
+
+class Forbidden(SpeechError):
+    code = "forbidden"
+
+
+class Conflict(SpeechError):
+    code = "conflict"
+
+
+_BY_CODE: dict[str, type[SpeechError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        UnknownEngine,
+        UnknownVoice,
+        Unsupported,
+        ModelUnavailable,
+        OutOfMemory,
+        Overloaded,
+        Internal,
+        Forbidden,
+        Conflict,
+    )
+}
+
+
+def error_from_envelope(body: Any, status: int) -> SpeechError:
+    """
+    Rebuild the exception an envelope describes (for clients of a worker or the core).
+    """
+    try:
+        err = body["error"]
+        cls = _BY_CODE.get(err["code"], Internal)
+        return cls(str(err.get("message", "")), err.get("field"))
+    except (KeyError, TypeError):
+        return Internal(f"HTTP {status} without an error envelope")
+
+
+def _looks_like_oom(exc: BaseException) -> bool:
+    # torch.cuda.OutOfMemoryError, torch.OutOfMemoryError, MPS and onnxruntime's
+    # allocation failures all say so in their type or message; matching names keeps the
+    # SDK free of any import of those libraries.
+    if isinstance(exc, MemoryError):
+        return True
+    name = type(exc).__name__.lower()
+    if "outofmemory" in name:
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "failed to allocate memory" in text
+
+
+def as_speech_error(exc: BaseException) -> SpeechError:
+    """
+    Map whatever an adapter raised onto the taxonomy.
+
+    A L{SpeechError} passes through; an out-of-memory of any framework becomes C{oom}
+    (503, retryable); anything else is C{internal}, naming the exception type.
+    """
+    if isinstance(exc, SpeechError):
+        return exc
+    if _looks_like_oom(exc):
+        return OutOfMemory(f"out of memory: {exc}")
+    return Internal(f"{type(exc).__name__}: {exc}")

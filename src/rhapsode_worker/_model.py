@@ -1,0 +1,108 @@
+"""
+The model half of a worker's state (protocol.md section 3): unloaded, loading, loaded,
+unloading, and what the resident model cost.
+
+Transitions run the adapter's blocking calls on the synthesis thread pool; the state is
+only ever changed on the reactor thread, so C{/health} reads it without a lock and
+answers at once whatever the model is doing.  Callers serialise these operations through
+the scheduler, which runs them exclusively of any synthesis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from twisted.internet.defer import Deferred
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from . import _memory
+from ._engine import IEngine
+from ._errors import SpeechError, as_speech_error
+
+UNLOADED = "unloaded"
+LOADING = "loading"
+LOADED = "loaded"
+UNLOADING = "unloading"
+
+
+class ModelState:
+    """
+    The resident model, if any, and the one transition in progress.
+    """
+
+    log = Logger()
+
+    def __init__(self, engine: IEngine, reactor: Any, pool: ThreadPool) -> None:
+        self._engine = engine
+        self._reactor = reactor
+        self._pool = pool
+        self.state = UNLOADED
+        self.variant: str | None = None
+        self.model_bytes: int | None = None
+
+    def _in_pool(self, fn: Callable[..., Any], *args: Any) -> "Deferred[Any]":
+        return deferToThreadPool(self._reactor, self._pool, fn, *args)
+
+    def resident(self, variant: str) -> bool:
+        return self.state == LOADED and self.variant == variant
+
+    async def ensure(self, variant: str) -> None:
+        """
+        Make C{variant} the resident model: unload another, then load, and if the load
+        fails, unload and load exactly once more (a failed load strands memory).
+        """
+        if self.resident(variant):
+            return
+        if self.state == LOADED:
+            await self.unload()
+        try:
+            await self._load(variant)
+        except SpeechError as first:
+            self.log.warn(
+                "load of {variant} failed ({error}); unloading and retrying once",
+                variant=variant,
+                error=first.message,
+            )
+            await self._unload_quietly()
+            await self._load(variant)
+
+    async def _load(self, variant: str) -> None:
+        self.state, self.variant, self.model_bytes = LOADING, variant, None
+        self.log.info("loading {variant}", variant=variant)
+        try:
+            measured = await self._in_pool(self._load_measured, variant)
+        except BaseException as exc:
+            self.state, self.variant = UNLOADED, None
+            raise as_speech_error(exc) from exc
+        self.state, self.model_bytes = LOADED, measured
+        self.log.info("loaded {variant} ({bytes} bytes)", variant=variant, bytes=measured)
+
+    def _load_measured(self, variant: str) -> int | None:
+        before = _memory.device_bytes()
+        self._engine.load(variant)
+        told = self._engine.memory_bytes()
+        if isinstance(told, int) and told > 0:
+            return told
+        return _memory.load_delta(before, _memory.device_bytes())
+
+    async def unload(self) -> None:
+        if self.state == UNLOADED:
+            return
+        previous = self.variant
+        self.state = UNLOADING
+        try:
+            await self._in_pool(self._engine.unload)
+        finally:
+            self.state, self.variant, self.model_bytes = UNLOADED, None, None
+        self.log.info("unloaded {variant}", variant=previous)
+
+    async def _unload_quietly(self) -> None:
+        self.state = UNLOADING
+        try:
+            await self._in_pool(self._engine.unload)
+        except BaseException as exc:
+            self.log.warn("unload after a failed load raised {error!r}", error=exc)
+        finally:
+            self.state, self.variant, self.model_bytes = UNLOADED, None, None

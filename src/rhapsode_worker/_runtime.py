@@ -1,0 +1,341 @@
+"""
+L{serve}: the spawn contract of protocol.md sections 2 and 9.
+
+Reads C{RHAPSODE_WORKER_LISTEN}, C{RHAPSODE_WORKER_ENGINE} and
+C{RHAPSODE_WORKER_CONTRACT}, negotiates the contract, binds, prints the one handshake
+line on stdout and from then on sends anything written to C{sys.stdout} to the log.
+Logs are JSON lines on stderr.  SIGTERM and C{POST /terminate} drain and exit 0.  A
+worker whose parent dies exits, so nothing orphaned holds memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, Mapping, NoReturn
+
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall, react
+from twisted.logger import (
+    FilteringLogObserver,
+    ILogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    Logger,
+    formatEvent,
+    globalLogBeginner,
+)
+from twisted.protocols.policies import WrappingFactory
+from twisted.python.threadpool import ThreadPool
+from zope.interface import provider
+
+from ._encode import available_formats, find_ffmpeg
+from ._engine import IEngine
+from ._model import ModelState
+from ._schedule import Scheduler
+from ._server import WorkerApp
+from .contract import CONTRACT_VERSIONS
+
+BACKLOG = 2048
+_EXIT_REFUSED = 3
+_EXIT_MISCONFIGURED = 2
+_PARENT_POLL_SECONDS = 1.0
+
+log = Logger(namespace="rhapsode_worker")
+
+
+class SpawnError(Exception):
+    """
+    The environment does not describe a worker this SDK can be.
+    """
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """
+    What the core said at spawn, parsed.
+    """
+
+    listen: str
+    engine: str
+    contract: int
+    voice_dir: Path
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], engine: IEngine) -> "Spawn":
+        listen = environ.get("RHAPSODE_WORKER_LISTEN", "tcp:127.0.0.1:0")
+        if not (listen.startswith("unix:") or listen.startswith("tcp:")):
+            raise SpawnError(f"RHAPSODE_WORKER_LISTEN must be unix:PATH or tcp:HOST:PORT, not {listen!r}")
+        name = environ.get("RHAPSODE_WORKER_ENGINE") or engine.id
+        raw = environ.get("RHAPSODE_WORKER_CONTRACT", str(max(CONTRACT_VERSIONS)))
+        try:
+            offer = int(raw)
+        except ValueError:
+            raise SpawnError(f"RHAPSODE_WORKER_CONTRACT must be an integer, not {raw!r}") from None
+        chosen = negotiate(offer)
+        default_dir = Path(
+            environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        ) / "rhapsode" / "voices" / name
+        voice_dir = Path(environ.get("RHAPSODE_WORKER_VOICE_DIR") or default_dir)
+        return cls(listen=listen, engine=name, contract=chosen, voice_dir=voice_dir)
+
+
+class ContractRefused(SpawnError):
+    pass
+
+
+def negotiate(offer: int) -> int:
+    """
+    The highest contract this SDK speaks that is not above the core's offer.
+
+    @raise ContractRefused: naming both numbers, when the offer is below all of them.
+    """
+    usable = [c for c in CONTRACT_VERSIONS if c <= offer]
+    if not usable:
+        raise ContractRefused(
+            f"the core offers contract {offer}; this worker speaks contract "
+            f"{min(CONTRACT_VERSIONS)} at the lowest"
+        )
+    return max(usable)
+
+
+def _json_observer(stream: IO[str], engine: str) -> ILogObserver:
+    @provider(ILogObserver)
+    def observe(event: Mapping[str, Any]) -> None:
+        level = event.get("log_level", LogLevel.info)
+        record: dict[str, Any] = {
+            "time": datetime.fromtimestamp(event.get("log_time", 0), timezone.utc).isoformat(),
+            "level": level.name,
+            "engine": engine,
+            "namespace": event.get("log_namespace", ""),
+            "message": formatEvent(dict(event)),
+        }
+        failure = event.get("log_failure")
+        if failure is not None:
+            record["traceback"] = failure.getTraceback()
+        try:
+            stream.write(json.dumps(record, default=str) + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    return observe
+
+
+class _StdoutToLog(io.TextIOBase):
+    """
+    What C{sys.stdout} becomes after the handshake: each line an info log event.
+    """
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._log = Logger(namespace="stdout")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            self._log.info("{line}", line=line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            line, self._pending = self._pending, ""
+            self._log.info("{line}", line=line)
+
+
+class _LoggingBridge(logging.Handler):
+    """
+    Route the standard library's logging (which engine libraries use) into ours.
+    """
+
+    _levels = {
+        logging.DEBUG: LogLevel.debug,
+        logging.INFO: LogLevel.info,
+        logging.WARNING: LogLevel.warn,
+        logging.ERROR: LogLevel.error,
+        logging.CRITICAL: LogLevel.critical,
+    }
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = self._levels.get(record.levelno, LogLevel.info)
+        Logger(namespace=record.name).emit(level, "{message}", message=record.getMessage())
+
+
+class _Connections(WrappingFactory):
+    """
+    The site, wrapped so a drain can close every connection gracefully: a response
+    written but still in a send buffer is flushed, not cut off by the process exiting.
+    """
+
+    def __init__(self, wrapped: Any) -> None:
+        super().__init__(wrapped)
+        self._empty: list[Deferred[None]] = []
+
+    def unregisterProtocol(self, p: Any) -> None:
+        super().unregisterProtocol(p)
+        if not self.protocols:
+            waiters, self._empty = self._empty, []
+            for d in waiters:
+                d.callback(None)
+
+    def close_all(self) -> "Deferred[None]":
+        d: Deferred[None] = Deferred()
+        if not self.protocols:
+            d.callback(None)
+            return d
+        self._empty.append(d)
+        for protocol in list(self.protocols):
+            protocol.transport.loseConnection()
+        return d
+
+
+def _die_with_parent() -> None:
+    # Linux only: the kernel sends SIGTERM (a drain) when the spawning process dies.
+    # The poll in _watch_parent covers other systems and a parent that died first.
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _listen(reactor: Any, listen: str, site: Any) -> "Deferred[Any]":
+    from twisted.internet.endpoints import (
+        TCP4ServerEndpoint,
+        TCP6ServerEndpoint,
+        UNIXServerEndpoint,
+    )
+
+    if listen.startswith("unix:"):
+        path = Path(listen[len("unix:"):])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_socket():
+            path.unlink()  # a stale socket from a worker that died; binding would fail
+        return UNIXServerEndpoint(reactor, str(path), backlog=BACKLOG, mode=0o600).listen(site)
+    host, _, port = listen[len("tcp:"):].rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        raise SpawnError(f"RHAPSODE_WORKER_LISTEN has no port: {listen!r}") from None
+    endpoint_type = TCP6ServerEndpoint if ":" in host else TCP4ServerEndpoint
+    return endpoint_type(reactor, number, backlog=BACKLOG, interface=host).listen(site)
+
+
+def _bound(listen: str, port: Any) -> str:
+    if listen.startswith("unix:"):
+        return listen
+    address = port.getHost()
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    return f"tcp:{host}:{address.port}"
+
+
+async def _run(reactor: Any, engine: IEngine, spawn: Spawn) -> None:
+    engine.voice_dir = spawn.voice_dir
+    pool = ThreadPool(minthreads=0, maxthreads=max(1, engine.concurrency), name="synthesis")
+    pool.start()
+    reactor.addSystemEventTrigger("during", "shutdown", pool.stop)
+    model = ModelState(engine, reactor, pool)
+    scheduler = Scheduler(reactor, pool, model, engine.concurrency)
+    ffmpeg = find_ffmpeg()
+    stopped: Deferred[None] = Deferred()
+    worker: WorkerApp
+
+    def drain() -> None:
+        if worker.draining:
+            return
+        worker.draining = True
+        log.info("draining: {n} request(s) in flight", n=worker.in_flight)
+
+        async def finish() -> None:
+            await worker.when_idle()
+            await scheduler.when_idle()
+            await port.stopListening()
+            await connections.close_all()
+            log.info("drained; exiting")
+            stopped.callback(None)
+
+        Deferred.fromCoroutine(finish())
+
+    worker = WorkerApp(
+        engine,
+        reactor=reactor,
+        scheduler=scheduler,
+        model=model,
+        formats=available_formats(ffmpeg),
+        ffmpeg=ffmpeg,
+        contract_version=spawn.contract,
+        on_terminate=drain,
+    )
+    connections = _Connections(worker.site())
+    port = await _listen(reactor, spawn.listen, connections)
+    handshake = {
+        "ready": True,
+        "contract": spawn.contract,
+        "engine": spawn.engine,
+        "listen": _bound(spawn.listen, port),
+    }
+    real_stdout = sys.__stdout__
+    assert real_stdout is not None
+    real_stdout.write(json.dumps(handshake) + "\n")
+    real_stdout.flush()
+    # From here stdout is the log: a print in an adapter, or a C library writing to fd 1,
+    # can no longer corrupt the handshake channel.
+    os.dup2(2, 1)
+    sys.stdout = _StdoutToLog()
+    # After the reactor's own handlers (installed as it starts), so SIGTERM drains
+    # rather than stopping the reactor under requests in flight.
+    reactor.callWhenRunning(
+        signal.signal, signal.SIGTERM, lambda *_: reactor.callFromThread(drain)
+    )
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        if os.getppid() != parent:
+            log.warn("parent process {pid} is gone; exiting", pid=parent)
+            os._exit(1)
+
+    LoopingCall(watch_parent).start(_PARENT_POLL_SECONDS, now=False)
+    log.info(
+        "serving {engine} on {listen} (contract {contract}, formats {formats})",
+        engine=spawn.engine,
+        listen=handshake["listen"],
+        contract=spawn.contract,
+        formats=",".join(worker.formats),
+    )
+    await stopped
+
+
+def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn:
+    """
+    Serve C{engine} under the spawn contract until drained; never returns.
+    """
+    environ = os.environ if environ is None else environ
+    name = environ.get("RHAPSODE_WORKER_ENGINE") or getattr(engine, "id", "")
+    level = LogLevel.levelWithName(environ.get("RHAPSODE_WORKER_LOG_LEVEL", "info"))
+    observer = FilteringLogObserver(
+        _json_observer(sys.stderr, name), [LogLevelFilterPredicate(defaultLogLevel=level)]
+    )
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+    logging.basicConfig(level=logging.INFO, handlers=[_LoggingBridge()], force=True)
+    try:
+        spawn = Spawn.from_environ(environ, engine)
+    except SpawnError as error:
+        log.critical("{error}", error=str(error))
+        sys.exit(_EXIT_REFUSED if isinstance(error, ContractRefused) else _EXIT_MISCONFIGURED)
+    _die_with_parent()
+    react(lambda reactor: Deferred.fromCoroutine(_run(reactor, engine, spawn)))

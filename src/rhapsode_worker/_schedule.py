@@ -1,0 +1,278 @@
+"""
+Who synthesises next (protocol.md section 8, "Serialises requests").
+
+One model runs C{concurrency} generations at a time (1 by default).  Requests take turns
+a segment at a time, round robin, so a second caller's first audio waits for one segment
+of the first caller's text rather than all of it.  Model operations (load, unload) are
+exclusive: they wait for every running generation, abandoned ones included, to end, and
+nothing starts while they run.
+
+A job is an C{IPushProducer}: its consumer pauses it when the client reads slowly, and a
+paused job is simply not given its next turn, so at most one segment of audio per
+request waits in memory and a slow reader never holds the model from the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Iterator
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+from zope.interface import implementer
+
+from ._model import ModelState
+
+Step = Callable[[], Iterator[bytes]]
+
+# PCM crosses from the synthesis thread to the reactor in batches: one hop per small
+# chunk costs more than the audio is worth.  The first chunk of a step goes at once,
+# so batching never delays first audio.
+_BATCH_BYTES = 64 * 1024
+_BATCH_SECONDS = 0.1
+
+
+@implementer(IPushProducer)
+class Job:
+    """
+    One request's synthesis: a variant and the steps (segments) that make its audio.
+
+    C{on_pcm} is called on the reactor thread with each batch of PCM, in order, with
+    C{on_step} called before every step after the first (where the joint goes).
+    C{done} fires when every step has run, or fails with the step's exception, or with
+    L{CancelledError} once a stopped job's running step has returned.
+    """
+
+    def __init__(
+        self,
+        variant: str,
+        steps: list[Step],
+        on_pcm: Callable[[bytes], None],
+        on_step: Callable[[int], None] = lambda index: None,
+    ) -> None:
+        self.variant = variant
+        self._steps: deque[Step] = deque(steps)
+        self._index = 0
+        self.on_pcm = on_pcm
+        self.on_step = on_step
+        self.paused = False
+        self.cancelled = False
+        self.done: Deferred[None] = Deferred()
+        self._scheduler: Scheduler | None = None
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        if self._scheduler is not None:
+            self._scheduler._wake(self)
+
+    def stopProducing(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """
+        Stop at the next chunk.  A running step is abandoned but still waited for.
+        """
+        if self.cancelled or self.done.called:
+            return
+        self.cancelled = True
+        if self._scheduler is not None:
+            self._scheduler._wake(self)
+
+    def _finish(self, result: None | Failure) -> None:
+        if not self.done.called:
+            self.done.callback(None) if result is None else self.done.errback(result)
+
+
+class _Exclusive:
+    def __init__(self, operation: Callable[[], "Deferred[Any]"]) -> None:
+        self.operation = operation
+        self.done: Deferred[Any] = Deferred()
+
+
+class Scheduler:
+    """
+    Round-robin turns over a thread pool of C{concurrency} threads.
+    """
+
+    def __init__(
+        self, reactor: Any, pool: ThreadPool, model: ModelState, concurrency: int = 1
+    ) -> None:
+        self._reactor = reactor
+        self._pool = pool
+        self._model = model
+        self._concurrency = max(1, concurrency)
+        self._queue: deque[Job | _Exclusive] = deque()
+        self._parked: set[Job] = set()
+        self._running = 0
+        self._exclusive = False
+        self._idle_waiters: list[Deferred[None]] = []
+
+    @property
+    def busy(self) -> bool:
+        """
+        Whether anything runs, waits, or is parked behind a slow reader.
+        """
+        return bool(self._running or self._exclusive or self._queue or self._parked)
+
+    @property
+    def synthesising(self) -> int:
+        return self._running
+
+    def submit(self, job: Job) -> "Deferred[None]":
+        job._scheduler = self
+        self._queue.append(job)
+        self._pump()
+        return job.done
+
+    def exclusive(self, operation: Callable[[], "Deferred[Any]"]) -> "Deferred[Any]":
+        """
+        Run C{operation} once nothing else runs, and before anything queued after it.
+        """
+        item = _Exclusive(operation)
+        self._queue.append(item)
+        self._pump()
+        return item.done
+
+    def when_idle(self) -> "Deferred[None]":
+        d: Deferred[None] = Deferred()
+        if self.busy:
+            self._idle_waiters.append(d)
+        else:
+            d.callback(None)
+        return d
+
+    def _wake(self, job: Job) -> None:
+        if job in self._parked:
+            self._parked.discard(job)
+            self._queue.append(job)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._queue and not self._exclusive:
+            item = self._queue[0]
+            if isinstance(item, Job):
+                if item.cancelled:
+                    self._queue.popleft()
+                    item._finish(Failure(CancelledError()))
+                    continue
+                if item.paused:
+                    self._queue.popleft()
+                    self._parked.add(item)
+                    continue
+                if not self._model.resident(item.variant):
+                    # The load is this job's turn; it runs alone, then the job goes first.
+                    if self._running:
+                        break
+                    self._queue.popleft()
+                    self._run_exclusive(lambda: _deferred(self._model.ensure(item.variant)), item)
+                    break
+                if self._running >= self._concurrency:
+                    break
+                self._queue.popleft()
+                self._run_step(item)
+            else:
+                if self._running:
+                    break
+                self._queue.popleft()
+                self._run_exclusive(item.operation, item)
+        self._notify_idle()
+
+    def _run_exclusive(
+        self, operation: Callable[[], "Deferred[Any]"], item: Job | _Exclusive
+    ) -> None:
+        self._exclusive = True
+
+        def finished(result: Any) -> None:
+            self._exclusive = False
+            if isinstance(item, Job):
+                if isinstance(result, Failure):
+                    item._finish(result)
+                else:
+                    self._queue.appendleft(item)
+            elif isinstance(result, Failure):
+                item.done.errback(result)
+            else:
+                item.done.callback(result)
+            self._pump()
+
+        d = _deferred_call(operation)
+        d.addBoth(finished)
+
+    def _run_step(self, job: Job) -> None:
+        step = job._steps.popleft()
+        index = job._index
+        job._index += 1
+        if index:
+            job.on_step(index)
+        self._running += 1
+        d = deferToThreadPool(self._reactor, self._pool, self._drain_step, job, step)
+
+        def finished(result: Any) -> None:
+            self._running -= 1
+            if isinstance(result, Failure):
+                job._finish(result)
+            elif job.cancelled:
+                job._finish(Failure(CancelledError()))
+            elif not job._steps:
+                job._finish(None)
+            elif job.paused:
+                self._parked.add(job)
+            else:
+                self._queue.append(job)
+            self._pump()
+
+        d.addBoth(finished)
+
+    def _drain_step(self, job: Job, step: Step) -> None:
+        """
+        On a synthesis thread: run one step, handing PCM to the reactor in batches.
+        """
+        deliver = self._reactor.callFromThread
+        generator = step()
+        batch: list[bytes] = []
+        size = 0
+        last = 0.0
+        try:
+            for chunk in generator:
+                if job.cancelled:
+                    return
+                if not chunk:
+                    continue
+                batch.append(chunk)
+                size += len(chunk)
+                now = time.monotonic()
+                if size >= _BATCH_BYTES or now - last >= _BATCH_SECONDS:
+                    deliver(job.on_pcm, b"".join(batch))
+                    batch, size, last = [], 0, now
+            if batch and not job.cancelled:
+                deliver(job.on_pcm, b"".join(batch))
+        finally:
+            close = getattr(generator, "close", None)
+            if close is not None:
+                close()
+
+    def _notify_idle(self) -> None:
+        if self._idle_waiters and not self.busy:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for d in waiters:
+                d.callback(None)
+
+
+def _deferred(coroutine: Any) -> "Deferred[Any]":
+    return Deferred.fromCoroutine(coroutine)
+
+
+def _deferred_call(operation: Callable[[], "Deferred[Any]"]) -> "Deferred[Any]":
+    try:
+        return operation()
+    except BaseException:
+        from twisted.internet.defer import fail
+
+        return fail()

@@ -1,0 +1,789 @@
+"""
+The worker's HTTP face (protocol.md sections 1, 3, 4, 6, 7): the engine-scoped routes,
+validation before an adapter sees anything, and audio that streams with backpressure.
+
+Everything here runs on the reactor thread and never blocks: adapter calls go to the
+scheduler's synthesis pool (model work) or the reactor's thread pool (voice files).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from email.message import Message
+from email.parser import BytesParser
+from email.policy import HTTP
+from pathlib import PurePath
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from klein import Klein
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.iweb import IRequest
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+from . import _memory, contract
+from ._blend import parse_blend
+from ._encode import content_type, make_encoder
+from ._engine import (
+    ALL_DELIVERIES,
+    DialogueRequest,
+    IEngine,
+    Reference,
+    SpeakRequest,
+    Turn,
+    Variant,
+    Voice,
+    overrides,
+)
+from ._errors import (
+    BadRequest,
+    Overloaded,
+    SpeechError,
+    Unsupported,
+    UnknownVoice,
+    as_speech_error,
+)
+from ._model import ModelState
+from ._schedule import Job, Scheduler
+from ._split import split_text
+from ._vocab import clean_text
+
+#: A body above this is refused before it is read: a voice upload's cap (protocol.md
+#: section 7), and the most any route reads.
+MAX_UPLOAD_BYTES = 25 * 1000 * 1000
+#: A JSON body: a speak request is at most a few kilobytes.
+MAX_JSON_BYTES = 1024 * 1024
+
+DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
+PREVIEW_TEXT = "This is how I sound when I read a sentence aloud."
+
+
+def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
+    """
+    One entry of C{variants}: what the build performs, with clone, blend and dialogue
+    derived from what the adapter overrides.
+    """
+    clones = overrides(engine, "create_voice") and variant.clones and bool(engine.reference_formats)
+    cloning: dict[str, Any] = {"supported": clones}
+    if clones:
+        cloning["formats"] = list(engine.reference_formats)
+        if variant.reference_seconds is not None:
+            cloning["referenceSeconds"] = list(variant.reference_seconds)
+    segmentation: dict[str, Any] = {"supported": engine.segment_characters is not None}
+    if engine.segment_characters is not None:
+        segmentation["segmentCharacters"] = engine.segment_characters
+        if engine.first_segment_characters:
+            segmentation["firstSegmentCharacters"] = engine.first_segment_characters
+        segmentation["jointSilenceMs"] = engine.joint_silence_ms
+    doc: dict[str, Any] = {
+        "cues": list(variant.cues),
+        "deliveries": list(variant.deliveries),
+        "dials": {
+            name: {"min": d.min, "max": d.max, "default": d.default}
+            for name, d in variant.dials.items()  # type: ignore[union-attr]
+        },
+        "languages": list(variant.languages),
+        "maxCharacters": variant.max_characters or engine.max_characters,
+        "segmentation": segmentation,
+        "cloning": cloning,
+        "blending": {"supported": overrides(engine, "blend_voice") and variant.blends},
+        "streaming": {"supported": True, "granularity": "chunk"},
+        "seeding": {"reproducible": variant.seed_reproducible},
+    }
+    if overrides(engine, "dialogue") and variant.max_speakers >= 1:
+        doc["dialogue"] = {"maxSpeakers": variant.max_speakers}
+    return doc
+
+
+def _json(request: IRequest, status: int, body: Any) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", b"application/json")
+    return json.dumps(body).encode("utf-8")
+
+
+def _error(request: IRequest, error: SpeechError) -> bytes:
+    return _json(request, error.status, error.envelope())
+
+
+def _abort(request: IRequest) -> None:
+    """
+    End a response whose headers have gone without finishing it: the client sees a
+    truncated body, never a clean short one.
+    """
+    transport = getattr(getattr(request, "channel", None), "transport", None)
+    if transport is None:
+        return
+    abort = getattr(transport, "abortConnection", None)
+    (abort or transport.loseConnection)()
+
+
+class _ListSink:
+    """
+    The consumer of a buffered (C{stream: false}) response: it keeps what it is given.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        pass
+
+    def unregisterProducer(self) -> None:
+        pass
+
+
+class _AudioResponse:
+    """
+    PCM in, encoded audio out to one HTTP response.
+
+    Headers wait for the first audio: until then every failure is still an ordinary
+    error envelope.  Streamed responses are chunked and end with the duration as a
+    trailer; buffered ones carry Content-Length and the duration header.
+    """
+
+    def __init__(
+        self, worker: "WorkerApp", request: IRequest, fmt: str, stream: bool, job_producer: Job
+    ) -> None:
+        self._worker = worker
+        self._request = request
+        self._fmt = fmt
+        self._stream = stream
+        self._job = job_producer
+        self._sink: Any = request if stream else _ListSink()
+        self._encoder: Any = None
+        self.pcm_bytes = 0
+
+    @property
+    def headers_sent(self) -> bool:
+        return bool(getattr(self._request, "startedWriting", False))
+
+    def pcm(self, data: bytes) -> None:
+        if self._encoder is None:
+            self._start()
+        self.pcm_bytes += len(data)
+        self._encoder.write(data)
+
+    def silence(self, milliseconds: int) -> None:
+        native = self._worker.engine.native_format
+        frames = native.sample_rate * milliseconds // 1000
+        if frames and self._encoder is not None:
+            self.pcm(bytes(frames * native.bytes_per_frame))
+
+    def _start(self) -> None:
+        native = self._worker.engine.native_format
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", content_type(self._fmt, native).encode("ascii"))
+        if self._stream:
+            request.setHeader(b"Trailer", DURATION_HEADER)
+        self._encoder = make_encoder(
+            self._fmt,
+            native,
+            self._sink,
+            reactor=self._worker.reactor,
+            ffmpeg=self._worker.ffmpeg,
+            streaming=self._stream,
+        )
+        self._encoder.registerProducer(self._job, True)
+
+    def abort(self) -> None:
+        if self._encoder is not None:
+            self._encoder.abort()
+
+    async def finish(self) -> bytes | None:
+        """
+        Flush the encoder and complete the response; returns the buffered body to write.
+        """
+        if self._encoder is None:
+            raise SpeechError("the engine produced no audio")
+        self._encoder.unregisterProducer()
+        await self._encoder.finish()
+        native = self._worker.engine.native_format
+        duration = native.duration_ms(self.pcm_bytes)
+        request = self._request
+        if getattr(request, "producer", None) is not None:
+            request.unregisterProducer()
+        if self._stream:
+            if not self.headers_sent:
+                request.write(b"")
+            if getattr(request, "chunked", False):
+                # twisted.web has no trailer API: end the chunked body ourselves.
+                request.chunked = 0
+                request.channel.write(b"0\r\n%s: %d\r\n\r\n" % (DURATION_HEADER, duration))
+            return None
+        body = b"".join(self._encoder.finalize(self._sink.chunks))
+        request.setHeader(b"Content-Length", b"%d" % len(body))
+        request.setHeader(DURATION_HEADER, b"%d" % duration)
+        return body
+
+
+class _BoundedRequest(server.Request):
+    """
+    Refuses an oversized body as soon as its length is known, before reading it.
+    """
+
+    _refused = False
+    _received = 0
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > MAX_UPLOAD_BYTES:
+            self._refuse()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._received += len(data)
+        if self._received > MAX_UPLOAD_BYTES:
+            self._refuse()
+            return
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if not self._refused:
+            super().requestReceived(command, path, version)
+
+    def _refuse(self) -> None:
+        self._refused = True
+        error = BadRequest(f"body is over {MAX_UPLOAD_BYTES} bytes", field="body")
+        body = json.dumps(error.envelope()).encode()
+        self.channel.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.channel.transport.loseConnection()
+
+
+def _parse_multipart(content_type_header: bytes, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """
+    Form fields by name: (filename or None, bytes).  Runs off the reactor thread.
+    """
+    message = BytesParser(policy=HTTP).parsebytes(
+        b"MIME-Version: 1.0\r\nContent-Type: " + content_type_header + b"\r\n\r\n" + body
+    )
+    if not message.is_multipart():
+        raise BadRequest("body is not multipart/form-data", field="body")
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    part: Message
+    for part in message.iter_parts():  # type: ignore[attr-defined]
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            continue
+        if name in fields:
+            raise BadRequest(f'field "{name}" given twice', field=name)
+        payload = part.get_payload(decode=True)
+        fields[name] = (part.get_filename(), payload if isinstance(payload, bytes) else b"")
+    return fields
+
+
+class WorkerApp:
+    """
+    The routes of one worker, serving one engine.
+    """
+
+    app = Klein()
+    log = Logger()
+
+    def __init__(
+        self,
+        engine: IEngine,
+        *,
+        reactor: Any,
+        scheduler: Scheduler,
+        model: ModelState,
+        formats: Sequence[str],
+        ffmpeg: str | None,
+        contract_version: int,
+        on_terminate: Callable[[], None],
+    ) -> None:
+        self.engine = engine
+        self.reactor = reactor
+        self.scheduler = scheduler
+        self.model = model
+        self.formats = tuple(formats)
+        self.ffmpeg = ffmpeg
+        self.contract_version = contract_version
+        self._on_terminate = on_terminate
+        self.variants: Mapping[str, Variant] = dict(engine.variants())
+        if engine.default_variant not in self.variants:
+            raise ValueError(f"default variant {engine.default_variant!r} is not in variants()")
+        self.draining = False
+        self.in_flight = 0
+        self._idle: list[Deferred[None]] = []
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def site(self) -> server.Site:
+        site = server.Site(self.app.resource(), parsePOSTFormSubmission=False)
+        site.requestFactory = _BoundedRequest
+        site.displayTracebacks = False
+        return site
+
+    def when_idle(self) -> "Deferred[None]":
+        d: Deferred[None] = Deferred()
+        if self.in_flight:
+            self._idle.append(d)
+        else:
+            d.callback(None)
+        return d
+
+    def _enter(self) -> None:
+        if self.draining:
+            raise Overloaded("the worker is draining and takes no new requests")
+        self.in_flight += 1
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            waiters, self._idle = self._idle, []
+            for d in waiters:
+                d.callback(None)
+
+    async def _guarded(self, request: IRequest, handler: Callable[[], Any]) -> Any:
+        """
+        Count the request in flight, refuse it while draining, and map failures that
+        happen before any header onto the taxonomy.
+        """
+        try:
+            self._enter()
+        except SpeechError as error:
+            return _error(request, error)
+        try:
+            return await handler()
+        except CancelledError:
+            raise
+        except Exception as exc:
+            error = as_speech_error(exc)
+            if error.code == "internal":
+                self.log.failure("request failed", Failure(exc))
+            if getattr(request, "startedWriting", False):
+                _abort(request)
+                return None
+            return _error(request, error)
+        finally:
+            self._leave()
+
+    @app.handle_errors(NotFound, MethodNotAllowed)
+    def _no_route(self, request: IRequest, failure: Failure) -> bytes:
+        method = request.method.decode("ascii", "replace")
+        path = request.path.decode("utf-8", "replace")
+        return _error(request, BadRequest(f"no route {method} {path}", field="path"))
+
+    def _body(self, request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
+        request.content.seek(0)
+        raw = request.content.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise BadRequest(f"body is over {MAX_JSON_BYTES} bytes", field="body")
+        # No body is an empty object: POST /load with nothing loads the default.
+        return contract.parse_json_body(raw if raw.strip() else b"{}", schema)
+
+    # -- state ----------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "process": "up",
+            "model": self.model.state,
+            "engine": self.engine.id,
+            "contract": self.contract_version,
+            "device": _memory.device_label(),
+            "draining": self.draining,
+        }
+        if self.model.variant is not None:
+            doc["variant"] = self.model.variant
+        if self.model.model_bytes:
+            doc["modelBytes"] = self.model.model_bytes
+        vram = _memory.vram_in_use()
+        if vram:
+            doc["vramBytes"] = vram
+        return doc
+
+    def capabilities(self) -> dict[str, Any]:
+        engine = self.engine
+        license = engine.license
+        native = engine.native_format
+        native_doc = {
+            "encoding": native.encoding,
+            "sampleRate": native.sample_rate,
+            "channels": native.channels,
+        }
+        engine_doc: dict[str, Any] = {
+            "id": engine.id,
+            "displayName": engine.display_name,
+            "adapterVersion": engine.adapter_version,
+        }
+        if engine.upstream_version:
+            engine_doc["upstreamVersion"] = engine.upstream_version
+        variants = {name: variant_capabilities(engine, v) for name, v in self.variants.items()}
+        doc: dict[str, Any] = {
+            "contract": self.contract_version,
+            "engine": engine_doc,
+            "license": {
+                "code": license.code,
+                "weights": license.weights,
+                "weightsCommercialUse": license.weights_commercial_use,
+                "notes": license.notes,
+            },
+            "device": _memory.device_info(),
+            "defaultVariant": engine.default_variant,
+            "variants": variants,
+            "formats": list(self.formats),
+            "nativeFormat": native_doc,
+        }
+        if self.model.state == "loaded" and self.model.variant in variants:
+            current = dict(variants[self.model.variant])
+            current["variant"] = self.model.variant
+            current["nativeFormat"] = native_doc
+            doc["current"] = current
+        return doc
+
+    @app.route("/health", methods=["GET"])
+    def _health(self, request: IRequest) -> bytes:
+        return _json(request, 200, self.health())
+
+    @app.route("/capabilities", methods=["GET"])
+    def _capabilities(self, request: IRequest) -> bytes:
+        return _json(request, 200, self.capabilities())
+
+    # -- model verbs ------------------------------------------------------------------
+
+    def _variant(self, name: str | None) -> str:
+        """
+        The effective variant: the request's, else the resident one, else the default.
+        """
+        if name is None:
+            if self.model.state == "loaded" and self.model.variant is not None:
+                return self.model.variant
+            return self.engine.default_variant
+        if name not in self.variants:
+            known = ", ".join(sorted(self.variants))
+            raise BadRequest(f'unknown variant "{name}" (this worker has {known})', field="variant")
+        return name
+
+    @app.route("/load", methods=["POST"])
+    async def _load(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            body = self._body(request, contract.LOAD_REQUEST)
+            variant = self._variant(body.get("variant") or self.engine.default_variant)
+            await self.scheduler.exclusive(lambda: Deferred.fromCoroutine(self.model.ensure(variant)))
+            return _json(request, 200, self.health())
+
+        return await self._guarded(request, handle)
+
+    @app.route("/unload", methods=["POST"])
+    async def _unload(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            await self.scheduler.exclusive(lambda: Deferred.fromCoroutine(self.model.unload()))
+            return _json(request, 200, self.health())
+
+        return await self._guarded(request, handle)
+
+    @app.route("/terminate", methods=["POST"])
+    def _terminate(self, request: IRequest) -> bytes:
+        # Answer first, then drain: the caller learns the verb landed either way.
+        self.reactor.callLater(0, self._on_terminate)
+        return _json(request, 202, {"terminating": True})
+
+    @app.route("/fetch", methods=["POST"])
+    async def _fetch(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            body = self._body(request, contract.FETCH_REQUEST)
+            variant = self._variant(body.get("variant") or self.engine.default_variant)
+            if not overrides(self.engine, "fetch"):
+                raise Unsupported("this engine has nothing to fetch", field="variant")
+            await deferToThread(self.engine.fetch, variant)
+            return _json(request, 200, {"variant": variant, "fetched": True})
+
+        return await self._guarded(request, handle)
+
+    # -- voices -------------------------------------------------------------------------
+
+    def _voice_doc(self, voice: Voice) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "id": voice.id,
+            "label": voice.label,
+            "spec": voice.spec,
+            "tags": list(voice.tags),
+            "previewUrl": f"/voices/{voice.id}/preview",
+            "builtin": voice.builtin,
+        }
+        if voice.description:
+            doc["description"] = voice.description
+        return doc
+
+    async def _voices_by_id(self) -> dict[str, Voice]:
+        voices = await deferToThread(self.engine.voices)
+        return {v.id: v for v in voices}
+
+    async def _check_voice(self, voice_id: str, field: str) -> None:
+        contract.check_voice_id(voice_id, field)
+        if voice_id not in await self._voices_by_id():
+            raise UnknownVoice(f'no voice "{voice_id}"', field=field)
+
+    @app.route("/voices", methods=["GET"])
+    async def _voices(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            voices = await deferToThread(self.engine.voices)
+            return _json(request, 200, [self._voice_doc(v) for v in voices])
+
+        return await self._guarded(request, handle)
+
+    @app.route("/voices", methods=["POST"])
+    async def _create_voice(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            ctype = request.getHeader(b"content-type") or b""
+            if not ctype.lower().startswith(b"multipart/form-data"):
+                raise BadRequest("a voice is created from multipart/form-data", field="body")
+            request.content.seek(0)
+            fields = await deferToThread(_parse_multipart, ctype, request.content.read())
+            unknown = sorted(set(fields) - {"id", "label", "reference", "blend", "transcript"})
+            if unknown:
+                raise BadRequest(f'unknown field "{unknown[0]}"', field=unknown[0])
+            if "id" not in fields:
+                raise BadRequest('"id" is required', field="id")
+            voice_id = contract.check_voice_id(fields["id"][1].decode("utf-8", "replace"), "id")
+            label = fields["label"][1].decode("utf-8", "replace") if "label" in fields else voice_id
+            if ("reference" in fields) == ("blend" in fields):
+                raise BadRequest("give exactly one of reference or blend", field="reference")
+            if "blend" in fields:
+                voice = await self._blend(voice_id, label, fields["blend"][1].decode("utf-8", "replace"))
+            else:
+                filename, data = fields["reference"]
+                transcript = fields["transcript"][1].decode("utf-8", "replace") if "transcript" in fields else None
+                voice = await self._clone(voice_id, label, filename, data, transcript)
+            return _json(request, 200, self._voice_doc(voice))
+
+        return await self._guarded(request, handle)
+
+    async def _blend(self, voice_id: str, label: str, recipe: str) -> Voice:
+        if not overrides(self.engine, "blend_voice"):
+            raise Unsupported("this engine does not blend voices", field="blend")
+        components = parse_blend(recipe)
+        known = await self._voices_by_id()
+        for name, _ in components:
+            if name not in known:
+                raise UnknownVoice(f'no voice "{name}" to blend', field="blend")
+        return await deferToThread(self.engine.blend_voice, voice_id, label, components)
+
+    async def _clone(
+        self, voice_id: str, label: str, filename: str | None, data: bytes, transcript: str | None
+    ) -> Voice:
+        if not overrides(self.engine, "create_voice"):
+            raise Unsupported("this engine does not make voices from a reference", field="reference")
+        extension = PurePath(filename or "").suffix.lower().lstrip(".")
+        formats = [f.lower() for f in self.engine.reference_formats]
+        if extension not in formats:
+            named = extension or "a file with no type"
+            raise Unsupported(
+                f"reference {named} is not one of {', '.join(formats)}", field="reference"
+            )
+        if not data:
+            raise BadRequest("reference is empty", field="reference")
+        reference = Reference(filename=filename or "", extension=extension, data=data, transcript=transcript)
+        return await deferToThread(self.engine.create_voice, voice_id, label, reference)
+
+    @app.route("/voices/<string:voice_id>", methods=["DELETE"])
+    async def _delete_voice(self, request: IRequest, voice_id: str) -> Any:
+        async def handle() -> bytes:
+            await self._check_voice(voice_id, "id")
+            await deferToThread(self.engine.delete_voice, voice_id)
+            return _json(request, 200, {"deleted": voice_id})
+
+        return await self._guarded(request, handle)
+
+    @app.route("/voices/<string:voice_id>/preview", methods=["GET"])
+    async def _preview(self, request: IRequest, voice_id: str) -> Any:
+        async def handle() -> Any:
+            await self._check_voice(voice_id, "id")
+            variant = self._variant(None)
+            v = self.variants[variant]
+            speak = SpeakRequest(
+                text=PREVIEW_TEXT,
+                variant=variant,
+                voice=voice_id,
+                language=v.languages[0],
+                params={n: d.default for n, d in v.dials.items()},  # type: ignore[union-attr]
+            )
+            return await self._respond(request, variant, self._segments(speak), "wav", False)
+
+        return await self._guarded(request, handle)
+
+    # -- speaking -------------------------------------------------------------------------
+
+    def _common(self, body: Mapping[str, Any], variant: str) -> tuple[str, str, dict[str, float]]:
+        """
+        Check what /speak and /dialogue share: format, language and dials.
+        """
+        v = self.variants[variant]
+        fmt = body.get("format", "wav")
+        if fmt not in self.formats:
+            raise Unsupported(
+                f'format "{fmt}" is not produced here (formats: {", ".join(self.formats)})',
+                field="format",
+            )
+        language = body.get("language", v.languages[0])
+        if language not in v.languages:
+            raise Unsupported(
+                f'language "{language}" is not spoken by variant "{variant}" '
+                f'({", ".join(v.languages)})',
+                field="language",
+            )
+        params: dict[str, float] = {}
+        given = body.get("params", {})
+        for key in given:
+            if key not in v.dials:
+                dials = ", ".join(v.dials) or "none"
+                raise BadRequest(
+                    f'variant "{variant}" has no dial "{key}" (dials: {dials})', field=f"params.{key}"
+                )
+        for name, dial in v.dials.items():
+            value = given.get(name, dial.default)  # type: ignore[union-attr]
+            if not (math.isfinite(value) and dial.min <= value <= dial.max):  # type: ignore[union-attr]
+                raise BadRequest(
+                    f'"params.{name}" must be within [{dial.min}, {dial.max}]',  # type: ignore[union-attr]
+                    field=f"params.{name}",
+                )
+            params[name] = float(value)
+        return fmt, language, params
+
+    def _clean(self, text: str, variant: Variant) -> str:
+        return clean_text(text, variant.cues, self.engine.private_tag_patterns)
+
+    def _ceiling(self, variant: str) -> int:
+        return self.variants[variant].max_characters or self.engine.max_characters
+
+    def _segments(self, request: SpeakRequest) -> list[Callable[[], Iterator[bytes]]]:
+        engine = self.engine
+        pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
+        count = len(pieces)
+        return [
+            (lambda r=replace(request, text=piece, segment_index=i, segment_count=count): engine.speak(r))
+            for i, piece in enumerate(pieces)
+        ]
+
+    @app.route("/speak", methods=["POST"])
+    async def _speak(self, request: IRequest) -> Any:
+        async def handle() -> Any:
+            body = self._body(request, contract.SPEAK_REQUEST)
+            variant = self._variant(body.get("variant"))
+            v = self.variants[variant]
+            fmt, language, params = self._common(body, variant)
+            delivery = body.get("delivery")
+            if delivery is not None and delivery not in v.deliveries:
+                claimed = ", ".join(v.deliveries) or "none"
+                raise Unsupported(
+                    f'variant "{variant}" does not perform delivery "{delivery}" (claims: {claimed})',
+                    field="delivery",
+                )
+            text = self._clean(body["text"], v)
+            if not text:
+                raise BadRequest("text has nothing to speak once unclaimed tags are removed", field="text")
+            ceiling = self._ceiling(variant)
+            if len(text) > ceiling:
+                raise BadRequest(f"text is {len(text)} characters; the most is {ceiling}", field="text")
+            voice = body.get("voice")
+            if voice is not None:
+                await self._check_voice(voice, "voice")
+            speak = SpeakRequest(
+                text=text,
+                variant=variant,
+                voice=voice,
+                language=language,
+                delivery=delivery,
+                params=params,
+                seed=body.get("seed"),
+            )
+            return await self._respond(
+                request, variant, self._segments(speak), fmt, body.get("stream", True)
+            )
+
+        return await self._guarded(request, handle)
+
+    @app.route("/dialogue", methods=["POST"])
+    async def _dialogue(self, request: IRequest) -> Any:
+        async def handle() -> Any:
+            body = self._body(request, contract.DIALOGUE_REQUEST)
+            variant = self._variant(body.get("variant"))
+            v = self.variants[variant]
+            if not (overrides(self.engine, "dialogue") and v.max_speakers >= 1):
+                raise Unsupported(f'variant "{variant}" does not perform dialogue', field="turns")
+            fmt, language, params = self._common(body, variant)
+            turns = []
+            for i, turn in enumerate(body["turns"]):
+                text = self._clean(turn["text"], v)
+                if not text:
+                    raise BadRequest(f"turn {i} has nothing to speak", field=f"turns[{i}].text")
+                turns.append(Turn(speaker=turn["speaker"], text=text))
+            speakers = {t.speaker for t in turns}
+            if len(speakers) > v.max_speakers:
+                raise Unsupported(
+                    f"{len(speakers)} speakers; variant \"{variant}\" performs at most {v.max_speakers}",
+                    field="turns",
+                )
+            voices: dict[str, str] = body.get("voices", {})
+            for label, voice_id in voices.items():
+                if label not in speakers:
+                    raise BadRequest(f'no turn has speaker "{label}"', field=f"voices.{label}")
+                await self._check_voice(voice_id, f"voices.{label}")
+            total = sum(len(t.text) for t in turns)
+            ceiling = self._ceiling(variant)
+            if total > ceiling:
+                raise BadRequest(f"turns total {total} characters; the most is {ceiling}", field="turns")
+            dialogue = DialogueRequest(
+                turns=tuple(turns),
+                variant=variant,
+                voices=voices,
+                language=language,
+                params=params,
+                seed=body.get("seed"),
+            )
+            engine = self.engine
+            return await self._respond(
+                request, variant, [lambda: engine.dialogue(dialogue)], fmt, body.get("stream", True)
+            )
+
+        return await self._guarded(request, handle)
+
+    async def _respond(
+        self,
+        request: IRequest,
+        variant: str,
+        steps: list[Callable[[], Iterator[bytes]]],
+        fmt: str,
+        stream: bool,
+    ) -> Any:
+        """
+        Schedule the synthesis and write its audio, aborting on a failure after headers.
+        """
+        # Taken now: a Deferred asked for after the connection is lost never fires.
+        finished = request.notifyFinish()
+        joint = self.engine.joint_silence_ms
+        output: _AudioResponse
+        job = Job(variant, steps, on_pcm=lambda pcm: output.pcm(pcm), on_step=lambda _: output.silence(joint))
+        output = _AudioResponse(self, request, fmt, stream, job)
+
+        def gone(failure: Failure) -> None:
+            job.cancel()
+            output.abort()
+
+        finished.addErrback(gone)
+        try:
+            await self.scheduler.submit(job)
+            return await output.finish()
+        except BaseException:
+            job.cancel()
+            output.abort()
+            if output.headers_sent:
+                _abort(request)
+                # Let the connection loss land before Klein looks at the request again.
+                await finished
+                return None
+            raise

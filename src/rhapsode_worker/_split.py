@@ -1,0 +1,188 @@
+"""
+The shared long-text splitter: where a request's text is broken into segments, one generation each.
+
+protocol.md section 8 ("Long text, and who splits it") fixes the algorithm and leaves the
+size to the adapter: split into sentences, a sentence over the limit into clauses, a
+clause still over it into words, then pack the pieces back greedily so that a run of short
+sentences is one generation.  A word longer than the limit stays whole, because a model
+reading two halves of a word is worse than one long generation.
+
+Boundaries, in brief:
+  - Latin-style terminators (. ! ? ... and their Unicode kin) end a sentence only when
+    followed by whitespace and a word that does not start with a lower-case letter, and a
+    single "." not after a known abbreviation or an upper-case initial (J. R. R., U.S.).
+    So "Wait... what?" is one sentence, "Wait... What?" two, and decimals, thousands,
+    URLs and e-mail addresses, having no whitespace after their dots, are never cut.
+  - CJK, Devanagari, Arabic, Armenian, Ethiopic and similar marks end a sentence with or
+    without whitespace after them.  A blank line always does.
+  - Closing quotes and brackets stay with the sentence or clause they close, also when
+    set apart by a space as French sets its guillemets.
+  - Clause marks: , ; : and their Arabic forms and the en dash before whitespace; an
+    ellipsis or ?/! that did not end a sentence; the em dash and CJK 、，；： anywhere.
+
+Pure Python and free of state: the same text and limits always give the same pieces.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import chain
+from typing import Iterable, Iterator
+
+#: Marks that only ever close, and then the straight quotes, which close or open.
+_SHUTTERS = "\u201d\u2019\u00bb\u203a)\\]}\u300d\u300f\uff09\u3011\u3015\u3009\u300b"
+_CLOSERS = _SHUTTERS + "\"'"
+_OPENERS = (
+    "\"'\u201c\u2018\u201e\u00ab\u2039([{\u00bf\u00a1\u300c\u300e\uff08\u3010\u3014\u3008\u300a"
+)
+
+#: A blank line, possibly holding spaces, or the Unicode paragraph separator.
+_PARAGRAPH = re.compile(r"\n[^\S\n]*\n|\u2029")
+
+#: Sentence marks of scripts that need no space after them: CJK (with fullwidth forms;
+#: a fullwidth full stop before a digit is a decimal point), Devanagari dandas, Arabic
+#: and Urdu, Armenian, Ethiopic, Myanmar, Khmer.
+_SCRIPT_END = re.compile(
+    "(?:[\u3002\uff01\uff1f\uff61\u0964\u0965\u061f\u06d4\u0589\u1362\u1367\u1368"
+    "\u104b\u17d4]|\uff0e(?!\\d))+[" + _CLOSERS + "]*"
+)
+
+#: A word with any quotes or brackets that close it standing apart, as French spaces them.
+_TOKEN = re.compile(r"\S+(?:\s+[" + _CLOSERS + r"]+(?!\S))*")
+
+#: The end of such a token when it may end a Latin-style sentence.
+_TERMINAL = re.compile(r"(?P<marks>[.!?\u2026\u203c\u2047\u2048\u2049]+)[\s" + _CLOSERS + "]*$")
+
+#: Clause marks; the first group must be followed by whitespace so that 1,000, 12:30,
+#: 1990-2000 ranges and URLs stay whole, the second splits wherever it stands, and there a
+#: straight quote is as likely to open the next clause as to close this one.
+_CLAUSE = re.compile(
+    r"(?:[,;:\u060c\u061b\u2013]|\.{2,}|\u2026|[!?]+)(?:\s*[" + _CLOSERS + r"])*(?=\s)"
+    "|[\u2014\u2015\u3001\uff0c\uff1b\uff1a\uff64\ufe50\ufe51\ufe54\ufe55][" + _SHUTTERS + "]*"
+)
+
+_WORD = re.compile(r"\S+")
+
+#: Upper-case initials, alone or run together with dots: J, U.S, A.B.C.
+_INITIALS = re.compile(r"(?:[^\W\d_]\.)*[^\W\d_]")
+
+#: Abbreviations matched in any case: titles, Latin, references, units of time.
+_ABBREVIATIONS = frozenset(
+    """mr mrs ms mx dr prof st jr sr rev hon gen col capt lt sgt mt ave blvd vs etc
+    e.g i.e a.m p.m approx ca cf al fig figs p pp ed eds esp incl dept est viz
+    z.b d.h usw bzw sra srta mme mlle""".split()
+)
+
+#: Abbreviations that are also ordinary words in lower case ("no", "mar"), matched exactly.
+_ABBREVIATIONS_EXACT = frozenset(
+    "No Nos Vol Vols Art Ch Sec Eq Ref Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec".split()
+)
+
+Span = tuple[int, int]
+
+
+def split_text(text: str, limit: int | None, first_limit: int | None = None) -> list[str]:
+    """
+    Split text where a reader would pause, packing pieces greedily up to C{limit} characters.
+
+    @param limit: the most characters one piece may hold, unless it is a single word;
+        L{None} means the adapter declared no size and gets the whole text as one piece.
+    @param first_limit: when smaller than C{limit}, the limit for the first piece only, so
+        that first audio leaves sooner on slow engines.
+    @return: the pieces in order, each stripped and non-empty.  Pieces that were separated
+        by whitespace in C{text} are joined by one space when packed, and ones that were
+        not (CJK sentences) are joined directly.
+    @raise ValueError: if a limit is given that is less than one.
+    """
+    if limit is None:
+        whole = text.strip()
+        return [whole] if whole else []
+    if limit < 1 or (first_limit is not None and first_limit < 1):
+        raise ValueError(f"limits must be at least 1, not {limit!r} and {first_limit!r}")
+    first = limit if first_limit is None else min(first_limit, limit)
+
+    pieces: list[str] = []
+    parts: list[str] = []
+    size = 0
+    last_end = 0
+    for sentence in _sentences(text):
+        for start, end in _refine(text, sentence, limit if pieces else first):
+            atom = text[start:end]
+            joint = " " if parts and start > last_end else ""
+            if parts and size + len(joint) + len(atom) > (limit if pieces else first):
+                pieces.append("".join(parts))
+                parts, size, joint = [], 0, ""
+            parts.append(joint + atom)
+            size += len(joint) + len(atom)
+            last_end = end
+    if parts:
+        pieces.append("".join(parts))
+    return pieces
+
+
+def _refine(text: str, sentence: Span, cap: int) -> Iterator[Span]:
+    """
+    The sentence whole if it fits in C{cap}, otherwise its clauses, and the words of any
+    clause that still does not fit.
+    """
+    start, end = sentence
+    if end - start <= cap:
+        yield sentence
+        return
+    clauses = (m.end() for m in _CLAUSE.finditer(text, start, end))
+    for c_start, c_end in _spans(text, start, end, clauses):
+        if c_end - c_start <= cap:
+            yield c_start, c_end
+        else:
+            yield from (m.span() for m in _WORD.finditer(text, c_start, c_end))
+
+
+def _sentences(text: str) -> Iterator[Span]:
+    """
+    Sentence spans of C{text}, stripped and in order: paragraphs, then the marks that need
+    no space, then Latin-style terminators.
+    """
+    paragraphs = (m.end() for m in _PARAGRAPH.finditer(text))
+    for p_start, p_end in _spans(text, 0, len(text), paragraphs):
+        marks = (m.end() for m in _SCRIPT_END.finditer(text, p_start, p_end))
+        for s_start, s_end in _spans(text, p_start, p_end, marks):
+            tokens = list(_TOKEN.finditer(text, s_start, s_end))
+            cuts = (
+                token.end()
+                for token, following in zip(tokens, tokens[1:])
+                if _ends_sentence(token.group(), following.group())
+            )
+            yield from _spans(text, s_start, s_end, cuts)
+
+
+def _ends_sentence(token: str, following: str) -> bool:
+    """
+    Whether a sentence ends after C{token}, given the whitespace-delimited C{following} one.
+    """
+    match = _TERMINAL.search(token)
+    if match is None:
+        return False
+    start = following.lstrip(_OPENERS)[:1]
+    if start.islower():
+        return False
+    if match.group("marks") != ".":
+        return True
+    word = token[: match.start()].lstrip(_OPENERS)
+    if word in _ABBREVIATIONS_EXACT or word.lower() in _ABBREVIATIONS:
+        return False
+    return not (_INITIALS.fullmatch(word) and word.isupper())
+
+
+def _spans(text: str, start: int, end: int, cuts: Iterable[int]) -> Iterator[Span]:
+    """
+    The stripped, non-empty spans of C{text[start:end]} between ascending cut offsets.
+    """
+    for cut in chain(cuts, (end,)):
+        left, right = start, cut
+        while left < right and text[left].isspace():
+            left += 1
+        while right > left and text[right - 1].isspace():
+            right -= 1
+        if left < right:
+            yield left, right
+        start = cut

@@ -1,0 +1,284 @@
+"""
+Spawning real worker processes for tests, and talking HTTP to them over Unix sockets:
+through treq (streaming, as the core will) and through raw blocking sockets (to see the
+bytes on the wire: chunking, trailers, aborts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treq.client import HTTPClient
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import UNIXClientEndpoint
+from twisted.internet.protocol import ProcessProtocol
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IAgentEndpointFactory
+from zope.interface import implementer
+
+STARTUP_TIMEOUT = 20.0
+
+
+class WorkerProtocol(ProcessProtocol):
+    """
+    Reads the handshake line from stdout and keeps stderr (JSON log lines).
+    """
+
+    def __init__(self) -> None:
+        self.ready: Deferred[dict[str, Any]] = Deferred()
+        self.ended: Deferred[int | None] = Deferred()
+        self.stdout = b""
+        self.stderr = b""
+        self.exit_code: int | None = None
+        self.signal: int | None = None
+
+    def outReceived(self, data: bytes) -> None:
+        self.stdout += data
+        if not self.ready.called and b"\n" in self.stdout:
+            line = self.stdout.split(b"\n", 1)[0]
+            self.ready.callback(json.loads(line))
+
+    def errReceived(self, data: bytes) -> None:
+        self.stderr += data
+
+    def processEnded(self, reason: Any) -> None:
+        self.exit_code = getattr(reason.value, "exitCode", None)
+        self.signal = getattr(reason.value, "signal", None)
+        if not self.ready.called:
+            self.ready.errback(RuntimeError(f"worker exited before its handshake: {self.stderr.decode()}"))
+        self.ended.callback(self.exit_code)
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.stderr.decode().splitlines() if line.startswith("{")]
+
+
+@implementer(IAgentEndpointFactory)
+class UnixEndpoints:
+    def __init__(self, reactor: Any, path: str) -> None:
+        self.reactor = reactor
+        self.path = path
+
+    def endpointForURI(self, uri: Any) -> UNIXClientEndpoint:
+        return UNIXClientEndpoint(self.reactor, self.path)
+
+
+@dataclass
+class Worker:
+    """
+    A running worker process and clients for it.
+    """
+
+    reactor: Any
+    protocol: WorkerProtocol
+    transport: Any
+    socket_path: str
+    handshake: dict[str, Any]
+    pid: int = field(init=False)
+    pool: HTTPConnectionPool = field(init=False)
+    http: HTTPClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pid = int(self.transport.pid)
+        self.pool = HTTPConnectionPool(self.reactor, persistent=True)
+        agent = Agent.usingEndpointFactory(self.reactor, UnixEndpoints(self.reactor, self.socket_path), pool=self.pool)
+        self.http = HTTPClient(agent)
+
+
+    def url(self, path: str) -> str:
+        return "http://worker" + path
+
+    async def json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        kwargs: dict[str, Any] = {}
+        if body is not None:
+            kwargs["json"] = body
+        response = await self.http.request(method, self.url(path), **kwargs)
+        return response.code, json.loads(await response.content())
+
+    async def stop(self) -> None:
+        await self.pool.closeCachedConnections()
+        if self.protocol.exit_code is None and self.protocol.signal is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, TypeError):
+                pass
+            await self.protocol.ended
+
+
+def start_process(
+    reactor: Any,
+    tmp: Path,
+    module: str = "rhapsode_engine_tone",
+    extra_env: dict[str, str] | None = None,
+    engine: str = "tone",
+    contract: str = "1",
+) -> tuple[WorkerProtocol, Any, str]:
+    """
+    Spawn a worker under the spawn contract on a Unix socket in C{tmp}.
+    """
+    socket_path = str(tmp / f"{engine}.sock")
+    env = dict(os.environ)
+    env.update(
+        {
+            "RHAPSODE_WORKER_LISTEN": f"unix:{socket_path}",
+            "RHAPSODE_WORKER_ENGINE": engine,
+            "RHAPSODE_WORKER_CONTRACT": contract,
+            "RHAPSODE_WORKER_VOICE_DIR": str(tmp / "voices"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra_env or {})
+    protocol = WorkerProtocol()
+    transport = reactor.spawnProcess(protocol, sys.executable, [sys.executable, "-m", module], env=env)
+    return protocol, transport, socket_path
+
+
+async def spawn_worker(reactor: Any, tmp: Path, **kwargs: Any) -> Worker:
+    """
+    Spawn a worker and wait for its handshake.
+    """
+    protocol, transport, socket_path = start_process(reactor, tmp, **kwargs)
+    timeout = reactor.callLater(STARTUP_TIMEOUT, transport.signalProcess, "KILL")
+    try:
+        handshake = await protocol.ready
+    finally:
+        if timeout.active():
+            timeout.cancel()
+    return Worker(reactor, protocol, transport, socket_path, handshake)
+
+
+# -- raw HTTP over a Unix socket, for what treq hides -------------------------------------
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    chunks: list[bytes]
+    trailers: dict[str, str]
+    complete: bool
+    arrivals: list[float]
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def raw_request(
+    path: str,
+    method: str,
+    target: str,
+    body: bytes = b"",
+    content_type: str = "application/json",
+    read_delay: float = 0.0,
+    recv_size: int = 65536,
+    stop_after: int | None = None,
+) -> RawResponse:
+    """
+    Blocking: send one HTTP/1.1 request and parse the response by hand, chunk by chunk.
+
+    C{read_delay} sleeps between reads (a slow reader); C{stop_after} hangs up after that
+    many body bytes.  C{complete} is whether the body ended properly (the last chunk or
+    Content-Length reached) rather than by the connection dropping.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(recv_size, 4096))
+    sock.connect(path)
+    head = (
+        f"{method} {target} HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body)
+    buffer = b""
+    arrivals: list[float] = []
+
+    def more() -> bool:
+        nonlocal buffer
+        if read_delay:
+            time.sleep(read_delay)
+        try:
+            data = sock.recv(recv_size)
+        except ConnectionResetError:
+            return False
+        if data:
+            arrivals.append(time.monotonic())
+        buffer += data
+        return bool(data)
+
+    try:
+        while b"\r\n\r\n" not in buffer:
+            if not more():
+                raise ConnectionError("connection closed before headers")
+        raw_head, buffer = buffer.split(b"\r\n\r\n", 1)
+        lines = raw_head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        chunks: list[bytes] = []
+        trailers: dict[str, str] = {}
+        complete = False
+        received = 0
+        if headers.get("transfer-encoding") == "chunked":
+            while True:
+                while b"\r\n" not in buffer:
+                    if not more():
+                        return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                size_line, buffer = buffer.split(b"\r\n", 1)
+                size = int(size_line.split(b";")[0], 16)
+                if size == 0:
+                    while b"\r\n\r\n" not in b"\r\n" + buffer:
+                        if not more():
+                            return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                    block = (b"\r\n" + buffer).split(b"\r\n\r\n", 1)[0]
+                    for line in block.decode("latin-1").split("\r\n"):
+                        if ":" in line:
+                            k, v = line.split(":", 1)
+                            trailers[k.strip().lower()] = v.strip()
+                    complete = True
+                    break
+                while len(buffer) < size + 2:
+                    if not more():
+                        return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                chunks.append(buffer[:size])
+                received += size
+                buffer = buffer[size + 2:]
+                if stop_after is not None and received >= stop_after:
+                    return RawResponse(status, headers, chunks, trailers, False, arrivals)
+        else:
+            length = int(headers.get("content-length", "-1"))
+            while length < 0 or len(buffer) < length:
+                if not more():
+                    break
+            chunks.append(buffer if length < 0 else buffer[:length])
+            complete = length >= 0 and len(buffer) >= length
+        return RawResponse(status, headers, chunks, trailers, complete, arrivals)
+    finally:
+        sock.close()
+
+
+def deferred_raw(*args: Any, **kwargs: Any) -> "Deferred[RawResponse]":
+    from twisted.internet.threads import deferToThread
+
+    return deferToThread(raw_request, *args, **kwargs)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); read its state.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+__all__ = ["Worker", "WorkerProtocol", "start_process", "spawn_worker", "raw_request", "deferred_raw", "process_alive"]

@@ -1,0 +1,62 @@
+"""
+A test adapter with knobs for the failures a real engine has: it prints to stdout,
+speaks slowly, fails mid-stream, and fails loads.  Run as C{python -m chatty_engine}
+with this folder on PYTHONPATH; the knobs are environment variables.
+
+Its audio is a square wave so that it is audible and has a known length: one segment of
+text speaks for C{CHATTY_SEGMENT_MS}, taking C{CHATTY_SECONDS_PER_SEGMENT} to make.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, serve
+
+
+class ChattyEngine(Engine):
+    id = "chatty"
+    display_name = "Chatty"
+    license = License(code="MIT", notes="test adapter")
+    native_format = NativeFormat(sample_rate=16000)
+    default_variant = "only"
+    segment_characters = 40
+
+    def __init__(self) -> None:
+        self.fail_loads = int(os.environ.get("CHATTY_FAIL_LOADS", "0"))
+        self.seconds = float(os.environ.get("CHATTY_SECONDS_PER_SEGMENT", "0"))
+        self.segment_ms = int(os.environ.get("CHATTY_SEGMENT_MS", "500"))
+        self.loaded: str | None = None
+
+    def variants(self) -> dict[str, Variant]:
+        return {"only": Variant(languages=("en",))}
+
+    def load(self, variant: str) -> None:
+        print(f"chatty loading {variant}")
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise RuntimeError("CUDA out of memory (pretend)")
+        self.loaded = variant
+
+    def unload(self) -> None:
+        self.loaded = None
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        assert self.loaded, "speak before load"
+        if "explode" in request.text and request.segment_index > 0:
+            raise RuntimeError("the engine fell over mid-stream")
+        frames = 16000 * self.segment_ms // 1000
+        period = b"\xff\x3f" * 20 + b"\x01\xc0" * 20
+        pcm = (period * (frames // 40 + 1))[: frames * 2]
+        pieces = 10
+        step = len(pcm) // pieces
+        for i in range(pieces):
+            if self.seconds:
+                time.sleep(self.seconds / pieces)
+            yield pcm[i * step : (i + 1) * step if i < pieces - 1 else len(pcm)]
+
+
+if __name__ == "__main__":
+    serve(ChattyEngine())

@@ -1,0 +1,471 @@
+"""
+Unit tests for the SDK's audio encoding (rhapsode_worker._encode): headers, content types, the
+format probe, passthrough backpressure, and the ffmpeg encoder's lifecycle against a fake
+process reactor.  No real process runs here.
+"""
+
+from __future__ import annotations
+
+import io
+import stat
+import struct
+import wave
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import imageio_ffmpeg
+import pytest
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
+from twisted.internet.interfaces import (
+    IConsumer,
+    IProcessProtocol,
+    IProcessTransport,
+    IProducer,
+    IPushProducer,
+    IReactorProcess,
+)
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
+
+from rhapsode_worker._encode import (
+    FORMATS,
+    EncoderFailed,
+    EncodingAborted,
+    available_formats,
+    content_type,
+    find_ffmpeg,
+    make_encoder,
+    wav_header,
+)
+from rhapsode_worker._engine import NativeFormat
+from rhapsode_worker._errors import Unsupported
+
+MONO_24K = NativeFormat(sample_rate=24000, channels=1)
+STEREO_22K = NativeFormat(sample_rate=22050, channels=2)
+
+
+@implementer(IProcessTransport, IConsumer)
+class FakeProcess:
+    """
+    A process transport that records what the encoder asks of it.
+    """
+
+    def __init__(self) -> None:
+        self.pid: int | None = 4242
+        self.stdin = b""
+        self.calls: list[str] = []
+        self.producer: IProducer | None = None
+
+    def write(self, data: bytes) -> None:
+        self.stdin += data
+
+    def writeSequence(self, seq: Sequence[bytes]) -> None:
+        self.stdin += b"".join(seq)
+
+    def writeToChild(self, childFD: int, data: bytes) -> None:
+        raise NotImplementedError
+
+    def closeStdin(self) -> None:
+        self.calls.append("closeStdin")
+
+    def closeStdout(self) -> None:
+        self.calls.append("closeStdout")
+
+    def closeStderr(self) -> None:
+        self.calls.append("closeStderr")
+
+    def closeChildFD(self, descriptor: int) -> None:
+        self.calls.append(f"closeChildFD {descriptor}")
+
+    def loseConnection(self) -> None:
+        self.calls.append("loseConnection")
+
+    def signalProcess(self, signalID: str | int) -> None:
+        if self.pid is None:
+            raise ProcessExitedAlready()
+        self.calls.append(f"signal {signalID}")
+
+    def getPeer(self) -> Any:
+        raise NotImplementedError
+
+    def getHost(self) -> Any:
+        raise NotImplementedError
+
+    def registerProducer(self, producer: IProducer, streaming: bool) -> None:
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
+    def pauseProducing(self) -> None:
+        self.calls.append("pause")
+
+    def resumeProducing(self) -> None:
+        self.calls.append("resume")
+
+
+@implementer(IReactorProcess)
+class FakeProcessReactor:
+    """
+    Spawns L{FakeProcess}es and keeps each with its protocol and argv.
+    """
+
+    def __init__(self) -> None:
+        self.spawned: list[tuple[IProcessProtocol, list[str], FakeProcess]] = []
+
+    def spawnProcess(
+        self,
+        processProtocol: IProcessProtocol,
+        executable: bytes | str,
+        args: Sequence[bytes | str],
+        env: Mapping[Any, Any] | None = None,
+        path: None | bytes | str = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        usePTY: bool = False,
+        childFDs: Mapping[int, int | str] | None = None,
+    ) -> IProcessTransport:
+        process = FakeProcess()
+        processProtocol.makeConnection(process)
+        self.spawned.append((processProtocol, [str(a) for a in args], process))
+        return process
+
+
+@implementer(IPushProducer)
+class RecordingProducer:
+    """
+    A PCM source that records the producer calls it receives.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def pauseProducing(self) -> None:
+        self.calls.append("pause")
+
+    def resumeProducing(self) -> None:
+        self.calls.append("resume")
+
+    def stopProducing(self) -> None:
+        self.calls.append("stop")
+
+
+def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming: bool = True) -> Any:
+    """
+    An ffmpeg encoder on a fake reactor, with its sink, protocol and fake process.
+    """
+    reactor = FakeProcessReactor()
+    sink = StringTransport()
+    encoder = make_encoder(fmt, native, sink, reactor=reactor, ffmpeg="/opt/ff", streaming=streaming)
+    [(protocol, argv, process)] = reactor.spawned
+    return encoder, sink, protocol, argv, process
+
+
+def failure_of(deferred: Deferred[Any]) -> Failure:
+    """
+    The failure a Deferred has already fired with, consumed so it is not logged as unhandled.
+    """
+    failures: list[Failure] = []
+    deferred.addErrback(failures.append)
+    assert failures, f"{deferred!r} has not failed"
+    return failures[0]
+
+
+def test_fakes_provide_their_interfaces() -> None:
+    """The fake process and reactor provide the interfaces they stand in for."""
+    verifyObject(IProcessTransport, FakeProcess())
+    verifyObject(IReactorProcess, FakeProcessReactor())
+    verifyObject(IPushProducer, RecordingProducer())
+
+
+def test_wav_header_known_size_parses() -> None:
+    """A header for a known size states the format and the frame count the stdlib reads back."""
+    data = bytes(range(256)) * 40  # 10240 bytes: 2560 stereo frames
+    header = wav_header(STEREO_22K, len(data))
+    assert len(header) == 44
+    with wave.open(io.BytesIO(header + data)) as parsed:
+        assert parsed.getnchannels() == 2
+        assert parsed.getsampwidth() == 2
+        assert parsed.getframerate() == 22050
+        assert parsed.getnframes() == 2560
+        assert parsed.readframes(2560) == data
+    assert struct.unpack_from("<I", header, 4)[0] == 36 + len(data)
+    assert struct.unpack_from("<I", header, 28)[0] == 22050 * 4
+    too_big = wav_header(STEREO_22K, 2**32)
+    assert struct.unpack_from("<I", too_big, 4) == struct.unpack_from("<I", too_big, 40) == (
+        0xFFFFFFFF,)
+
+
+def test_wav_header_stream_marks_sizes_unknown() -> None:
+    """A header for a stream of unknown length has 0xFFFFFFFF as both the RIFF and data size."""
+    header = wav_header(MONO_24K, None)
+    assert len(header) == 44
+    assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and header[36:40] == b"data"
+    assert struct.unpack_from("<I", header, 4)[0] == 0xFFFFFFFF
+    assert struct.unpack_from("<I", header, 40)[0] == 0xFFFFFFFF
+
+
+def test_content_types() -> None:
+    """Each format has the Content-Type the contract names; pcm carries rate and channels."""
+    assert content_type("wav", MONO_24K) == "audio/wav"
+    assert content_type("mp3", MONO_24K) == "audio/mpeg"
+    assert content_type("opus", MONO_24K) == "audio/opus"
+    assert content_type("flac", MONO_24K) == "audio/flac"
+    assert content_type("pcm", STEREO_22K) == "audio/L16; rate=22050; channels=2"
+    with pytest.raises(ValueError):
+        content_type("aac", MONO_24K)
+
+
+def test_wav_streams_header_then_pcm_and_finalize_fixes_sizes() -> None:
+    """WAV writes an unknown-size header before the first PCM; finalize gives exact sizes even
+    when the collected chunks split and merge the header arbitrarily."""
+    sink = StringTransport()
+    encoder = make_encoder("wav", MONO_24K, sink, reactor=FakeProcessReactor(), ffmpeg=None,
+                           streaming=False)
+    assert sink.value() == b""
+    pcm = b"".join(struct.pack("<h", i) for i in range(-300, 300))
+    encoder.write(pcm[:7])  # an odd write passes through as-is
+    encoder.write(pcm[7:])
+    done = encoder.finish()
+    assert done.called and done.result is None
+    assert sink.value() == wav_header(MONO_24K, None) + pcm
+    assert encoder.pcm_bytes == len(pcm)
+    body = sink.value()
+    regrouped = [body[i:i + 10] for i in range(0, len(body), 10)]
+    fixed = b"".join(encoder.finalize(regrouped))
+    with wave.open(io.BytesIO(fixed)) as parsed:
+        assert parsed.getnframes() == 600
+        assert parsed.readframes(600) == pcm
+    assert struct.unpack_from("<I", fixed, 4)[0] == 36 + len(pcm)
+
+
+def test_wav_without_pcm_still_has_a_header() -> None:
+    """A WAV that receives no PCM still gets its header, and finalize makes it a valid empty file."""
+    sink = StringTransport()
+    encoder = make_encoder("wav", MONO_24K, sink, reactor=FakeProcessReactor(), ffmpeg=None,
+                           streaming=False)
+    encoder.finish()
+    with wave.open(io.BytesIO(b"".join(encoder.finalize([sink.value()])))) as parsed:
+        assert parsed.getnframes() == 0
+    with pytest.raises(ValueError):
+        encoder.finalize([b"RIFF"])
+
+
+def test_pcm_passes_through_and_finalize_is_identity() -> None:
+    """pcm writes exactly what it receives, counts it, and leaves collected chunks alone."""
+    sink = StringTransport()
+    encoder = make_encoder("pcm", MONO_24K, sink, reactor=FakeProcessReactor(), ffmpeg=None,
+                           streaming=True)
+    encoder.write(b"\x01\x02\x03")
+    encoder.write(b"\x04")
+    assert sink.value() == b"\x01\x02\x03\x04"
+    assert encoder.pcm_bytes == 4
+    assert encoder.finalize([b"a", b"b"]) == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm"])
+def test_passthrough_backpressure_reaches_the_source(fmt: str) -> None:
+    """A passthrough encoder makes the PCM source the sink's producer: when the sink pauses and
+    resumes its producer, the source is paused and resumed."""
+    sink = StringTransport()
+    source = StringTransport()
+    encoder = make_encoder(fmt, MONO_24K, sink, reactor=FakeProcessReactor(), ffmpeg=None,
+                           streaming=True)
+    encoder.registerProducer(source, True)
+    assert sink.producer is source and sink.streaming
+    sink.producer.pauseProducing()
+    assert source.producerState == "paused"
+    sink.producer.resumeProducing()
+    assert source.producerState == "producing"
+    encoder.unregisterProducer()
+    assert sink.producer is None
+
+
+def test_passthrough_abort() -> None:
+    """After abort a passthrough drops PCM and finish fails; a second abort is harmless."""
+    sink = StringTransport()
+    encoder = make_encoder("wav", MONO_24K, sink, reactor=FakeProcessReactor(), ffmpeg=None,
+                           streaming=True)
+    encoder.abort()
+    encoder.write(b"\x00\x00")
+    encoder.abort()
+    assert sink.value() == b""
+    assert encoder.pcm_bytes == 0
+    failure_of(encoder.finish()).trap(EncodingAborted)
+
+
+def fake_ffmpeg(tmp_path: Path, script: str) -> str:
+    """
+    Write an executable shell script standing in for ffmpeg and return its path.
+    """
+    path = tmp_path / "ffmpeg"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+LISTING = """\
+Encoders:
+ V..... = Video
+ A..... = Audio
+ ------
+ V....D libopus_lookalike    a video encoder that must not count
+ A....D aac                  AAC (Advanced Audio Coding)
+ A....D flac                 FLAC (Free Lossless Audio Codec)
+ A....D libmp3lame           libmp3lame MP3 (MPEG audio layer 3) (codec mp3)
+"""
+
+
+def test_available_formats_reads_the_encoder_list(tmp_path: Path) -> None:
+    """Formats follow the audio encoders the binary lists, in canonical order; the probe runs
+    once per binary path."""
+    counter = tmp_path / "runs"
+    ffmpeg = fake_ffmpeg(tmp_path, f'echo run >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n')
+    assert available_formats(ffmpeg) == ("wav", "mp3", "flac", "pcm")
+    assert available_formats(ffmpeg) == ("wav", "mp3", "flac", "pcm")
+    assert counter.read_text() == "run\n"
+
+
+def test_available_formats_without_a_working_ffmpeg(tmp_path: Path) -> None:
+    """No ffmpeg, a failing one, or a missing path leaves wav and pcm only."""
+    assert available_formats(None) == ("wav", "pcm")
+    assert available_formats(fake_ffmpeg(tmp_path, "echo broken >&2\nexit 1\n")) == ("wav", "pcm")
+    assert available_formats(str(tmp_path / "absent")) == ("wav", "pcm")
+    assert set(available_formats(None)) <= set(FORMATS)
+
+
+def test_find_ffmpeg_prefers_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ffmpeg on PATH wins; without one, the binary imageio-ffmpeg ships is used."""
+    ffmpeg = fake_ffmpeg(tmp_path, "exit 0\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_ffmpeg() == ffmpeg
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert find_ffmpeg() == imageio_ffmpeg.get_ffmpeg_exe()
+
+
+def test_make_encoder_refuses_what_it_cannot_produce() -> None:
+    """An unknown format, or an ffmpeg format without ffmpeg, is unsupported (422, field format)."""
+    for fmt in ("aac", "mp3"):
+        with pytest.raises(Unsupported) as raised:
+            make_encoder(fmt, MONO_24K, StringTransport(), reactor=FakeProcessReactor(),
+                         ffmpeg=None, streaming=True)
+        assert raised.value.field == "format"
+
+
+def test_ffmpeg_command_lines() -> None:
+    """The ffmpeg argv reads s16le from stdin at the native rate, writes the format to stdout,
+    flushes per packet only when streaming, and resamples opus input libopus cannot take."""
+    _, _, _, argv, _ = ffmpeg_encoder("opus", NativeFormat(sample_rate=22050), streaming=True)
+    split = argv.index("pipe:0") + 1
+    inputs, outputs = argv[:split], argv[split:]
+    assert inputs[0] == "/opt/ff"
+    assert inputs[-8:] == ["-f", "s16le", "-ar", "22050", "-ac", "1", "-i", "pipe:0"]
+    assert outputs == ["-c:a", "libopus", "-b:a", "32k", "-application", "voip", "-ar", "24000",
+                       "-page_duration", "20000", "-f", "ogg", "-flush_packets", "1", "pipe:1"]
+    _, _, _, argv, _ = ffmpeg_encoder("opus", MONO_24K, streaming=False)
+    assert argv[argv.index("pipe:0") + 1:] == [
+        "-c:a", "libopus", "-b:a", "32k", "-application", "voip", "-f", "ogg", "pipe:1"]
+    _, _, _, argv, _ = ffmpeg_encoder("mp3", STEREO_22K, streaming=False)
+    assert argv[argv.index("pipe:0") + 1:] == [
+        "-c:a", "libmp3lame", "-b:a", "128k", "-f", "mp3", "pipe:1"]
+    _, _, _, argv, _ = ffmpeg_encoder("flac", MONO_24K, streaming=True)
+    assert argv[argv.index("pipe:0") + 1:] == [
+        "-c:a", "flac", "-f", "flac", "-flush_packets", "1", "pipe:1"]
+
+
+def test_ffmpeg_wiring() -> None:
+    """The encoder is the sink's streaming producer and forwards its pauses to the process; PCM
+    and the PCM source go to ffmpeg's stdin."""
+    encoder, sink, _, _, process = ffmpeg_encoder()
+    assert sink.producer is encoder and sink.streaming
+    verifyObject(IPushProducer, encoder)
+    verifyObject(IConsumer, encoder)
+    source = RecordingProducer()
+    encoder.registerProducer(source, True)
+    assert process.producer is source
+    encoder.write(b"\x01\x00\x02\x00")
+    assert process.stdin == b"\x01\x00\x02\x00" and encoder.pcm_bytes == 4
+    sink.producer.pauseProducing()
+    sink.producer.resumeProducing()
+    assert process.calls == ["pause", "resume"]
+
+
+def test_ffmpeg_finish_waits_for_exit_and_output() -> None:
+    """finish unregisters the source and closes stdin, and fires only when ffmpeg has exited,
+    after its output reached the sink; the sink's producer is unregistered by then."""
+    encoder, sink, protocol, _, process = ffmpeg_encoder()
+    source = RecordingProducer()
+    encoder.registerProducer(source, True)
+    done = encoder.finish()
+    assert process.producer is None and process.calls == ["closeStdin"]
+    assert not done.called
+    protocol.childDataReceived(1, b"ID3-ish")
+    protocol.childDataReceived(1, b" frames")
+    assert not done.called
+    process.pid = None
+    protocol.processEnded(Failure(ProcessDone(0)))
+    assert done.called and done.result is None
+    assert sink.value() == b"ID3-ish frames" and sink.producer is None
+    assert source.calls == []
+    encoder.abort()
+    assert process.calls == ["closeStdin"]
+    assert encoder.finish().result is None
+
+
+def test_ffmpeg_nonzero_exit_fails_with_stderr() -> None:
+    """A non-zero exit errbacks finish with EncoderFailed carrying the tail of ffmpeg's stderr."""
+    encoder, sink, protocol, _, process = ffmpeg_encoder()
+    done = encoder.finish()
+    protocol.childDataReceived(2, b"x" * 5000)
+    protocol.childDataReceived(2, b"\nUnsupported channel layout\n")
+    process.pid = None
+    protocol.processEnded(Failure(ProcessTerminated(exitCode=234)))
+    failure = failure_of(done)
+    assert isinstance(failure.value, EncoderFailed)
+    assert "Unsupported channel layout" in failure.value.stderr
+    assert len(failure.value.stderr) <= 2000
+    assert "234" in failure.value.message
+    assert sink.producer is None
+
+
+def test_ffmpeg_abort_kills_and_ignores_later_output() -> None:
+    """abort kills ffmpeg, closes its pipes, unregisters from the sink and fails finish; output
+    and the exit arriving afterwards are ignored, and abort twice is harmless."""
+    encoder, sink, protocol, _, process = ffmpeg_encoder()
+    source = RecordingProducer()
+    encoder.registerProducer(source, True)
+    waiting = encoder.finish()
+    encoder.abort()
+    encoder.abort()
+    assert process.calls == ["closeStdin", "signal KILL", "loseConnection"]
+    assert sink.producer is None
+    failure_of(waiting).trap(EncodingAborted)
+    encoder.write(b"\x00\x00")
+    protocol.childDataReceived(1, b"late")
+    process.pid = None
+    protocol.processEnded(Failure(ProcessTerminated(signal=9)))
+    assert sink.value() == b"" and process.stdin == b""
+    failure_of(encoder.finish()).trap(EncodingAborted)
+
+
+def test_ffmpeg_abort_after_exit_without_reap() -> None:
+    """abort of a process that exited but whose pipes are still open tolerates ProcessExitedAlready."""
+    encoder, sink, _, _, process = ffmpeg_encoder()
+    process.pid = None
+    encoder.abort()
+    assert process.calls == ["loseConnection"]
+    assert sink.producer is None
+
+
+def test_sink_stop_stops_ffmpeg_and_source() -> None:
+    """When the sink stops its producer (the client went away), ffmpeg is killed and the PCM
+    source is stopped, as a passthrough sink would stop it directly."""
+    encoder, sink, _, _, process = ffmpeg_encoder()
+    source = RecordingProducer()
+    encoder.registerProducer(source, True)
+    sink.producer.stopProducing()
+    assert source.calls == ["stop"]
+    assert "signal KILL" in process.calls and process.producer is None

@@ -1,0 +1,259 @@
+"""
+The scheduler: round-robin turns a segment at a time, exclusive model operations,
+parking behind slow readers, and waiting for abandoned synthesis.
+
+The thread pool is a fake that runs a queued call only when the test says so, and the
+reactor runs C{callFromThread} at once, so every interleaving here is deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import pytest
+from twisted.internet.defer import CancelledError
+from twisted.python.failure import Failure
+
+from rhapsode_worker import Engine, Variant
+from rhapsode_worker._errors import OutOfMemory
+from rhapsode_worker._model import ModelState
+from rhapsode_worker._schedule import Job, Scheduler
+
+
+class FakePool:
+    """
+    Holds calls made "in a thread" until L{run_next} runs the oldest one.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable[..., None], Callable[..., Any], tuple[Any, ...]]] = []
+
+    def callInThreadWithCallback(
+        self, on_result: Callable[..., None], f: Callable[..., Any], *args: Any, **kw: Any
+    ) -> None:
+        self.calls.append((on_result, f, args))
+
+    def run_next(self) -> None:
+        on_result, f, args = self.calls.pop(0)
+        try:
+            result = f(*args)
+        except BaseException:
+            on_result(False, Failure())
+        else:
+            on_result(True, result)
+
+    def run_all(self) -> None:
+        while self.calls:
+            self.run_next()
+
+
+class ImmediateReactor:
+    def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
+        f(*args)
+
+
+class RecordingEngine(Engine):
+    id = "rec"
+    default_variant = "a"
+
+    def __init__(self, events: list[str], fail_loads: int = 0) -> None:
+        self.events = events
+        self.fail_loads = fail_loads
+
+    def variants(self) -> dict[str, Variant]:
+        return {"a": Variant(), "b": Variant()}
+
+    def load(self, variant: str) -> None:
+        self.events.append(f"load {variant}")
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise RuntimeError("CUDA out of memory")
+
+    def unload(self) -> None:
+        self.events.append("unload")
+
+
+def make(events: list[str], fail_loads: int = 0) -> tuple[Scheduler, FakePool, ModelState]:
+    pool = FakePool()
+    reactor = ImmediateReactor()
+    model = ModelState(RecordingEngine(events, fail_loads), reactor, pool)  # type: ignore[arg-type]
+    return Scheduler(reactor, pool, model), pool, model  # type: ignore[arg-type]
+
+
+def step(events: list[str], name: str) -> Callable[[], Iterator[bytes]]:
+    def run() -> Iterator[bytes]:
+        events.append(f"speak {name}")
+        yield name.encode()
+
+    return run
+
+
+def test_round_robin_segment_at_a_time() -> None:
+    """
+    Two waiting requests alternate segment by segment, after one load for both.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    got: list[bytes] = []
+    a = Job("a", [step(events, "a0"), step(events, "a1"), step(events, "a2")], got.append)
+    b = Job("a", [step(events, "b0"), step(events, "b1")], got.append)
+    scheduler.submit(a)
+    scheduler.submit(b)
+    pool.run_all()
+    assert events == ["load a", "speak a0", "speak b0", "speak a1", "speak b1", "speak a2"]
+    assert got == [b"a0", b"b0", b"a1", b"b1", b"a2"]
+    assert a.done.called and b.done.called
+    assert not scheduler.busy
+
+
+def test_one_generation_at_a_time_by_default() -> None:
+    """
+    With concurrency 1, a second step is not handed to the pool while one runs.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    scheduler.submit(Job("a", [step(events, "x")], lambda _: None))
+    scheduler.submit(Job("a", [step(events, "y")], lambda _: None))
+    pool.run_next()  # the load
+    assert len(pool.calls) == 1
+    pool.run_next()
+    assert len(pool.calls) == 1
+    pool.run_next()
+    assert events == ["load a", "speak x", "speak y"]
+
+
+def test_paused_job_is_parked_until_resumed() -> None:
+    """
+    A job whose reader is slow gets no turn while paused, and others go on.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    slow = Job("a", [step(events, "s0"), step(events, "s1")], lambda _: None)
+    other = Job("a", [step(events, "o0"), step(events, "o1")], lambda _: None)
+    scheduler.submit(slow)
+    scheduler.submit(other)
+    pool.run_next()  # load
+    pool.run_next()  # s0
+    slow.pauseProducing()
+    pool.run_all()
+    assert events == ["load a", "speak s0", "speak o0", "speak o1"]
+    assert not slow.done.called and scheduler.busy
+    slow.resumeProducing()
+    pool.run_all()
+    assert events[-1] == "speak s1"
+    assert slow.done.called and not scheduler.busy
+
+
+def test_switching_variant_unloads_then_loads() -> None:
+    """
+    A job for another variant waits for the running step, then swaps the model.
+    """
+    events: list[str] = []
+    scheduler, pool, model = make(events)
+    scheduler.submit(Job("a", [step(events, "a0")], lambda _: None))
+    pool.run_next()
+    scheduler.submit(Job("b", [step(events, "b0")], lambda _: None))
+    pool.run_all()
+    assert events == ["load a", "speak a0", "unload", "load b", "speak b0"]
+    assert model.resident("b")
+
+
+def test_failed_load_unloads_and_retries_once() -> None:
+    """
+    A load that fails is followed by an unload and exactly one more load.
+    """
+    events: list[str] = []
+    scheduler, pool, model = make(events, fail_loads=1)
+    job = Job("a", [step(events, "x")], lambda _: None)
+    scheduler.submit(job)
+    pool.run_all()
+    assert events == ["load a", "unload", "load a", "speak x"]
+    assert job.done.called and model.resident("a")
+
+
+def test_load_failing_twice_fails_the_job_with_oom() -> None:
+    """
+    Two failed loads fail the request, an out-of-memory mapped to C{oom}.
+    """
+    events: list[str] = []
+    scheduler, pool, model = make(events, fail_loads=2)
+    job = Job("a", [step(events, "x")], lambda _: None)
+    failures: list[Failure] = []
+    scheduler.submit(job).addErrback(failures.append)
+    pool.run_all()
+    assert events == ["load a", "unload", "load a"]
+    assert failures and failures[0].check(OutOfMemory)
+    assert model.state == "unloaded"
+
+
+def test_cancelled_job_stops_and_load_waits_for_abandoned_step() -> None:
+    """
+    A cancelled job stops at its next chunk, and an exclusive operation queued meanwhile
+    runs only after the abandoned step has returned.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    chunks: list[bytes] = []
+
+    def long_step() -> Iterator[bytes]:
+        for i in range(5):
+            events.append(f"chunk {i}")
+            if i == 1:
+                job.cancel()
+            yield b"x" * 10
+
+    job = Job("a", [long_step, step(events, "never")], chunks.append)
+    failures: list[Failure] = []
+    scheduler.submit(job).addErrback(failures.append)
+    pool.run_next()  # load
+    unloaded: list[object] = []
+    scheduler.exclusive(lambda: _unload(scheduler)).addCallback(unloaded.append)
+    assert not unloaded
+    pool.run_next()  # the step, abandoned after its second chunk
+    assert events[-1] == "chunk 1" and "speak never" not in events
+    assert failures and failures[0].check(CancelledError)
+    pool.run_all()
+    assert unloaded and events[-1] == "unload"
+
+
+def _unload(scheduler: Scheduler) -> Any:
+    from twisted.internet.defer import Deferred
+
+    return Deferred.fromCoroutine(scheduler._model.unload())
+
+
+def test_failing_step_fails_only_its_job() -> None:
+    """
+    An adapter exception fails its own request; the next request still speaks.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+
+    def broken() -> Iterator[bytes]:
+        raise ValueError("boom")
+        yield b""
+
+    bad = Job("a", [broken], lambda _: None)
+    good = Job("a", [step(events, "ok")], lambda _: None)
+    failures: list[Failure] = []
+    scheduler.submit(bad).addErrback(failures.append)
+    scheduler.submit(good)
+    pool.run_all()
+    assert failures[0].check(ValueError)
+    assert good.done.called and events[-1] == "speak ok"
+
+
+@pytest.mark.parametrize("concurrency", [2, 3])
+def test_declared_concurrency_runs_that_many(concurrency: int) -> None:
+    """
+    An adapter that declares concurrency N gets N generations in flight at once.
+    """
+    events: list[str] = []
+    pool = FakePool()
+    reactor = ImmediateReactor()
+    model = ModelState(RecordingEngine(events), reactor, pool)  # type: ignore[arg-type]
+    scheduler = Scheduler(reactor, pool, model, concurrency)  # type: ignore[arg-type]
+    for i in range(4):
+        scheduler.submit(Job("a", [step(events, str(i))], lambda _: None))
+    pool.run_next()  # load
+    assert len(pool.calls) == concurrency
