@@ -17,7 +17,9 @@ source.
 from __future__ import annotations
 
 import enum
+import os
 import shutil
+import tempfile
 import struct
 import subprocess
 from functools import lru_cache
@@ -28,6 +30,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import IConsumer, IProducer, IPushProducer, IReactorProcess
 from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.threads import deferToThread
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -373,6 +376,55 @@ class _FfmpegEncoder(Encoder):
         self._conclude(_State.DONE, Failure(failed))
 
 
+class _FfmpegFileEncoder(_FfmpegEncoder):
+    """
+    A buffered MP3: ffmpeg writes to a seekable temporary file so that it can go back and
+    fill in the LAME header, whose delay and padding let a decoder trim the encoder's
+    priming (about 46 ms at 24 kHz).  A pipe cannot be rewound, so a streamed MP3 keeps it.
+    The file is read back off the reactor thread once ffmpeg exits, and always removed.
+    """
+
+    def __init__(self, argv: list[str], path: str, sink: IConsumer, reactor: IReactorProcess) -> None:
+        self._path = path
+        super().__init__(argv + [path], sink, reactor)
+
+    def _stop(self) -> None:
+        super()._stop()
+        _discard(self._path)  # ffmpeg may still hold it open; POSIX lets it go regardless
+
+    def _ended(self, reason: Failure) -> None:
+        if self._state is _State.ABORTED or not reason.check(ProcessDone):
+            _discard(self._path)
+            super()._ended(reason)
+            return
+        self._sink.unregisterProducer()
+
+        def read_back() -> bytes:
+            try:
+                with open(self._path, "rb") as f:
+                    return f.read()
+            finally:
+                _discard(self._path)
+
+        def deliver(data: bytes) -> None:
+            if self._state is not _State.ABORTED:
+                self._sink.write(data)
+                self._conclude(_State.DONE, None)
+
+        def failed(failure: Failure) -> None:
+            if self._state is not _State.ABORTED:
+                self._conclude(_State.DONE, Failure(EncoderFailed("output unreadable", str(failure.value))))
+
+        deferToThread(read_back).addCallbacks(deliver, failed)
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _ffmpeg_argv(ffmpeg: str, fmt: str, native: NativeFormat, streaming: bool) -> list[str]:
     channels = native.channels
     argv = [
@@ -395,7 +447,7 @@ def _ffmpeg_argv(ffmpeg: str, fmt: str, native: NativeFormat, streaming: bool) -
         argv += ["-f", "flac"]
     if streaming:
         argv += ["-flush_packets", "1"]
-    return argv + ["pipe:1"]
+    return argv
 
 
 def make_encoder(
@@ -422,4 +474,9 @@ def make_encoder(
         raise Unsupported(f"no format {fmt!r}", field="format")
     if ffmpeg is None:
         raise Unsupported(f"format {fmt!r} needs ffmpeg, which this machine lacks", field="format")
-    return _FfmpegEncoder(_ffmpeg_argv(ffmpeg, fmt, native, streaming), sink, reactor)
+    argv = _ffmpeg_argv(ffmpeg, fmt, native, streaming)
+    if fmt == "mp3" and not streaming:
+        handle, path = tempfile.mkstemp(prefix="rhapsode-", suffix=".mp3")
+        os.close(handle)
+        return _FfmpegFileEncoder(argv + ["-y"], path, sink, reactor)
+    return _FfmpegEncoder(argv + ["pipe:1"], sink, reactor)

@@ -282,3 +282,42 @@ def process_alive(pid: int) -> bool:
 
 
 __all__ = ["Worker", "WorkerProtocol", "start_process", "spawn_worker", "raw_request", "deferred_raw", "process_alive"]
+
+
+def decode_pcm(data: bytes, fmt: str, rate: int) -> bytes:
+    """
+    Blocking: decode any of the five formats back to mono s16le at C{rate}, with the
+    same ffmpeg the SDK encodes with (pcm is returned as it is).
+    """
+    import subprocess
+
+    from rhapsode_worker._encode import find_ffmpeg
+
+    if fmt == "pcm":
+        return data
+    ffmpeg = find_ffmpeg()
+    assert ffmpeg is not None
+    result = subprocess.run(
+        [ffmpeg, "-hide_banner", "-loglevel", "error", "-i", "pipe:0", "-f", "s16le", "-ac", "1", "-ar", str(rate), "pipe:1"],
+        input=data,
+        capture_output=True,
+        check=True,
+    )
+    return result.stdout
+
+
+def rms(pcm: bytes) -> float:
+    from array import array
+
+    samples = array("h")
+    samples.frombytes(pcm[: len(pcm) // 2 * 2])
+    if not samples:
+        return 0.0
+    return (sum(s * s for s in samples[::7]) / len(samples[::7])) ** 0.5
+
+
+def resident_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")

@@ -6,6 +6,8 @@ process reactor.  No real process runs here.
 
 from __future__ import annotations
 
+import os
+
 import io
 import stat
 import struct
@@ -356,8 +358,9 @@ def test_make_encoder_refuses_what_it_cannot_produce() -> None:
 
 
 def test_ffmpeg_command_lines() -> None:
-    """The ffmpeg argv reads s16le from stdin at the native rate, writes the format to stdout,
-    flushes per packet only when streaming, and resamples opus input libopus cannot take."""
+    """The ffmpeg argv reads s16le from stdin at the native rate, writes the format to stdout
+    (a buffered mp3 to a seekable temporary file, so its LAME header is filled in), flushes per
+    packet only when streaming, and resamples opus input libopus cannot take."""
     _, _, _, argv, _ = ffmpeg_encoder("opus", NativeFormat(sample_rate=22050), streaming=True)
     split = argv.index("pipe:0") + 1
     inputs, outputs = argv[:split], argv[split:]
@@ -368,9 +371,15 @@ def test_ffmpeg_command_lines() -> None:
     _, _, _, argv, _ = ffmpeg_encoder("opus", MONO_24K, streaming=False)
     assert argv[argv.index("pipe:0") + 1:] == [
         "-c:a", "libopus", "-b:a", "32k", "-application", "voip", "-f", "ogg", "pipe:1"]
-    _, _, _, argv, _ = ffmpeg_encoder("mp3", STEREO_22K, streaming=False)
+    encoder, _, _, argv, _ = ffmpeg_encoder("mp3", STEREO_22K, streaming=False)
+    assert argv[argv.index("pipe:0") + 1:-1] == [
+        "-c:a", "libmp3lame", "-b:a", "128k", "-f", "mp3", "-y"]
+    assert argv[-1].endswith(".mp3") and os.path.exists(argv[-1])
+    encoder.abort()
+    assert not os.path.exists(argv[-1])
+    _, _, _, argv, _ = ffmpeg_encoder("mp3", STEREO_22K, streaming=True)
     assert argv[argv.index("pipe:0") + 1:] == [
-        "-c:a", "libmp3lame", "-b:a", "128k", "-f", "mp3", "pipe:1"]
+        "-c:a", "libmp3lame", "-b:a", "128k", "-f", "mp3", "-flush_packets", "1", "pipe:1"]
     _, _, _, argv, _ = ffmpeg_encoder("flac", MONO_24K, streaming=True)
     assert argv[argv.index("pipe:0") + 1:] == [
         "-c:a", "flac", "-f", "flac", "-flush_packets", "1", "pipe:1"]
