@@ -9,9 +9,11 @@ import math
 import re
 
 from ._errors import BadRequest
+from .contract import VOICE_ID_PATTERN
+
+_VOICE_ID = re.compile(VOICE_ID_PATTERN)
 
 _TERM = re.compile(r"^\s*([^()+\s]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
-_VOICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def parse_blend(recipe: str, field: str = "blend") -> list[tuple[str, float]]:

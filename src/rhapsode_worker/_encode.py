@@ -36,8 +36,9 @@ from zope.interface import implementer
 
 from ._engine import NativeFormat
 from ._errors import Internal, Unsupported
+from .contract import MEDIA_TYPES
 
-FORMATS: tuple[str, ...] = ("wav", "mp3", "opus", "flac", "pcm")
+FORMATS: tuple[str, ...] = tuple(MEDIA_TYPES)
 
 _ENCODER_OF = {"mp3": "libmp3lame", "opus": "libopus", "flac": "flac"}
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -95,12 +96,11 @@ def content_type(fmt: str, native: NativeFormat) -> str:
     Content-Type is authoritative for what the contract means by it.  opus is Ogg Opus labelled
     audio/opus, as section 6 explains.
     """
-    if fmt == "pcm":
-        return f"audio/L16; rate={native.sample_rate}; channels={native.channels}"
-    fixed = {"wav": "audio/wav", "mp3": "audio/mpeg", "opus": "audio/opus", "flac": "audio/flac"}
-    if fmt not in fixed:
+    if fmt not in MEDIA_TYPES:
         raise ValueError(f"unknown format {fmt!r}")
-    return fixed[fmt]
+    if fmt == "pcm":
+        return f"{MEDIA_TYPES[fmt]}; rate={native.sample_rate}; channels={native.channels}"
+    return MEDIA_TYPES[fmt]
 
 
 def wav_header(native: NativeFormat, data_bytes: int | None) -> bytes:

@@ -26,6 +26,15 @@ LOADING = "loading"
 LOADED = "loaded"
 UNLOADING = "unloading"
 
+#: The legal moves of protocol.md section 3's per-worker machine, model half.  A failed
+#: load falls back to unloaded; its retry unloads first, from there.
+_TRANSITIONS: dict[str, frozenset[str]] = {
+    UNLOADED: frozenset({LOADING, UNLOADING}),
+    LOADING: frozenset({LOADED, UNLOADED}),
+    LOADED: frozenset({UNLOADING}),
+    UNLOADING: frozenset({UNLOADED}),
+}
+
 
 class ModelState:
     """
@@ -41,6 +50,11 @@ class ModelState:
         self.state = UNLOADED
         self.variant: str | None = None
         self.model_bytes: int | None = None
+
+    def _become(self, state: str, variant: str | None, model_bytes: int | None = None) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"model cannot go from {self.state} to {state}")
+        self.state, self.variant, self.model_bytes = state, variant, model_bytes
 
     def _in_pool(self, fn: Callable[..., Any], *args: Any) -> "Deferred[Any]":
         return deferToThreadPool(self._reactor, self._pool, fn, *args)
@@ -69,14 +83,14 @@ class ModelState:
             await self._load(variant)
 
     async def _load(self, variant: str) -> None:
-        self.state, self.variant, self.model_bytes = LOADING, variant, None
+        self._become(LOADING, variant)
         self.log.info("loading {variant}", variant=variant)
         try:
             measured = await self._in_pool(self._load_measured, variant)
         except BaseException as exc:
-            self.state, self.variant = UNLOADED, None
+            self._become(UNLOADED, None)
             raise as_speech_error(exc) from exc
-        self.state, self.model_bytes = LOADED, measured
+        self._become(LOADED, variant, measured)
         self.log.info("loaded {variant} ({bytes} bytes)", variant=variant, bytes=measured)
 
     def _load_measured(self, variant: str) -> int | None:
@@ -91,18 +105,18 @@ class ModelState:
         if self.state == UNLOADED:
             return
         previous = self.variant
-        self.state = UNLOADING
+        self._become(UNLOADING, previous)
         try:
             await self._in_pool(self._engine.unload)
         finally:
-            self.state, self.variant, self.model_bytes = UNLOADED, None, None
+            self._become(UNLOADED, None)
         self.log.info("unloaded {variant}", variant=previous)
 
     async def _unload_quietly(self) -> None:
-        self.state = UNLOADING
+        self._become(UNLOADING, None)
         try:
             await self._in_pool(self._engine.unload)
         except BaseException as exc:
             self.log.warn("unload after a failed load raised {error!r}", error=exc)
         finally:
-            self.state, self.variant, self.model_bytes = UNLOADED, None, None
+            self._become(UNLOADED, None)

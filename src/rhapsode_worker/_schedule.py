@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterator
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.failure import Failure
@@ -273,6 +273,4 @@ def _deferred_call(operation: Callable[[], "Deferred[Any]"]) -> "Deferred[Any]":
     try:
         return operation()
     except BaseException:
-        from twisted.internet.defer import fail
-
         return fail()

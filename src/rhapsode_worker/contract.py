@@ -347,11 +347,10 @@ VARIANT_CAPS: Schema = _object(
         "languages",
         "maxCharacters",
         "segmentation",
-        "cloning",
-        "blending",
         "streaming",
-        "seeding",
     ],
+    # cloning, blending and seeding are optional: contract 1 shipped without them, and a
+    # reader that finds one absent does not know (section 4), so an older worker is valid.
     description="What one variant performs (protocol.md section 4).",
 )
 

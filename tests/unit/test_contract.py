@@ -728,11 +728,15 @@ def test_capabilities_shape() -> None:
     validate(CAPABILITIES, document)
     del document["current"]
     validate(CAPABILITIES, document)
+    # A worker from before cloning, blending and seeding existed is still valid.
+    for optional in ("cloning", "blending", "seeding"):
+        document["variants"]["turbo"].pop(optional, None)
+    validate(CAPABILITIES, document)
 
     cases: list[tuple[Any, str]] = [
         (lambda d: d.pop("variants"), "variants"),
         (lambda d: d["variants"].clear(), "variants"),
-        (lambda d: d["variants"]["turbo"].pop("seeding"), "variants.turbo.seeding"),
+        (lambda d: d["variants"]["turbo"].pop("streaming"), "variants.turbo.streaming"),
         (lambda d: d["variants"]["turbo"]["cues"].append("yawn"), "variants.turbo.cues[2]"),
         (
             lambda d: d["variants"]["turbo"].update(

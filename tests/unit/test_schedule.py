@@ -257,3 +257,16 @@ def test_declared_concurrency_runs_that_many(concurrency: int) -> None:
         scheduler.submit(Job("a", [step(events, str(i))], lambda _: None))
     pool.run_next()  # load
     assert len(pool.calls) == concurrency
+
+
+def test_model_state_refuses_illegal_transitions() -> None:
+    """
+    The model half of the worker lifecycle moves only along the section 3 machine.
+    """
+    events: list[str] = []
+    _, _, model = make(events)
+    with pytest.raises(RuntimeError):
+        model._become("loaded", "a")
+    model._become("loading", "a")
+    with pytest.raises(RuntimeError):
+        model._become("unloading", "a")
