@@ -51,7 +51,6 @@ MP3_PRIMING_SAMPLES = 1105
 #: Audio with an RMS below this share of full scale (-60 dBFS) is silence.
 SILENCE_FLOOR = 0.001
 SEED = 20260917
-OTHER_SEED = 7
 BASE_TEXT = "Hello there and goodbye."
 FORMAT_TEXT = "Hello there, this is how one sentence sounds in every format."
 TEST_VOICE_PREFIX = "conform-"
@@ -94,7 +93,6 @@ class Report:
     Every result of a run, in order, and what could not be put back afterwards.
     """
 
-    target: str
     results: list[Result] = field(default_factory=list)
     cleanup_problems: list[str] = field(default_factory=list)
 
@@ -327,7 +325,7 @@ class Pcm:
     Decoded audio: interleaved signed 16-bit samples.
     """
 
-    samples: array
+    samples: array[int]
     rate: int
     channels: int
 
@@ -720,7 +718,7 @@ class Context:
         """
         Seeded audio shown to reproduce, as a baseline a change can be measured against.
         """
-        if not self.variants()[variant]["seeding"]["reproducible"]:
+        if not reproducible(self.variants()[variant]):
             raise Undecidable("the variant does not claim seed reproducibility")
         first, second = self.twice(variant, text, SEED)
         if first != second:
@@ -754,6 +752,11 @@ def result_of(name: str, exc: Exception) -> Result:
 
 
 # -- expectations ---------------------------------------------------------------------------
+
+
+def reproducible(variant: Mapping[str, Any]) -> bool:
+    """Whether a variant claims seed reproducibility; one that does not say claims nothing."""
+    return bool(variant.get("seeding", {}).get("reproducible", False))
 
 
 def refused(
@@ -918,7 +921,7 @@ def check_load_on_demand(ctx: Context) -> list[Result]:
 def check_formats(ctx: Context) -> list[Result]:
     results = []
     variant = ctx.default_variant()
-    seeded = ctx.variants()[variant]["seeding"]["reproducible"]
+    seeded = reproducible(ctx.variants()[variant])
     native = ctx.native()
     for fmt in ctx.capabilities()["formats"]:
         name = f"format {fmt} decodes to audio of the stated length"
@@ -1057,7 +1060,7 @@ def check_seed(ctx: Context) -> list[Result]:
     results = []
     for variant, caps in ctx.variants().items():
         name = f"a seed reproduces audio in variant {variant}"
-        if not caps["seeding"]["reproducible"]:
+        if not reproducible(caps):
             results.append(Result(name, Outcome.UNDECIDED, "the variant does not claim it"))
             continue
 
@@ -1065,8 +1068,8 @@ def check_seed(ctx: Context) -> list[Result]:
             first, second = ctx.twice(variant, BASE_TEXT, SEED)
             if first != second:
                 raise Failed("two identical seeded requests gave different audio")
-            if ctx.pcm(variant, BASE_TEXT, seed=OTHER_SEED) == first:
-                raise Failed("a different seed gave the same audio: the seed is ignored")
+            # A different seed giving the same audio is not a failure: an engine with no
+            # randomness reproduces under every seed, which is all the claim says.
 
         results.append(ctx.probe(name, test))
     return results
@@ -1302,11 +1305,12 @@ def _create_voice(ctx: Context, voice_id: str, part: tuple[str, str | None, byte
 
 
 def check_cloning(ctx: Context) -> list[Result]:
-    clones = [v for v, c in ctx.variants().items() if c["cloning"]["supported"]]
+    cloning = [c["cloning"] for c in ctx.variants().values() if "cloning" in c]
+    clones = [c for c in cloning if c["supported"]]
     voice_id = f"{TEST_VOICE_PREFIX}clone"
 
     def odd_type() -> None:
-        if any("xyz" in c["cloning"].get("formats", ()) for c in ctx.variants().values()):
+        if any("xyz" in c.get("formats", ()) for c in clones):
             raise Undecidable("the worker lists xyz as a reference type")
         response = _create_voice(ctx, voice_id, ("reference", "x.xyz", tiny_wav()))
         refused(response, 422, "unsupported", "reference")
@@ -1317,11 +1321,16 @@ def check_cloning(ctx: Context) -> list[Result]:
 
     if clones:
         return [ctx.probe("a clone from a reference of an unlisted type is unsupported", odd_type)]
-    return [ctx.probe("a clone is unsupported where no variant clones", no_cloning)]
+    name = "a clone is unsupported where no variant clones"
+    if len(cloning) < len(ctx.variants()):
+        # Section 4: a variant without cloning has not said, so nothing is promised.
+        return [Result(name, Outcome.UNDECIDED, "a variant does not say whether it clones")]
+    return [ctx.probe(name, no_cloning)]
 
 
 def check_blending(ctx: Context) -> list[Result]:
-    blends = [v for v, c in ctx.variants().items() if c["blending"]["supported"]]
+    # Section 4: blending absent means no, since only an adapter that says so blends.
+    blends = [v for v, c in ctx.variants().items() if c.get("blending", {}).get("supported")]
     voice_id = f"{TEST_VOICE_PREFIX}blend"
 
     def listed_pair() -> list[str]:
@@ -1438,7 +1447,7 @@ def _restore(ctx: Context, health: Mapping[str, Any]) -> list[str]:
     """
     Delete what the checks created and put the model back as it was.
     """
-    problems = []
+    problems: list[str] = []
 
     def attempt(label: str, act: Callable[[], Response]) -> None:
         ctx.client.start()
@@ -1477,10 +1486,12 @@ def run_checks(
     parsed = parse_target(target)
     client = Client(parsed, timeout)
     health = _first_contact(client)
+    # Imported here: _encode brings Twisted's Deferred machinery with it, which the
+    # checker itself never uses, so importing the checker (for --help, say) stays light.
     from ._encode import find_ffmpeg
 
     ctx = Context(client, find_ffmpeg())
-    report = Report(str(parsed))
+    report = Report()
     try:
         for name, check in CHECKS:
             client.start()

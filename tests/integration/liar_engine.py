@@ -4,7 +4,8 @@ Run as C{python -m liar_engine} with this folder on PYTHONPATH.
 
 Both variants claim the cue laugh, the delivery hushed and seed reproducibility.
 "deaf" (the default) ignores all three: its audio is a tone fixed by the text alone, with
-its cues taken out, so a seed, a [laugh] and hushed change nothing.  "noisy" speaks fresh
+its cues taken out, so a seed, a [laugh] and hushed change nothing (the seed claim is
+then true by accident: nothing varies).  "noisy" speaks fresh
 random noise on every call, so no seed reproduces it.  Everything else it does honestly.
 """
 

@@ -185,16 +185,16 @@ def test_chatty_conforms_with_its_seed_checks_undecided(tmp_path: Path) -> None:
 
 def test_liar_is_caught_naming_each_false_claim(tmp_path: Path) -> None:
     """
-    A worker claiming a cue, a delivery and seed reproducibility it ignores fails exactly
-    those checks, and the checker exits 1; where the audio is random, the cue and delivery
-    checks cannot be decided rather than passing.
+    A worker claiming a cue and a delivery it ignores, or seed reproducibility its random
+    audio breaks, fails exactly those checks, and the checker exits 1; where the audio is
+    random, the cue and delivery checks cannot be decided rather than passing.  (A variant
+    whose audio ignores the seed but never varies does reproduce: that is not a failure.)
     """
     with worker(tmp_path, "liar_engine", "liar") as running:
         run = conform(running.target)
     assert run.returncode == 1, run.stdout + run.stderr
     check_summary(run)
     assert set(failures(run)) == {
-        "a seed reproduces audio in variant deaf",
         "a seed reproduces audio in variant noisy",
         "cue [laugh] changes the audio in variant deaf",
         "delivery hushed changes the audio in variant deaf",

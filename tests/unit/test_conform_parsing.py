@@ -1,0 +1,358 @@
+"""
+The conformance checker's pure parts: chunked bodies with trailers, response heads,
+targets, media types, decoded audio, request bodies it builds, expectations, and the
+report's wording.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+
+from rhapsode_worker import _conform as c
+from rhapsode_worker._server import _parse_multipart
+
+BODY = (
+    b"5\r\nhello\r\n"
+    b"7;name=value\r\n, world\r\n"
+    b"0\r\n"
+    b"X-Rhapsode-Duration-Ms: 1234\r\n"
+    b"X-Other:  two words \r\n"
+    b"\r\n"
+)
+
+
+def test_chunked_body_at_once_gives_chunks_and_trailers() -> None:
+    """
+    A whole chunked body yields each chunk's data, ignores chunk extensions, and keeps
+    the trailer fields with lower-cased names and trimmed values.
+    """
+    decoder = c.ChunkedDecoder()
+    assert decoder.feed(BODY) == [b"hello", b", world"]
+    assert decoder.done
+    assert decoder.trailers == {"x-rhapsode-duration-ms": "1234", "x-other": "two words"}
+
+
+def test_chunked_body_byte_by_byte_is_the_same_and_ends_only_at_the_blank_line() -> None:
+    """
+    Fed one byte at a time, the decoder gives the same chunks, each as soon as its CRLF
+    arrives, and is not done until the blank line closing the trailer section.
+    """
+    decoder = c.ChunkedDecoder()
+    completed = []
+    for i in range(len(BODY)):
+        completed += decoder.feed(BODY[i : i + 1])
+        if i < len(BODY) - 1:
+            assert not decoder.done
+    assert completed == [b"hello", b", world"]
+    assert decoder.chunks == completed
+    assert decoder.done and decoder.trailers["x-rhapsode-duration-ms"] == "1234"
+
+
+def test_chunk_data_may_contain_crlf_and_sizes_are_hex() -> None:
+    """
+    A chunk's data is taken by its size, CRLF and all, and the size is hexadecimal in
+    either case.
+    """
+    data = b"a\r\nb" * 4
+    decoder = c.ChunkedDecoder()
+    decoder.feed(b"%X\r\n" % len(data) + data + b"\r\n1A\r\n" + b"z" * 26 + b"\r\n0\r\n\r\n")
+    assert decoder.chunks == [data, b"z" * 26]
+    assert decoder.done and decoder.trailers == {}
+
+
+def test_repeated_trailer_fields_are_joined() -> None:
+    """
+    A trailer field given twice reads as one value joined by ", ", as a header would.
+    """
+    decoder = c.ChunkedDecoder()
+    decoder.feed(b"0\r\nA: 1\r\na: 2\r\n\r\n")
+    assert decoder.trailers == {"a": "1, 2"}
+
+
+def test_a_body_cut_short_is_not_done() -> None:
+    """
+    A body that stops after the last chunk's size line, before its trailer section ends,
+    is not complete: the checker tells a truncated stream from a finished one by this.
+    """
+    decoder = c.ChunkedDecoder()
+    decoder.feed(b"5\r\nhello\r\n0\r\nX-Rhapsode-Duration-Ms: 1\r\n")
+    assert decoder.chunks == [b"hello"]
+    assert not decoder.done
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"zz\r\nhello\r\n",  # a size that is not hex
+        b"\r\n",  # no size at all
+        b"5\r\nhelloXX0\r\n\r\n",  # data not followed by CRLF
+        b"0\r\nnot a field\r\n\r\n",  # a trailer line without a colon
+        b"0\r\n\r\nmore",  # bytes after the end
+        b"5" * (c._MAX_LINE + 1),  # a size line that never ends
+    ],
+)
+def test_malformed_chunked_bodies_are_refused(body: bytes) -> None:
+    """
+    Framing that breaks RFC 9112's chunked coding raises ChunkedError rather than being
+    read as audio.
+    """
+    with pytest.raises(c.ChunkedError):
+        c.ChunkedDecoder().feed(body)
+
+
+def test_feeding_after_the_end_is_refused() -> None:
+    """
+    Once the message has ended, more bytes are an error, and no bytes are not.
+    """
+    decoder = c.ChunkedDecoder()
+    decoder.feed(b"0\r\n\r\n")
+    assert decoder.feed(b"") == []
+    with pytest.raises(c.ChunkedError):
+        decoder.feed(b"x")
+
+
+def test_parse_head_reads_status_and_joins_headers() -> None:
+    """
+    A response head gives its status and its headers by lower-cased name, a repeated
+    header joined.
+    """
+    status, headers = c.parse_head(
+        b"HTTP/1.1 200 OK\r\nContent-Type: audio/L16; rate=24000; channels=1\r\n"
+        b"Trailer: X-Rhapsode-Duration-Ms\r\nVary: a\r\nVary: b"
+    )
+    assert status == 200
+    assert headers == {
+        "content-type": "audio/L16; rate=24000; channels=1",
+        "trailer": "X-Rhapsode-Duration-Ms",
+        "vary": "a, b",
+    }
+
+
+@pytest.mark.parametrize("head", [b"ICY 200 OK", b"HTTP/1.1 OK", b"HTTP/1.1 200 OK\r\nno colon"])
+def test_parse_head_refuses_what_is_not_http(head: bytes) -> None:
+    """
+    A status line that is not HTTP's, or a header line without a colon, is refused.
+    """
+    with pytest.raises(ValueError):
+        c.parse_head(head)
+
+
+@pytest.mark.parametrize(
+    ("text", "target"),
+    [
+        ("/run/x.sock", c.Target(unix_path="/run/x.sock")),
+        ("unix:/run/x.sock", c.Target(unix_path="/run/x.sock")),
+        ("relative.sock", c.Target(unix_path="relative.sock")),
+        ("http://127.0.0.1:8123", c.Target(host="127.0.0.1", port=8123)),
+        ("http://worker.lan:80/", c.Target(host="worker.lan", port=80)),
+    ],
+)
+def test_targets_parse(text: str, target: c.Target) -> None:
+    """
+    A socket path with or without unix:, or http://host:port, names a target.
+    """
+    assert c.parse_target(text) == target
+
+
+@pytest.mark.parametrize(
+    "text", ["", "unix:", "https://h:1", "http://h", "http://h:1/prefix", "http://h:1/?q=1", "http://u@h:1"]
+)
+def test_bad_targets_are_refused(text: str) -> None:
+    """
+    Another scheme, an http URL without a port, or one with a path, query or user is
+    refused: a worker serves at its root.
+    """
+    with pytest.raises(ValueError):
+        c.parse_target(text)
+
+
+def test_target_names_itself_and_its_host_header() -> None:
+    """
+    A target prints as it would be typed, and an http one sends host:port as Host.
+    """
+    assert str(c.Target(unix_path="/x.sock")) == "unix:/x.sock"
+    tcp = c.Target(host="127.0.0.1", port=9)
+    assert str(tcp) == "http://127.0.0.1:9"
+    assert tcp.host_header == "127.0.0.1:9"
+
+
+def test_media_type_parameters() -> None:
+    """
+    A media type is lower-cased and its parameters read by lower-cased name, unquoted.
+    """
+    assert c.parse_media_type('audio/L16; Rate=24000;channels="1"') == (
+        "audio/l16",
+        {"rate": "24000", "channels": "1"},
+    )
+    assert c.parse_media_type("audio/wav") == ("audio/wav", {})
+
+
+def test_l16_parameters_must_match_the_native_format() -> None:
+    """
+    A pcm Content-Type passes only as audio/L16 with the native rate and channels.
+    """
+    assert c.l16_parameters("audio/L16; rate=24000; channels=1", (24000, 1)) == (24000, 1)
+    for wrong in ("audio/L16; rate=16000; channels=1", "audio/L16", "audio/wav", None):
+        with pytest.raises(c.Failed):
+            c.l16_parameters(wrong, (24000, 1))
+
+
+def test_mp3_slack_is_priming_and_one_frame() -> None:
+    """
+    The mp3 allowance is 1105 priming samples plus a 576-sample frame below 32 kHz and
+    a 1152-sample frame from 32 kHz up.
+    """
+    assert c.mp3_slack_samples(24000) == 1105 + 576
+    assert c.mp3_slack_samples(44100) == 1105 + 1152
+
+
+def test_pcm_duration_and_rms() -> None:
+    """
+    Interleaved s16le gives a duration from its frames and an RMS as a share of full
+    scale; a half-scale square wave is 0.5 and silence is 0.
+    """
+    square = struct.pack("<4h", 16384, -16384, 16384, -16384) * 4000
+    pcm = c.pcm_from_s16le(square, 8000, 2)
+    assert pcm.frames == 8000 and pcm.duration_ms == 1000.0
+    assert pcm.rms == pytest.approx(0.5)
+    assert c.pcm_from_s16le(bytes(100), 8000, 1).rms == 0.0
+    assert c.pcm_from_s16le(b"", 8000, 1).rms == 0.0
+
+
+def test_pcm_of_a_partial_frame_fails() -> None:
+    """
+    A byte count that is not a whole number of frames is not the native format.
+    """
+    with pytest.raises(c.Failed):
+        c.pcm_from_s16le(b"\x00\x00\x00", 8000, 2)
+
+
+def test_tiny_wav_decodes_to_an_audible_second() -> None:
+    """
+    The reference the checker uploads is a valid one-second 16-bit WAV, well above the
+    silence floor.
+    """
+    pcm = c.decode_wav(c.tiny_wav())
+    assert (pcm.rate, pcm.channels) == (16000, 1)
+    assert pcm.duration_ms == 1000.0
+    assert pcm.rms == pytest.approx(8000 / 32768 / math.sqrt(2), rel=0.01)
+
+
+def test_a_body_that_is_not_wav_fails() -> None:
+    """
+    Bytes the wave module cannot read fail the check rather than raising out of it.
+    """
+    with pytest.raises(c.Failed):
+        c.decode_wav(b"RIFF\x00\x00\x00\x00nope")
+
+
+def test_multipart_body_reads_back_through_the_sdk_parser() -> None:
+    """
+    The voice-create body the checker builds is read by the worker's own multipart
+    parser into the same fields, filename included.
+    """
+    body, content_type = c.multipart([("id", None, b"conform-x"), ("reference", "x.xyz", b"\x00\r\n\x01")])
+    assert content_type.startswith("multipart/form-data; boundary=")
+    fields = _parse_multipart(content_type.encode(), body)
+    assert fields == {"id": (None, b"conform-x"), "reference": ("x.xyz", b"\x00\r\n\x01")}
+
+
+def _error(status: int, code: str, message: str = "m", field: str | None = None) -> c.Response:
+    error: dict[str, object] = {"code": code, "message": message, "retryable": False}
+    if field is not None:
+        error["field"] = field
+    return c.Response("POST /speak", status, {}, json.dumps({"error": error}).encode())
+
+
+def test_refused_accepts_the_envelope_asked_for() -> None:
+    """
+    The expectation passes for the right status, code, field and a message naming the
+    thing refused.
+    """
+    c.refused(_error(400, "bad_request", 'no dial "x"', "params.x"), 400, "bad_request", "params.x", names="x")
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        _error(422, "bad_request", field="params.x"),  # wrong status
+        _error(400, "unsupported", field="params.x"),  # wrong code
+        _error(400, "bad_request", field="params.y"),  # wrong field
+        _error(400, "bad_request", "nothing named", "params.x"),  # message does not name it
+        c.Response("POST /speak", 400, {}, b"<html>"),  # not an envelope
+    ],
+)
+def test_refused_fails_anything_else(response: c.Response) -> None:
+    """
+    Any other status, code, field, message or body fails the expectation.
+    """
+    with pytest.raises(c.Failed):
+        c.refused(response, 400, "bad_request", "params.x", names="params.x")
+
+
+def test_describe_summarises_an_envelope_or_a_body() -> None:
+    """
+    A failure message shows an error's code, field and message, or else the body's type
+    and size.
+    """
+    assert _error(404, "unknown_voice", "no voice", "voice").describe() == '404 unknown_voice (field "voice"): no voice'
+    plain = c.Response("GET /x", 200, {"content-type": "audio/wav"}, b"1234")
+    assert plain.describe() == "200 audio/wav, 4 bytes"
+
+
+@pytest.mark.parametrize(
+    ("exc", "outcome"),
+    [
+        (c.Failed("f"), c.Outcome.FAIL),
+        (c.TimedOut("t"), c.Outcome.FAIL),
+        (c.Undecidable("u"), c.Outcome.UNDECIDED),
+        (ConnectionResetError("r"), c.Outcome.FAIL),
+        (KeyError("k"), c.Outcome.FAIL),
+    ],
+)
+def test_how_a_test_ends_decides_its_result(exc: Exception, outcome: c.Outcome) -> None:
+    """
+    A test that raises is a FAIL unless it could not be decided; one that returns passes.
+    """
+
+    def test() -> None:
+        raise exc
+
+    assert c.outcome_of("rule", test).outcome is outcome
+    assert c.outcome_of("rule", lambda: None) == c.Result("rule", c.Outcome.PASS)
+
+
+def test_report_lines_and_summary() -> None:
+    """
+    Each result is one line in its own wording, and the summary counts them without the
+    "N passed, N failed" phrasing; any FAIL makes the exit status 1.
+    """
+    report = c.Report()
+    report.results += [
+        c.Result("a", c.Outcome.PASS),
+        c.Result("b", c.Outcome.FAIL, "why b"),
+        c.Result("c", c.Outcome.UNDECIDED, "why c"),
+    ]
+    assert report.render().splitlines() == [
+        "pass  a",
+        "FAIL  b: why b",
+        "cannot be decided c: why c",
+        "conformance: 1 pass, 1 fail, 1 cannot be decided",
+    ]
+    assert report.exit_code == 1
+    report.results.pop(1)
+    assert report.exit_code == 0
+
+
+def test_long_text_spans_several_segments_within_the_ceiling() -> None:
+    """
+    The streaming text is over three segments long where the variant segments, and never
+    over maxCharacters.
+    """
+    assert len(c._long_text(200, 4096)) > 600
+    assert len(c._long_text(200, 300)) <= 300
+    assert 600 <= len(c._long_text(None, 4096)) <= 700
