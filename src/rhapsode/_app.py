@@ -1,0 +1,341 @@
+"""
+The public API (protocol.md sections 4, 6 and 7): a Klein app that routes to workers and
+streams their audio through.
+
+It holds no engine knowledge.  It validates the public shapes, resolves the effective
+variant from the variants it remembers (never from C{current}), strips cues the variant
+does not claim and drops deliveries it does not perform, forwards without
+C{keepAliveSeconds}, and relays the body with backpressure wired producer to consumer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from klein import Klein
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.iweb import IRequest
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+from rhapsode_worker import contract
+from rhapsode_worker._errors import (
+    BadRequest,
+    Internal,
+    SpeechError,
+    as_speech_error,
+)
+from rhapsode_worker._vocab import clean_text
+
+from . import __version__
+from ._proxy import DURATION_HEADER, FLOOR_BYTES, abort_client, collect, relay, write_trailer
+from ._registry import EngineHandle, Registry
+from ._workers import BytesProducer
+
+#: A buffered body is at most a request's ceiling of audio; this bounds a runaway one.
+_BUFFERED_LIMIT = 512 * 1024 * 1024
+_ERROR_LIMIT = 64 * 1024
+_JSON_LIMIT = 1024 * 1024
+
+
+def _json(request: IRequest, status: int, body: Any) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", b"application/json")
+    return json.dumps(body).encode("utf-8")
+
+
+def _error(request: IRequest, error: SpeechError) -> bytes:
+    return _json(request, error.status, error.envelope())
+
+
+def _body(request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
+    request.content.seek(0)
+    raw = request.content.read(_JSON_LIMIT + 1)
+    if len(raw) > _JSON_LIMIT:
+        raise BadRequest(f"body is over {_JSON_LIMIT} bytes", field="body")
+    return contract.parse_json_body(raw if raw.strip() else b"{}", schema)
+
+
+def _duration_ms(fmt: str, native: dict[str, Any], byte_count: int) -> int | None:
+    """
+    What a streamed body's bytes say about its length, where the format lets the core
+    count (pcm, and wav past its 44-byte header); None for compressed formats.
+    """
+    frame = 2 * int(native.get("channels", 1))
+    rate = int(native.get("sampleRate", 0))
+    if not rate:
+        return None
+    if fmt == "pcm":
+        return (byte_count // frame) * 1000 // rate
+    if fmt == "wav":
+        return (max(byte_count - 44, 0) // frame) * 1000 // rate
+    return None
+
+
+class CoreApp:
+    """
+    The public routes, over a registry of engines.
+    """
+
+    app = Klein()
+    log = Logger()
+
+    def __init__(self, registry: Registry, *, reactor: Any, contract_version: int = 1) -> None:
+        self.registry = registry
+        self.reactor = reactor
+        self.contract_version = contract_version
+
+    def resource(self) -> Any:
+        return self.app.resource()
+
+    def site(self) -> server.Site:
+        site = server.Site(self.resource(), parsePOSTFormSubmission=False)
+        site.displayTracebacks = False
+        return site
+
+    async def _answer(self, request: IRequest, handler: Callable[[], Awaitable[Any]]) -> Any:
+        """
+        Map failures before headers onto the taxonomy; abort after them.
+        """
+        try:
+            return await handler()
+        except CancelledError:
+            raise
+        except Exception as exc:
+            error = as_speech_error(exc)
+            if error.code == "internal":
+                self.log.failure("request failed", Failure(exc))
+            if getattr(request, "startedWriting", False):
+                abort_client(request)
+                return None
+            return _error(request, error)
+
+    @app.handle_errors(NotFound, MethodNotAllowed)
+    def _no_route(self, request: IRequest, failure: Failure) -> bytes:
+        method = request.method.decode("ascii", "replace")
+        path = request.path.decode("utf-8", "replace")
+        return _error(request, BadRequest(f"no route {method} {path}", field="path"))
+
+    # -- reading the registry ----------------------------------------------------------
+
+    def _summary(self, handle: EngineHandle) -> dict[str, Any]:
+        caps = handle.cached_capabilities()
+        summary: dict[str, Any] = {"id": handle.id}
+        if caps is not None:
+            summary["displayName"] = caps["engine"]["displayName"]
+            summary["license"] = caps["license"]
+            summary["defaultVariant"] = caps["defaultVariant"]
+        summary.update(self._state(handle))
+        return summary
+
+    def _state(self, handle: EngineHandle) -> dict[str, Any]:
+        state: dict[str, Any]
+        if handle.supervisor is None:
+            state = {"process": "remote"}
+        else:
+            state = dict(handle.supervisor.health())
+        resident = handle.resident
+        state["model"] = "loaded" if resident else "unloaded"
+        if resident:
+            state["variant"] = resident
+        return state
+
+    @app.route("/engines", methods=["GET"])
+    def _engines(self, request: IRequest) -> bytes:
+        return _json(request, 200, [self._summary(h) for h in self.registry])
+
+    @app.route("/health", methods=["GET"])
+    def _health(self, request: IRequest) -> bytes:
+        return _json(
+            request,
+            200,
+            {
+                "status": "ok",
+                "version": __version__,
+                "contract": self.contract_version,
+                "engines": {h.id: self._state(h) for h in self.registry},
+            },
+        )
+
+    # -- engine-scoped reads -----------------------------------------------------------
+
+    @app.route("/engines/<string:engine_id>/capabilities", methods=["GET"])
+    async def _capabilities(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            engine = self.registry.get(engine_id)
+            await engine.capabilities()
+            client = await engine.ready()
+            code, document = await client.json(b"GET", "/capabilities")
+            return _json(request, code, document)
+
+        return await self._answer(request, handle)
+
+    @app.route("/engines/<string:engine_id>/voices", methods=["GET"])
+    async def _voices(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            engine = self.registry.get(engine_id)
+            client = await engine.ready()
+            code, voices = await client.json(b"GET", "/voices")
+            if code == 200 and isinstance(voices, list):
+                for voice in voices:
+                    # The worker cannot know its prefix: the one field the core edits.
+                    voice["previewUrl"] = f"/engines/{engine_id}/voices/{voice['id']}/preview"
+            return _json(request, code, voices)
+
+        return await self._answer(request, handle)
+
+    @app.route("/engines/<string:engine_id>/voices/<string:voice_id>/preview", methods=["GET"])
+    async def _preview(self, request: IRequest, engine_id: str, voice_id: str) -> Any:
+        async def handle() -> Any:
+            contract.check_voice_id(voice_id, "voice")
+            engine = self.registry.get(engine_id)
+            client = await engine.ready()
+            response = await client.request(b"GET", f"/voices/{voice_id}/preview")
+            return await self._buffered(request, response, None)
+
+        return await self._answer(request, handle)
+
+    # -- speaking ------------------------------------------------------------------------
+
+    @app.route("/speak", methods=["POST"])
+    async def _speak(self, request: IRequest) -> Any:
+        finished = request.notifyFinish()
+
+        async def handle() -> Any:
+            body = _body(request, contract.PUBLIC_SPEAK_REQUEST)
+            engine = self.registry.get(body["engine"])
+            caps = await engine.capabilities()
+            variant = engine.effective_variant(body.get("variant"))
+            performs = self._variant(caps, variant)
+            forward = self._forwarded(body, variant)
+            forward["text"] = clean_text(body["text"], performs["cues"])
+            if forward.get("delivery") not in performs["deliveries"]:
+                forward.pop("delivery", None)
+            return await self._dispatch(request, finished, engine, "/speak", forward, caps)
+
+        return await self._answer(request, handle)
+
+    @app.route("/engines/<string:engine_id>/dialogue", methods=["POST"])
+    async def _dialogue(self, request: IRequest, engine_id: str) -> Any:
+        finished = request.notifyFinish()
+
+        async def handle() -> Any:
+            body = _body(request, contract.PUBLIC_DIALOGUE_REQUEST)
+            engine = self.registry.get(engine_id)
+            caps = await engine.capabilities()
+            variant = engine.effective_variant(body.get("variant"))
+            performs = self._variant(caps, variant)
+            forward = self._forwarded(body, variant)
+            forward["turns"] = [
+                {"speaker": t["speaker"], "text": clean_text(t["text"], performs["cues"])}
+                for t in body["turns"]
+            ]
+            return await self._dispatch(request, finished, engine, "/dialogue", forward, caps)
+
+        return await self._answer(request, handle)
+
+    @staticmethod
+    def _variant(caps: dict[str, Any], variant: str) -> dict[str, Any]:
+        variants = caps["variants"]
+        if variant not in variants:
+            known = ", ".join(sorted(variants))
+            raise BadRequest(f'unknown variant "{variant}" (variants: {known})', field="variant")
+        performs: dict[str, Any] = variants[variant]
+        return performs
+
+    @staticmethod
+    def _forwarded(body: dict[str, Any], variant: str) -> dict[str, Any]:
+        # The worker is never told how long to keep its model (section 3), nor which
+        # engine it is; it is told the variant the core resolved, so both agree on it.
+        forward = {k: v for k, v in body.items() if k not in ("engine", "keepAliveSeconds")}
+        forward["variant"] = variant
+        return forward
+
+    async def _dispatch(
+        self,
+        request: IRequest,
+        finished: Any,
+        engine: EngineHandle,
+        path: str,
+        forward: dict[str, Any],
+        caps: dict[str, Any],
+    ) -> Any:
+        client = await engine.ready()
+        pending = client.request(
+            b"POST", path, BytesProducer(json.dumps(forward).encode()),
+            {b"Content-Type": [b"application/json"]},
+        )
+        # A client that hangs up before the worker answers cancels the upstream request.
+        finished.addErrback(lambda _: pending.cancel())
+        response = await pending
+        if response.code != 200:
+            return await self._relay_error(request, response)
+        engine.note_resident(forward["variant"])
+        fmt = forward.get("format", "wav")
+        if not forward.get("stream", True):
+            return await self._buffered(request, response, fmt)
+        return await self._streamed(request, finished, response, fmt, caps)
+
+    async def _relay_error(self, request: IRequest, response: Any) -> bytes:
+        raw = await collect(response, _ERROR_LIMIT)
+        try:
+            envelope = json.loads(raw)
+            contract.validate(contract.ERROR, envelope)
+        except (ValueError, SpeechError):
+            raise Internal(f"worker answered {response.code} without an error envelope") from None
+        request.setResponseCode(response.code)
+        request.setHeader(b"Content-Type", b"application/json")
+        return raw
+
+    async def _buffered(self, request: IRequest, response: Any, fmt: str | None) -> bytes:
+        if response.code != 200:
+            return await self._relay_error(request, response)
+        body = await collect(response, _BUFFERED_LIMIT)
+        if len(body) < FLOOR_BYTES:
+            # Not audio, whatever the status said; the headers have not gone, so say so.
+            raise Internal(f"the worker answered 200 with {len(body)} bytes, which is not audio")
+        headers = response.headers
+        request.setResponseCode(200)
+        for name in (b"Content-Type", DURATION_HEADER):
+            value = headers.getRawHeaders(name)
+            if value:
+                request.setHeader(name, value[0])
+        request.setHeader(b"Content-Length", b"%d" % len(body))
+        return body
+
+    async def _streamed(
+        self, request: IRequest, finished: Any, response: Any, fmt: str, caps: dict[str, Any]
+    ) -> Any:
+        request.setResponseCode(200)
+        content_type = response.headers.getRawHeaders(b"Content-Type")
+        if content_type:
+            request.setHeader(b"Content-Type", content_type[0])
+        request.setHeader(b"Trailer", DURATION_HEADER)
+        try:
+            received = await relay(response, request)
+        except Exception:
+            abort_client(request)
+            await _settled(finished)
+            return None
+        if received < FLOOR_BYTES:
+            # Too late for an envelope: the status is on the wire.  An abort is the only
+            # way left to say this was not audio.
+            self.log.warn("aborting a {n}-byte stream: under the floor", n=received)
+            abort_client(request)
+            await _settled(finished)
+            return None
+        write_trailer(request, _duration_ms(fmt, caps.get("nativeFormat", {}), received))
+        return None
+
+
+async def _settled(finished: Any) -> None:
+    """
+    Wait for the client connection's end to land before Klein looks at the request.
+    """
+    try:
+        await finished
+    except Exception:
+        pass

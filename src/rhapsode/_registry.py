@@ -1,0 +1,122 @@
+"""
+The registry: every configured engine, how to reach its worker, and what the core
+remembers about it (protocol.md sections 1 and 4).
+
+A local engine has a supervisor that spawns its worker on first need; a remote one is a
+URL.  Both are reached through the same L{WorkerClient}.  The registry remembers each
+worker's variants (they do not change while it runs) so that routing never depends on
+C{current}, and never spawns anything to answer C{/engines} or C{/health}.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+from rhapsode_worker._errors import ModelUnavailable, UnknownEngine
+
+from ._workers import WorkerClient
+
+
+class Supervised(Protocol):
+    """
+    What the registry needs of a local worker's supervisor.
+    """
+
+    state: str
+    pid: int | None
+
+    def start(self) -> Any: ...
+
+    def stop(self, ask: bool = True) -> Any: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+
+class EngineHandle:
+    """
+    One configured engine.
+    """
+
+    def __init__(self, engine_id: str, client: WorkerClient, supervisor: Supervised | None) -> None:
+        self.id = engine_id
+        self.client = client
+        self.supervisor = supervisor
+        self._capabilities: dict[str, Any] | None = None
+        self._resident: tuple[int | None, str] | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.supervisor is None
+
+    async def ready(self) -> WorkerClient:
+        """
+        The worker's client, once its process is up (spawning it if it is down).
+        """
+        if self.supervisor is not None:
+            await self.supervisor.start()
+        return self.client
+
+    async def capabilities(self) -> dict[str, Any]:
+        """
+        The worker's capability document, fetched once per worker process.
+        """
+        if self._capabilities is None:
+            client = await self.ready()
+            code, document = await client.json(b"GET", "/capabilities")
+            if code != 200 or not isinstance(document, dict):
+                raise ModelUnavailable(f'engine "{self.id}" answered /capabilities with {code}')
+            self._capabilities = {k: v for k, v in document.items() if k != "current"}
+        return self._capabilities
+
+    def cached_capabilities(self) -> dict[str, Any] | None:
+        return self._capabilities
+
+    @property
+    def resident(self) -> str | None:
+        """
+        The variant the core last saw loaded in this worker process, if any.
+        """
+        if self._resident is None:
+            return None
+        pid, variant = self._resident
+        if self.supervisor is not None and self.supervisor.pid != pid:
+            return None  # the process that loaded it is gone
+        return variant
+
+    def note_resident(self, variant: str | None) -> None:
+        pid = self.supervisor.pid if self.supervisor is not None else None
+        self._resident = None if variant is None else (pid, variant)
+
+    def effective_variant(self, requested: str | None) -> str:
+        """
+        Section 4's total rule: the request's variant, else the resident one, else the
+        default.  Never reads C{current}.
+        """
+        assert self._capabilities is not None
+        if requested is not None:
+            return requested
+        return self.resident or self._capabilities["defaultVariant"]
+
+
+class Registry:
+    """
+    Every configured engine, by id, in configuration order.
+    """
+
+    def __init__(self, handles: Mapping[str, EngineHandle]) -> None:
+        self._handles = dict(handles)
+
+    def __iter__(self) -> Any:
+        return iter(self._handles.values())
+
+    def ids(self) -> list[str]:
+        return list(self._handles)
+
+    def get(self, engine_id: str) -> EngineHandle:
+        try:
+            return self._handles[engine_id]
+        except KeyError:
+            known = ", ".join(self._handles) or "none"
+            raise UnknownEngine(
+                f'no engine "{engine_id}" (engines: {known})', field="engine"
+            ) from None

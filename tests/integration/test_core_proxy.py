@@ -1,0 +1,276 @@
+"""
+The core's public routes in front of a real tone worker (protocol.md sections 4, 6, 7):
+streaming relay with the duration trailer, buffered responses, cue stripping and
+delivery dropping before dispatch, keep-alive never forwarded, previewUrl rewriting, and
+an abort when the worker dies mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import pytest_twisted
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.threads import deferToThread
+
+from _worker import Worker, spawn_worker
+from rhapsode._app import CoreApp
+from rhapsode._registry import EngineHandle, Registry
+from rhapsode._workers import WorkerClient
+
+RATE = 24000
+
+
+class Core:
+    def __init__(self, port: Any, app: CoreApp, worker: Worker) -> None:
+        self.port = port
+        self.app = app
+        self.worker = worker
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host = self.port.getHost()
+        return host.host, host.port
+
+
+async def start_core(tmp_path: Path, engine: str = "tone", **spawn: Any) -> AsyncIterator[Core]:
+    from twisted.internet import reactor
+
+    worker = await spawn_worker(reactor, tmp_path, engine=engine, **spawn)
+    client = WorkerClient(reactor, f"unix:{worker.socket_path}")
+    app = CoreApp(Registry({engine: EngineHandle(engine, client, None)}), reactor=reactor)
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site())
+    yield Core(port, app, worker)
+    await port.stopListening()
+    await client.close()
+    await worker.stop()
+
+
+@pytest_twisted.async_yield_fixture()
+async def core(tmp_path: Path) -> AsyncIterator[Core]:
+    """
+    A core on a loopback port whose one engine, "tone", is a real worker reached by URL.
+    """
+    async for running in start_core(tmp_path):
+        yield running
+
+
+@pytest_twisted.async_yield_fixture()
+async def slow_core(tmp_path: Path) -> AsyncIterator[Core]:
+    """
+    A core in front of the chatty test engine, speaking a segment every 0.3 s.
+    """
+    env = {
+        "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "CHATTY_SECONDS_PER_SEGMENT": "0.3",
+    }
+    async for running in start_core(tmp_path, engine="chatty", module="chatty_engine", extra_env=env):
+        yield running
+
+
+def tcp_request(
+    address: tuple[str, int],
+    method: str,
+    target: str,
+    body: bytes = b"",
+    stop_after: int | None = None,
+    on_body: Any = None,
+) -> Any:
+    """
+    Blocking raw HTTP/1.1 over TCP, parsed by hand (chunks, trailers, truncation).
+    """
+    import socket
+
+    from _worker import RawResponse
+
+    sock = socket.create_connection(address)
+    sock.sendall(
+        f"{method} {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if on_body is not None and b"\r\n\r\n" in data and not data.endswith(b"\r\n\r\n"):
+                on_body()
+                on_body = None
+            if stop_after is not None and len(data) > stop_after:
+                break
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    chunks: list[bytes] = []
+    trailers: dict[str, str] = {}
+    complete = False
+    if headers.get("transfer-encoding") == "chunked":
+        while b"\r\n" in rest:
+            size_line, rest = rest.split(b"\r\n", 1)
+            size = int(size_line, 16)
+            if size == 0:
+                block, _, _ = rest.partition(b"\r\n\r\n")
+                complete = rest.endswith(b"\r\n\r\n") or rest == b"\r\n"
+                for line in block.decode("latin-1").split("\r\n"):
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        trailers[k.strip().lower()] = v.strip()
+                break
+            if len(rest) < size + 2:
+                chunks.append(rest[:size])
+                break
+            chunks.append(rest[:size])
+            rest = rest[size + 2:]
+    else:
+        chunks.append(rest)
+        complete = len(rest) == int(headers.get("content-length", -1))
+    return RawResponse(status, headers, chunks, trailers, complete, [])
+
+
+async def call(core: Core, method: str, target: str, body: Any = None, **kw: Any) -> Any:
+    raw = b"" if body is None else json.dumps(body).encode()
+    return await deferToThread(tcp_request, core.address, method, target, raw, **kw)
+
+
+TEXT = " ".join(f"This is sentence {i}, spoken through the core." for i in range(8))
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_relayed_in_pieces_with_trailer(core: Core) -> None:
+    """
+    A streamed /speak arrives chunked and in pieces, byte-identical to the worker's own
+    audio for the same seed, and ends with a duration trailer computed from the bytes.
+    """
+    through = await call(core, "POST", "/speak", {"engine": "tone", "text": TEXT, "format": "pcm", "seed": 5})
+    assert through.status == 200 and through.complete
+    assert len(through.chunks) > 1
+    direct = await core.worker.json("GET", "/health")
+    assert direct[0] == 200
+    from _worker import deferred_raw
+
+    worker_own = await deferred_raw(
+        core.worker.socket_path, "POST", "/speak", json.dumps({"text": TEXT, "format": "pcm", "seed": 5, "variant": "expressive"}).encode()
+    )
+    assert through.body == worker_own.body
+    assert int(through.trailers["x-rhapsode-duration-ms"]) == len(through.body) // 2 * 1000 // RATE
+
+
+@pytest_twisted.ensureDeferred
+async def test_buffered_speak_sets_length_and_duration(core: Core) -> None:
+    """
+    C{stream: false} through the core carries Content-Length and the duration header.
+    """
+    response = await call(core, "POST", "/speak", {"engine": "tone", "text": "Hello there.", "stream": False})
+    assert response.status == 200 and response.complete
+    assert response.headers["content-type"] == "audio/wav"
+    assert int(response.headers["content-length"]) == len(response.body)
+    assert int(response.headers["x-rhapsode-duration-ms"]) > 300
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "field"),
+    [
+        ({"engine": "nope", "text": "hi"}, 404, "unknown_engine", "engine"),
+        ({"engine": "tone", "text": "hi", "colour": "red"}, 400, "bad_request", "colour"),
+        ({"text": "hi"}, 400, "bad_request", "engine"),
+        ({"engine": "tone", "text": "hi", "variant": "turbo"}, 400, "bad_request", "variant"),
+        ({"engine": "tone", "text": "hi", "keepAliveSeconds": -2}, 400, "bad_request", "keepAliveSeconds"),
+        ({"engine": "tone", "text": "hi", "params": {"pitch": 5}, "variant": "classic"}, 400, "bad_request", "params.pitch"),
+    ],
+)
+@pytest_twisted.ensureDeferred
+async def test_refusals_carry_the_taxonomy(core: Core, body: dict[str, Any], status: int, code: str, field: str) -> None:
+    """
+    Bad requests are refused with the code, status and field; an unknown engine lists
+    the engines there are; a worker's own refusal is relayed as it gave it.
+    """
+    response = await call(core, "POST", "/speak", body)
+    assert response.status == status
+    error = json.loads(response.body)["error"]
+    assert (error["code"], error["field"]) == (code, field)
+    if code == "unknown_engine":
+        assert "tone" in error["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_core_strips_cues_and_drops_deliveries_and_keepalive(core: Core) -> None:
+    """
+    Before dispatch the core strips cues the variant does not claim (closing the space),
+    drops a delivery it does not perform, and never forwards keepAliveSeconds: each
+    request speaks exactly what the plain one does.
+    """
+    plain = await call(core, "POST", "/speak", {"engine": "tone", "text": "hi there", "variant": "classic", "format": "pcm", "seed": 2, "stream": False})
+    cued = await call(core, "POST", "/speak", {"engine": "tone", "text": "hi [laugh] there", "variant": "classic", "format": "pcm", "seed": 2, "stream": False, "keepAliveSeconds": 0})
+    assert cued.status == 200 and cued.body == plain.body
+    expressive = await call(core, "POST", "/speak", {"engine": "tone", "text": "hi there", "variant": "expressive", "format": "pcm", "seed": 2, "stream": False})
+    hushed = await call(core, "POST", "/speak", {"engine": "tone", "text": "hi there", "variant": "expressive", "delivery": "hushed", "format": "pcm", "seed": 2, "stream": False})
+    assert hushed.status == 200 and hushed.body == expressive.body
+
+
+@pytest_twisted.ensureDeferred
+async def test_resident_variant_is_the_effective_default(core: Core) -> None:
+    """
+    With no variant named, the core resolves the one it last loaded, not the default.
+    """
+    first = await call(core, "POST", "/speak", {"engine": "tone", "text": "hi", "variant": "classic", "stream": False})
+    assert first.status == 200
+    # classic takes dials; expressive does not: the dial is accepted only if classic is used.
+    second = await call(core, "POST", "/speak", {"engine": "tone", "text": "hi", "params": {"pitch": 1.5}, "stream": False})
+    assert second.status == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_voices_preview_urls_rewritten(core: Core) -> None:
+    """
+    previewUrl is the one field the core edits: rewritten under the engine's prefix, and
+    following it plays the preview.
+    """
+    response = await call(core, "GET", "/engines/tone/voices")
+    voices = json.loads(response.body)
+    assert voices and all(v["previewUrl"] == f"/engines/tone/voices/{v['id']}/preview" for v in voices)
+    preview = await call(core, "GET", voices[0]["previewUrl"])
+    assert preview.status == 200 and preview.headers["content-type"] == "audio/wav"
+
+
+@pytest_twisted.ensureDeferred
+async def test_engines_and_health_never_spawn(core: Core) -> None:
+    """
+    /engines lists configured engines with what the core knows; /health reports version
+    and contract; neither touches the worker.
+    """
+    engines = json.loads((await call(core, "GET", "/engines")).body)
+    assert [e["id"] for e in engines] == ["tone"]
+    health = json.loads((await call(core, "GET", "/health")).body)
+    assert health["version"] == "0.1.0" and health["contract"] == 1
+    assert health["engines"]["tone"]["process"] == "remote"
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_killed_mid_stream_aborts_the_client(slow_core: Core) -> None:
+    """
+    A worker that dies after headers makes the core abort the client's connection:
+    the client sees a truncated body, never a clean short 200.
+    """
+    text = " ".join(["A sentence of about forty characters."] * 10)
+    response = await call(
+        slow_core,
+        "POST",
+        "/speak",
+        {"engine": "chatty", "text": text, "format": "pcm"},
+        on_body=lambda: os.kill(slow_core.worker.pid, signal.SIGKILL),
+    )
+    assert response.status == 200
+    assert not response.complete
+    assert "x-rhapsode-duration-ms" not in response.trailers
