@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
+
 HERE = Path(__file__).parent
 STARTUP_SECONDS = 20.0
 SUMMARY = re.compile(r"^conformance: (\d+) pass, (\d+) fail, (\d+) cannot be decided$")
@@ -213,3 +215,34 @@ def test_nothing_listening_exits_2(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert "cannot reach" in run.stderr
     assert run.stdout == ""
+
+
+def _engines_in_tree() -> list[str]:
+    """
+    The module of every engine distribution under engines/ (rhapsode-engine-<id>).
+    """
+    root = HERE.parent.parent / "engines"
+    return sorted(f"rhapsode_engine_{path.name}" for path in root.iterdir() if (path / "setup.cfg").exists())
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+
+@pytest.mark.parametrize("module", _engines_in_tree())
+def test_every_engine_in_the_tree_conforms(tmp_path: Path, module: str) -> None:
+    """
+    Every engine distribution in engines/ that is installed here passes the checker with
+    no FAIL line (engines that cannot run on this machine are skipped, naming why).
+    """
+    if not _importable(module):
+        pytest.skip(f"{module} is not installed in this environment")
+    engine = module.removeprefix("rhapsode_engine_")
+    with worker(tmp_path, module, engine) as running:
+        run = conform(running.target)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not failures(run)
+    check_summary(run)
