@@ -1,0 +1,385 @@
+"""
+The operator's config file (protocol.md sections 3 and 10): JSON read into frozen dataclasses.
+
+Every setting has a default, so a core runs without a file.  A key the file should not
+have, or a value out of range, fails the start with a L{ConfigError} naming the key's
+dotted path, so a misspelt setting is refused rather than silently ignored.  Numbers
+are coerced as the contract coerces them ("8080" is 8080, a boolean is not a number)
+and null means the setting is absent.  Relative paths resolve against the directory
+of the file that names them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+from rhapsode_worker.contract import VOICE_ID_PATTERN
+
+from ._guard import origin_key
+
+LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
+
+
+class ConfigError(Exception):
+    """
+    The config file cannot be used; the message names the key path and why.
+    """
+
+
+def _default_socket_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    # The XDG spec says to ignore a relative value.
+    if os.path.isabs(runtime):
+        return Path(runtime, "rhapsode", "workers")
+    return Path(f"/tmp/rhapsode-{os.getuid()}", "workers")
+
+
+def _default_voice_dir() -> Path:
+    data = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share"
+    return base / "rhapsode" / "voices"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    port: int = 8080
+    host: str = "127.0.0.1"
+    shutdown_grace_ms: int = 10000
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    max_resident_models: int = 1
+    eviction_wait_seconds: float = 30.0
+    keep_alive_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    socket_dir: Path = field(default_factory=_default_socket_dir)
+    voice_dir: Path = field(default_factory=_default_voice_dir)
+    startup_timeout_seconds: float = 120.0
+    drain_grace_ms: int = 10000
+    max_restarts: int = 5
+    restart_decay_seconds: float = 300.0
+
+
+@dataclass(frozen=True)
+class ManagementConfig:
+    token: str | None = None
+    origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """
+    One engine: a C{module} the core spawns with C{python}, or the C{url} of a worker
+    somebody else runs (exactly one of the two is set).
+
+    @ivar keep_alive_seconds: this engine's keep-alive, C{None} for the server's.
+    """
+
+    id: str
+    module: str | None = None
+    url: str | None = None
+    python: str | None = None
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    keep_alive_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    management: ManagementConfig = field(default_factory=ManagementConfig)
+    engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
+
+    def engine(self, engine_id: str) -> EngineConfig:
+        """
+        The engine of that id; C{KeyError} if the config has none.
+        """
+        return self.engines[engine_id]
+
+
+# A check takes the value, its key path and the config file's directory.
+_Check = Callable[[Any, str, Path], Any]
+
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_NUMBER_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", re.ASCII)
+_ENGINE_ID = re.compile(VOICE_ID_PATTERN)
+
+
+def _fail(where: str, must: str, value: Any) -> ConfigError:
+    return ConfigError(f"{where}: must be {must}, not {json.dumps(value, default=repr)}")
+
+
+def _integer(minimum: int, maximum: int | None = None) -> _Check:
+    must = f"an integer >= {minimum}"
+    if maximum is not None:
+        must = f"an integer from {minimum} to {maximum}"
+
+    def check(value: Any, where: str, base: Path) -> int:
+        number = value
+        if isinstance(value, str) and _INTEGER_TEXT.fullmatch(value.strip()):
+            number = int(value)
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        if (
+            isinstance(number, bool)
+            or not isinstance(number, int)
+            or number < minimum
+            or (maximum is not None and number > maximum)
+        ):
+            raise _fail(where, must, value)
+        return number
+
+    return check
+
+
+def _number(minimum: float, inclusive: bool) -> _Check:
+    must = f"a number {'>=' if inclusive else '>'} {minimum:g}"
+
+    def check(value: Any, where: str, base: Path) -> float:
+        number = value
+        if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()):
+            number = float(value)
+        if (
+            isinstance(number, bool)
+            or not isinstance(number, (int, float))
+            or not math.isfinite(number)
+            or number < minimum
+            or (number == minimum and not inclusive)
+        ):
+            raise _fail(where, must, value)
+        return float(number)
+
+    return check
+
+
+def _text(value: Any, where: str, base: Path) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(where, "a non-empty string", value)
+    return value
+
+
+def _path(value: Any, where: str, base: Path) -> Path:
+    return base / _text(value, where, base)
+
+
+def _level(value: Any, where: str, base: Path) -> str:
+    if value not in LOG_LEVELS:
+        raise _fail(where, "one of " + ", ".join(LOG_LEVELS), value)
+    return str(value)
+
+
+def _token(value: Any, where: str, base: Path) -> str:
+    if not isinstance(value, str) or len(value) < 16 or value != value.strip():
+        raise ConfigError(
+            f"{where}: must be a string of at least 16 characters without surrounding spaces"
+        )
+    return value
+
+
+def _origins(value: Any, where: str, base: Path) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise _fail(where, "a list of origins", value)
+    for index, origin in enumerate(value):
+        if not isinstance(origin, str) or origin_key(origin) is None:
+            must = "an absolute http or https origin with nothing after the host and port"
+            raise _fail(f"{where}[{index}]", must, origin)
+    return tuple(value)
+
+
+def _module(value: Any, where: str, base: Path) -> str:
+    if not isinstance(value, str) or not _MODULE.fullmatch(value):
+        raise _fail(where, "a dotted Python module name", value)
+    return value
+
+
+def _url(value: Any, where: str, base: Path) -> str:
+    must = "an http or https URL of a worker, or unix:/path/to/socket"
+    if not isinstance(value, str):
+        raise _fail(where, must, value)
+    if value.startswith("unix:"):
+        valid = value[len("unix:") :].startswith("/")
+    else:
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError:
+            raise _fail(where, must, value) from None
+        valid = (
+            parts.scheme in ("http", "https")
+            and bool(parts.hostname)
+            and port != 0
+            and "@" not in parts.netloc
+            and not parts.query
+            and not parts.fragment
+        )
+    if not valid:
+        raise _fail(where, must, value)
+    return value
+
+
+def _env(value: Any, where: str, base: Path) -> Mapping[str, str]:
+    if not isinstance(value, dict):
+        raise _fail(where, "an object of strings", value)
+    for name, text in value.items():
+        if not name or "=" in name or "\0" in name:
+            raise ConfigError(f"{where}.{name}: not a usable environment variable name")
+        if not isinstance(text, str) or "\0" in text:
+            raise _fail(f"{where}.{name}", "a string", text)
+    return MappingProxyType(dict(value))
+
+
+def _python(value: Any, where: str, base: Path) -> str:
+    return str(_path(value, where, base))
+
+
+def _snake(key: str) -> str:
+    return re.sub(r"[A-Z]", lambda m: "_" + m.group().lower(), key)
+
+
+def _read(raw: Any, where: str, checks: Mapping[str, _Check], base: Path) -> dict[str, Any]:
+    """
+    Check an object's keys and values; answer snake_case names to values, nulls left out.
+    """
+    if not isinstance(raw, Mapping):
+        raise _fail(where, "an object", raw)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in checks:
+            raise ConfigError(f"{path}: unknown key")
+        if value is not None:
+            values[_snake(key)] = checks[key](value, path, base)
+    return values
+
+
+def _section(cls: type[Any], checks: Mapping[str, _Check]) -> _Check:
+    return lambda value, where, base: cls(**_read(value, where, checks, base))
+
+
+_ENGINE_KEYS: dict[str, _Check] = {
+    "module": _module,
+    "url": _url,
+    "python": _python,
+    "env": _env,
+    "keepAliveSeconds": _integer(-1),
+}
+
+
+def _engine(engine_id: str, raw: Any, base: Path) -> EngineConfig:
+    where = f"engines.{engine_id}"
+    if not _ENGINE_ID.search(engine_id):
+        raise ConfigError(
+            f"{where}: an engine id is 1 to 64 letters, digits, _ or -, "
+            "starting with a letter or digit"
+        )
+    values = _read(raw, where, _ENGINE_KEYS, base)
+    if ("module" in values) == ("url" in values):
+        raise ConfigError(f"{where}: needs exactly one of module or url")
+    if "url" in values:
+        for key in ("python", "env"):
+            if key in values:
+                raise ConfigError(f"{where}.{key}: only an engine with a module takes {key}")
+    else:
+        values.setdefault("python", sys.executable)
+    return EngineConfig(id=engine_id, **values)
+
+
+def _engines(value: Any, where: str, base: Path) -> Mapping[str, EngineConfig]:
+    if not isinstance(value, Mapping):
+        raise _fail(where, "an object of engines", value)
+    return MappingProxyType(
+        {key: _engine(key, entry, base) for key, entry in value.items() if entry is not None}
+    )
+
+
+_TOP: dict[str, _Check] = {
+    "server": _section(
+        ServerConfig,
+        {"port": _integer(1, 65535), "host": _text, "shutdownGraceMs": _integer(0)},
+    ),
+    "log": _section(LogConfig, {"level": _level}),
+    "residency": _section(
+        ResidencyConfig,
+        {
+            "maxResidentModels": _integer(1),
+            "evictionWaitSeconds": _number(0, inclusive=True),
+            "keepAliveSeconds": _integer(-1),
+        },
+    ),
+    "workers": _section(
+        WorkersConfig,
+        {
+            "socketDir": _path,
+            "voiceDir": _path,
+            "startupTimeoutSeconds": _number(0, inclusive=False),
+            "drainGraceMs": _integer(0),
+            "maxRestarts": _integer(0),
+            "restartDecaySeconds": _number(0, inclusive=False),
+        },
+    ),
+    "management": _section(ManagementConfig, {"token": _token, "origins": _origins}),
+    "engines": _engines,
+}
+
+
+def parse_config(raw: Mapping[str, Any], base_dir: Path) -> Config:
+    """
+    Build a L{Config} from a parsed config document.
+
+    @param base_dir: the directory relative paths in C{raw} resolve against.
+    @raise ConfigError: naming the first key that is unknown or out of range.
+    """
+    return Config(**_read(raw, "", _TOP, base_dir))
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        # The JSON module keeps the last of two equal keys, which hides a setting.
+        if key in seen:
+            raise ConfigError(f'key "{key}" appears twice in one object')
+        seen[key] = value
+    return seen
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """
+    Read the config file at C{path}; C{None} gives every default and no engines.
+
+    @raise ConfigError: the file cannot be read, is not JSON, or fails L{parse_config}.
+    """
+    if path is None:
+        return parse_config({}, Path.cwd())
+    where = Path(os.path.abspath(path))
+    try:
+        with open(where, encoding="utf-8") as f:
+            raw = json.load(f, object_pairs_hook=_no_duplicates)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot be read: {e.strerror}") from e
+    except ValueError as e:
+        raise ConfigError(f"{where}: is not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must hold a JSON object")
+    return parse_config(raw, where.parent)
