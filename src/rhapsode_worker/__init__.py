@@ -4,6 +4,7 @@ The Rhapsode worker SDK: write one class, call L{serve}, and the SDK speaks the 
 
 from typing import Mapping, NoReturn
 
+from ._arrays import FloatArray, read_npy, read_pt, read_voicepack
 from ._engine import (
     ALL_CUES,
     ALL_DELIVERIES,
@@ -55,6 +56,7 @@ __all__ = [
     "Dial",
     "DialogueRequest",
     "Engine",
+    "FloatArray",
     "Forbidden",
     "IEngine",
     "Internal",
@@ -74,5 +76,8 @@ __all__ = [
     "Voice",
     "__version__",
     "clean_text",
+    "read_npy",
+    "read_pt",
+    "read_voicepack",
     "serve",
 ]
