@@ -11,7 +11,7 @@ C{keepAliveSeconds}, and relays the body with backpressure wired producer to con
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from klein import Klein
 from twisted.internet.defer import CancelledError
@@ -31,6 +31,7 @@ from rhapsode_worker._errors import (
 from rhapsode_worker._vocab import clean_text
 
 from . import __version__
+from ._gate import CoreRequest, CoreSite
 from ._proxy import DURATION_HEADER, FLOOR_BYTES, abort_client, collect, relay, write_trailer
 from ._registry import EngineHandle, Registry
 from ._workers import BytesProducer
@@ -83,18 +84,29 @@ class CoreApp:
     app = Klein()
     log = Logger()
 
-    def __init__(self, registry: Registry, *, reactor: Any, contract_version: int = 1) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        reactor: Any,
+        contract_version: int = 1,
+        management_token: str | None = None,
+        management_origins: Sequence[str] = (),
+    ) -> None:
         self.registry = registry
         self.reactor = reactor
         self.contract_version = contract_version
+        self.management_token = management_token
+        self.management_origins = tuple(management_origins)
 
     def resource(self) -> Any:
         return self.app.resource()
 
     def site(self) -> server.Site:
-        site = server.Site(self.resource(), parsePOSTFormSubmission=False)
-        site.displayTracebacks = False
-        return site
+        """
+        The site to listen with: its requests are guarded and stripped at their headers.
+        """
+        return CoreSite(self.resource(), self)
 
     async def _answer(self, request: IRequest, handler: Callable[[], Awaitable[Any]]) -> Any:
         """
@@ -195,6 +207,47 @@ class CoreApp:
             client = await engine.ready()
             response = await client.request(b"GET", f"/voices/{voice_id}/preview")
             return await self._buffered(request, response, None)
+
+        return await self._answer(request, handle)
+
+    # -- managing voices (guarded at the headers, see _gate) ------------------------------
+
+    async def start_upload(self, engine_id: str, request: CoreRequest) -> Any:
+        """
+        Begin the worker's POST /voices with the client's body as it arrives.
+        """
+        engine = self.registry.get(engine_id)
+        client = await engine.ready()
+        content_type = request.requestHeaders.getRawHeaders(b"content-type", [b""])[0]
+        return await client.request(
+            b"POST", "/voices", request.upload, {b"Content-Type": [content_type]}
+        )
+
+    def _voice_answer(self, request: IRequest, engine_id: str, code: int, voice: Any) -> bytes:
+        if code == 200 and isinstance(voice, dict) and "id" in voice:
+            voice["previewUrl"] = f"/engines/{engine_id}/voices/{voice['id']}/preview"
+        return _json(request, code, voice)
+
+    @app.route("/engines/<string:engine_id>/voices", methods=["POST"])
+    async def _create_voice(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            upstream = getattr(request, "upstream", None)
+            if upstream is None:
+                raise Internal("voice uploads need the core's own site (rhapsode._gate.CoreSite)")
+            response = await upstream
+            raw = await collect(response, _ERROR_LIMIT)
+            return self._voice_answer(request, engine_id, response.code, json.loads(raw))
+
+        return await self._answer(request, handle)
+
+    @app.route("/engines/<string:engine_id>/voices/<string:voice_id>", methods=["DELETE"])
+    async def _delete_voice(self, request: IRequest, engine_id: str, voice_id: str) -> Any:
+        async def handle() -> bytes:
+            contract.check_voice_id(voice_id, "id")
+            engine = self.registry.get(engine_id)
+            client = await engine.ready()
+            code, answer = await client.json(b"DELETE", f"/voices/{voice_id}")
+            return _json(request, code, answer)
 
         return await self._answer(request, handle)
 

@@ -80,6 +80,7 @@ def tcp_request(
     body: bytes = b"",
     stop_after: int | None = None,
     on_body: Any = None,
+    content_type: str = "application/json",
 ) -> Any:
     """
     Blocking raw HTTP/1.1 over TCP, parsed by hand (chunks, trailers, truncation).
@@ -91,7 +92,7 @@ def tcp_request(
     sock = socket.create_connection(address)
     sock.sendall(
         f"{method} {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
     )
     data = b""
     try:
@@ -274,3 +275,99 @@ async def test_worker_killed_mid_stream_aborts_the_client(slow_core: Core) -> No
     assert response.status == 200
     assert not response.complete
     assert "x-rhapsode-duration-ms" not in response.trailers
+
+
+def wav_clip(frequency: float = 140.0) -> bytes:
+    from test_voices_dialogue import sine_wav
+
+    return sine_wav(frequency)
+
+
+def raw_tcp(address: tuple[str, int], head: bytes, body: bytes = b"") -> bytes:
+    """
+    Blocking: send raw bytes and read the answer until the server closes.
+    """
+    import socket
+
+    sock = socket.create_connection(address)
+    sock.sendall(head + body)
+    answer = b""
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return answer
+
+
+@pytest_twisted.ensureDeferred
+async def test_voice_upload_streams_through_the_core(core: Core) -> None:
+    """
+    A voice created through the core is the worker's own (previewUrl under the engine's
+    prefix), is listed, speaks, and is deleted through the core.
+    """
+    from test_voices_dialogue import multipart
+
+    data, ctype = multipart({"id": "viacore", "label": "Via core"}, {"reference": ("clip.wav", wav_clip())})
+    answer = await deferToThread(tcp_request, core.address, "POST", "/engines/tone/voices", data, content_type=ctype)
+    assert answer.status == 200, answer.body
+    voice = json.loads(answer.body)
+    assert voice["id"] == "viacore" and voice["previewUrl"] == "/engines/tone/voices/viacore/preview"
+    listed = json.loads((await call(core, "GET", "/engines/tone/voices")).body)
+    assert "viacore" in [v["id"] for v in listed]
+    spoken = await call(core, "POST", "/speak", {"engine": "tone", "text": "hello", "voice": "viacore", "stream": False})
+    assert spoken.status == 200
+    deleted = await call(core, "DELETE", "/engines/tone/voices/viacore")
+    assert deleted.status == 200 and json.loads(deleted.body) == {"deleted": "viacore"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "length", "status", "code"),
+    [
+        ("Origin: https://evil.example\r\n", 1000, 403, "forbidden"),
+        ("Origin: null\r\n", 1000, 403, "forbidden"),
+        ("", 26_000_001, 400, "bad_request"),
+    ],
+)
+@pytest_twisted.ensureDeferred
+async def test_upload_refused_before_its_body_is_read(core: Core, extra: str, length: int, status: int, code: str) -> None:
+    """
+    A foreign Origin, or a declared upload over 25 MB, is refused from the headers alone:
+    the answer comes back although the body was never sent.
+    """
+    head = (
+        f"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\n{extra}"
+        f"Content-Type: multipart/form-data; boundary=x\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+    answer = await deferToThread(raw_tcp, core.address, head)
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == code
+
+
+@pytest_twisted.ensureDeferred
+async def test_upload_to_unknown_engine_is_unknown_engine(core: Core) -> None:
+    """
+    An upload for an engine the registry does not have is refused with unknown_engine.
+    """
+    head = (
+        b"POST /engines/ghost/voices HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: multipart/form-data; boundary=x\r\nContent-Length: 5000\r\n\r\n"
+    )
+    answer = await deferToThread(raw_tcp, core.address, head, b"x" * 5000)
+    assert answer.startswith(b"HTTP/1.1 404 ")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "unknown_engine"
+
+
+@pytest_twisted.ensureDeferred
+async def test_rebound_host_refused_on_delete(core: Core) -> None:
+    """
+    A loopback caller naming a foreign Host (a DNS-rebound page) cannot delete a voice.
+    """
+    head = b"DELETE /engines/tone/voices/alto HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+    answer = await deferToThread(raw_tcp, core.address, head)
+    assert answer.startswith(b"HTTP/1.1 403 ")
+    assert "host" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
