@@ -172,6 +172,11 @@ class CoreApp:
             },
         )
 
+    @app.route("/openapi.json", methods=["GET"])
+    def _openapi(self, request: IRequest) -> bytes:
+        # Generated from the contract module at the running version: it describes this box.
+        return _json(request, 200, contract.public_openapi(__version__))
+
     # -- engine-scoped reads -----------------------------------------------------------
 
     @app.route("/engines/<string:engine_id>/capabilities", methods=["GET"])

@@ -8,7 +8,8 @@ documents are built from the same dicts, so what is documented is what is enforc
 The public request shapes extend the worker's rather than repeating them.
 
 C{python -m rhapsode_worker.contract} prints the worker protocol's document; C{make
-openapi} writes it to C{docs/openapi.worker.yaml}.
+openapi} writes it to C{docs/openapi.worker.yaml}.  L{public_openapi} is the public API's
+document, which the core serves as C{GET /openapi.json}; it holds no worker route.
 
 This module imports only the standard library and the SDK's own shapes and errors,
 because the core imports it too and must not pull in Twisted or anything heavy.
@@ -370,6 +371,17 @@ CURRENT_VARIANT_CAPS: Schema = _extend(
     description="The loaded variant: what it performs, its name and its PCM.",
 )
 
+# One shape for an engine's licences, wherever they are reported (protocol.md section 4).
+LICENSE: Schema = _object(
+    {
+        "code": _string("The most restrictive licence among what the worker process runs."),
+        "weights": _typed(["string", "null"], "null for an engine with no weights.", {}),
+        "weightsCommercialUse": _typed(["boolean", "null"], "", {}),
+        "notes": _string("Which dependency is responsible for code."),
+    },
+    required=["code", "weights", "weightsCommercialUse", "notes"],
+)
+
 CAPABILITIES: Schema = _object(
     {
         "contract": _integer("The contract this worker answers at.", minimum=1),
@@ -382,17 +394,7 @@ CAPABILITIES: Schema = _object(
             },
             required=["id", "displayName", "adapterVersion"],
         ),
-        "license": _object(
-            {
-                "code": _string(
-                    "The most restrictive licence among what the worker process runs."
-                ),
-                "weights": _typed(["string", "null"], "null for an engine with no weights.", {}),
-                "weightsCommercialUse": _typed(["boolean", "null"], "", {}),
-                "notes": _string("Which dependency is responsible for code."),
-            },
-            required=["code", "weights", "weightsCommercialUse", "notes"],
-        ),
+        "license": LICENSE,
         "device": _object(
             {"type": _string(), "name": _string(), "vramBytes": _integer(minimum=1)},
             required=["type"],
@@ -466,6 +468,57 @@ FETCH_RESPONSE: Schema = _object(
     {"variant": _string(), "fetched": _boolean()}, required=["variant", "fetched"]
 )
 
+# The core's own answers, in the public API only.
+
+ENGINE_STATE: Schema = _object(
+    {
+        "process": _enum(
+            ("down", "starting", "up", "draining", "failed", "remote"),
+            "The engine's process; remote is a worker at a URL this server does not run.",
+        ),
+        "model": _enum(("unloaded", "loaded")),
+        "variant": _string("The variant on the device; absent while unloaded."),
+        "pid": _integer("The process id, while there is a process.", minimum=1),
+        "restarts": _integer(
+            "Restarts after crashes, counted against the restart limit.", minimum=0
+        ),
+        "lastError": _string("Why the process last failed to start or exited unasked."),
+    },
+    required=["process", "model"],
+    description="One engine as this server sees it. Reading it starts nothing and loads "
+    "nothing.",
+)
+
+ENGINE_SUMMARY: Schema = _object(
+    {
+        "id": _string("The engine id every engine-scoped route and /speak name."),
+        "displayName": _string(),
+        "license": LICENSE,
+        "defaultVariant": _string(),
+        **ENGINE_STATE["properties"],
+    },
+    required=["id", *ENGINE_STATE["required"]],
+    description="One entry of GET /engines. displayName, license and defaultVariant are "
+    "absent until the engine has first been asked for its capabilities.",
+)
+
+ENGINE_LIST: Schema = _array(_ref("EngineSummary"))
+
+PUBLIC_HEALTH: Schema = _object(
+    {
+        "status": _string(const="ok"),
+        "version": _string(
+            "This server's package version, for display; never compare it, read contract."
+        ),
+        "contract": _integer(
+            "The contract this server speaks (protocol.md section 9).", minimum=1
+        ),
+        "engines": _map(_ref("EngineState"), "Every configured engine, by id."),
+    },
+    required=["status", "version", "contract", "engines"],
+    description="GET /health. Never starts, loads or waits on an engine.",
+)
+
 # Every named shape; a generated document holds those its paths reach.
 _COMPONENTS: dict[str, Schema] = {
     "SpeakRequest": SPEAK_REQUEST,
@@ -487,6 +540,10 @@ _COMPONENTS: dict[str, Schema] = {
     "VoiceDeleted": VOICE_DELETED,
     "TerminateResponse": TERMINATE_RESPONSE,
     "FetchResponse": FETCH_RESPONSE,
+    "EngineState": ENGINE_STATE,
+    "EngineSummary": ENGINE_SUMMARY,
+    "EngineList": ENGINE_LIST,
+    "PublicHealth": PUBLIC_HEALTH,
 }
 
 
@@ -729,12 +786,14 @@ def check_voice_id(value: object, field: str = "id") -> str:
     return value
 
 
-# The worker protocol's OpenAPI document.
+# The OpenAPI documents: the worker protocol's, and the public API's.  The operations both
+# have (capabilities, voices, speaking) are built once and placed under each one's paths.
 
-# Statuses a worker answers with an error, as reusable responses.  unknown_engine is
-# the core's alone: a worker is one engine.
+# Statuses answered with an error, as reusable responses; each document holds those its
+# operations use.
 _ERROR_RESPONSES: dict[int, str] = {
     400: "BadRequest",
+    403: "Forbidden",
     404: "NotFound",
     409: "Conflict",
     422: "Unsupported",
@@ -742,14 +801,15 @@ _ERROR_RESPONSES: dict[int, str] = {
     500: "Internal",
     503: "Unavailable",
 }
+# unknown_engine is the core's alone: a worker is one engine.
 _CORE_ONLY_CODES = frozenset({"unknown_engine"})
 
 
-def _error_response(status: int) -> dict[str, Any]:
+def _error_response(status: int, excluded: frozenset[str]) -> dict[str, Any]:
     meanings = [
         f"{code}: {meaning}."
         for code, (code_status, _, meaning) in ERROR_TABLE.items()
-        if code_status == status and code not in _CORE_ONLY_CODES
+        if code_status == status and code not in excluded
     ]
     return {
         "description": " ".join(meanings),
@@ -762,7 +822,11 @@ def _json_body(name: str, description: str) -> dict[str, Any]:
 
 
 def _json_content(name: str) -> dict[str, Any]:
-    return {"application/json": {"schema": _ref(name)}}
+    return _json_content_of(_ref(name))
+
+
+def _json_content_of(schema: Schema) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
 
 
 def _ok(description: str, content: dict[str, Any]) -> dict[str, Any]:
@@ -811,10 +875,107 @@ def _audio_response() -> dict[str, Any]:
 
 _SPEAKING_ERRORS = (400, 404, 422, 429, 500, 503)
 _VOICE_WRITE_ERRORS = (400, 404, 409, 422, 429, 500)
+_VOICE_ID = {"$ref": "#/components/parameters/VoiceId"}
+
+
+def _capabilities_operation(errors: Sequence[int]) -> dict[str, Any]:
+    return _operation(
+        "getCapabilities",
+        "What this engine's variants perform, and what is loaded now.",
+        (200, _ok("The capability document.", _json_content("Capabilities"))),
+        errors,
+    )
+
+
+def _voice_paths(
+    collection: str,
+    item: str,
+    scope: list[dict[str, Any]],
+    *,
+    listed: str,
+    read_errors: Sequence[int],
+    write_errors: Sequence[int],
+    **write_extra: Any,
+) -> dict[str, Any]:
+    """
+    The voice routes under C{collection}, one voice at C{item}; C{scope} is the path
+    parameters every one of them takes before the voice id.
+    """
+    listing: dict[str, Any] = {"parameters": scope} if scope else {}
+    return {
+        collection: {
+            **listing,
+            "get": _operation(
+                "listVoices",
+                "Built-in and created voices; needs no model.",
+                (200, _ok(listed, _json_content("VoiceList"))),
+                read_errors,
+            ),
+            "post": _operation(
+                "createVoice",
+                "Make a voice from a reference or a blend, replacing one of the same id.",
+                (200, _ok("The new voice, as GET /voices lists it.", _json_content("Voice"))),
+                write_errors,
+                **write_extra,
+                requestBody={
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": _ref("VoiceCreate")}},
+                },
+            ),
+        },
+        item: {
+            "parameters": [*scope, _VOICE_ID],
+            "delete": _operation(
+                "deleteVoice",
+                "Remove a created voice.",
+                (200, _ok("The voice is gone.", _json_content("VoiceDeleted"))),
+                write_errors,
+                **write_extra,
+            ),
+        },
+        f"{item}/preview": {
+            "parameters": [*scope, _VOICE_ID],
+            "get": _operation(
+                "getVoicePreview",
+                "A short sample of the voice, as WAV.",
+                (200, _ok("The sample.", {"audio/wav": {}})),
+                _SPEAKING_ERRORS,
+            ),
+        },
+    }
+
+
+def _speak_operation(request: str) -> dict[str, Any]:
+    return _operation(
+        "speak",
+        "Speak text in one voice, loading the model on demand.",
+        (200, _audio_response()),
+        _SPEAKING_ERRORS,
+        requestBody=_json_body(request, "What to say and how."),
+    )
+
+
+def _dialogue_operation(request: str) -> dict[str, Any]:
+    return _operation(
+        "dialogue",
+        "Speak a conversation in one take, where the variant declares dialogue.",
+        (200, _audio_response()),
+        _SPEAKING_ERRORS,
+        requestBody=_json_body(request, "The turns and who speaks them."),
+    )
+
+
+def _voice_id_parameter(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": _string(pattern=VOICE_ID_PATTERN),
+    }
 
 
 def _worker_paths() -> dict[str, Any]:
-    voice_id = {"$ref": "#/components/parameters/VoiceId"}
     return {
         "/health": {
             "get": _operation(
@@ -823,50 +984,15 @@ def _worker_paths() -> dict[str, Any]:
                 (200, _ok("The worker's state.", _json_content("Health"))),
             )
         },
-        "/capabilities": {
-            "get": _operation(
-                "getCapabilities",
-                "What this engine's variants perform, and what is loaded now.",
-                (200, _ok("The capability document.", _json_content("Capabilities"))),
-                (500,),
-            )
-        },
-        "/voices": {
-            "get": _operation(
-                "listVoices",
-                "Built-in and created voices; needs no model.",
-                (200, _ok("Every voice.", _json_content("VoiceList"))),
-                (500,),
-            ),
-            "post": _operation(
-                "createVoice",
-                "Make a voice from a reference or a blend, replacing one of the same id.",
-                (200, _ok("The new voice, as GET /voices lists it.", _json_content("Voice"))),
-                _VOICE_WRITE_ERRORS,
-                requestBody={
-                    "required": True,
-                    "content": {"multipart/form-data": {"schema": _ref("VoiceCreate")}},
-                },
-            ),
-        },
-        "/voices/{id}": {
-            "parameters": [voice_id],
-            "delete": _operation(
-                "deleteVoice",
-                "Remove a created voice.",
-                (200, _ok("The voice is gone.", _json_content("VoiceDeleted"))),
-                _VOICE_WRITE_ERRORS,
-            ),
-        },
-        "/voices/{id}/preview": {
-            "parameters": [voice_id],
-            "get": _operation(
-                "getVoicePreview",
-                "A short sample of the voice, as WAV.",
-                (200, _ok("The sample.", {"audio/wav": {}})),
-                _SPEAKING_ERRORS,
-            ),
-        },
+        "/capabilities": {"get": _capabilities_operation((500,))},
+        **_voice_paths(
+            "/voices",
+            "/voices/{id}",
+            [],
+            listed="Every voice.",
+            read_errors=(500,),
+            write_errors=_VOICE_WRITE_ERRORS,
+        ),
         "/load": {
             "post": _operation(
                 "load",
@@ -900,22 +1026,62 @@ def _worker_paths() -> dict[str, Any]:
                 requestBody=_json_body("FetchRequest", "Which variant; {} fetches the default."),
             )
         },
-        "/speak": {
-            "post": _operation(
-                "speak",
-                "Speak text in one voice, loading the model on demand.",
-                (200, _audio_response()),
-                _SPEAKING_ERRORS,
-                requestBody=_json_body("SpeakRequest", "What to say and how."),
+        "/speak": {"post": _speak_operation("SpeakRequest")},
+        "/dialogue": {"post": _dialogue_operation("DialogueRequest")},
+    }
+
+
+# The public API reaches an engine through the core, so an engine-scoped read can also
+# find the engine unknown (404) or its process not starting (503).
+_ENGINE_READ_ERRORS = (404, 500, 503)
+_MANAGEMENT_ERRORS = (400, 403, 404, 409, 422, 429, 500, 503)
+_ENGINE_ID = {"$ref": "#/components/parameters/EngineId"}
+_MANAGEMENT_NOTE = (
+    "A management route: it answers loopback callers, and from anywhere a caller "
+    "presenting the management token as Authorization: Bearer <token>; anyone else is "
+    "forbidden."
+)
+
+
+def _public_paths() -> dict[str, Any]:
+    return {
+        "/engines": {
+            "get": _operation(
+                "listEngines",
+                "Every engine this server has, with its licences and state; starts nothing.",
+                (200, _ok("One summary per configured engine.", _json_content("EngineList"))),
             )
         },
-        "/dialogue": {
-            "post": _operation(
-                "dialogue",
-                "Speak a conversation in one take, where the variant declares dialogue.",
-                (200, _audio_response()),
-                _SPEAKING_ERRORS,
-                requestBody=_json_body("DialogueRequest", "The turns and who speaks them."),
+        "/health": {
+            "get": _operation(
+                "getHealth",
+                "This server's version, contract and every engine's state; starts nothing.",
+                (200, _ok("The server's state.", _json_content("PublicHealth"))),
+            )
+        },
+        "/engines/{engine}/capabilities": {
+            "parameters": [_ENGINE_ID],
+            "get": _capabilities_operation(_ENGINE_READ_ERRORS),
+        },
+        **_voice_paths(
+            "/engines/{engine}/voices",
+            "/engines/{engine}/voices/{voice}",
+            [_ENGINE_ID],
+            listed="Every voice, each previewUrl under /engines/{engine}/voices/{voice}/preview.",
+            read_errors=_ENGINE_READ_ERRORS,
+            write_errors=_MANAGEMENT_ERRORS,
+            description=_MANAGEMENT_NOTE,
+        ),
+        "/speak": {"post": _speak_operation("PublicSpeakRequest")},
+        "/engines/{engine}/dialogue": {
+            "parameters": [_ENGINE_ID],
+            "post": _dialogue_operation("PublicDialogueRequest"),
+        },
+        "/openapi.json": {
+            "get": _operation(
+                "getOpenApi",
+                "This document, describing this server's version.",
+                (200, _ok("The OpenAPI 3.1 document.", _json_content_of({"type": "object"}))),
             )
         },
     }
@@ -944,6 +1110,44 @@ def _reachable(roots: Any) -> list[str]:
     return [name for name in _COMPONENTS if name in seen]
 
 
+def _document(
+    title: str,
+    version: str,
+    description: str,
+    paths: dict[str, Any],
+    parameters: dict[str, Any],
+    excluded_codes: frozenset[str],
+) -> dict[str, Any]:
+    """
+    An OpenAPI 3.1.0 document of C{paths}, holding the error responses and schemas they
+    reach; a fresh structure each call, so a caller may edit it freely.
+    """
+    used = set(_refs(paths))
+    responses = {
+        name: _error_response(status, excluded_codes)
+        for status, name in _ERROR_RESPONSES.items()
+        if f"#/components/responses/{name}" in used
+    }
+    components = {
+        "schemas": {name: _COMPONENTS[name] for name in _reachable([paths, responses])},
+        "responses": responses,
+        "parameters": parameters,
+    }
+    return copy.deepcopy(
+        {
+            "openapi": "3.1.0",
+            "info": {
+                "title": title,
+                "version": version,
+                "description": description,
+                "license": {"name": "MIT", "identifier": "MIT"},
+            },
+            "paths": paths,
+            "components": components,
+        }
+    )
+
+
 _WORKER_DESCRIPTION = """\
 The protocol between the Rhapsode core and one engine's worker process, contract 1 \
 (protocol.md sections 1 to 9). Engine authors read it; a client of the public API never \
@@ -968,38 +1172,63 @@ def worker_openapi(version: str) -> dict[str, Any]:
 
     A fresh structure each call, so a caller may edit it freely.
     """
-    paths = _worker_paths()
-    used = set(_refs(paths))
-    responses = {
-        name: _error_response(status)
-        for status, name in _ERROR_RESPONSES.items()
-        if f"#/components/responses/{name}" in used
-    }
-    components = {
-        "schemas": {name: _COMPONENTS[name] for name in _reachable([paths, responses])},
-        "responses": responses,
-        "parameters": {
-            "VoiceId": {
-                "name": "id",
+    return _document(
+        "Rhapsode worker protocol",
+        version,
+        _WORKER_DESCRIPTION,
+        _worker_paths(),
+        {"VoiceId": _voice_id_parameter("id", "A voice id, as GET /voices lists it.")},
+        _CORE_ONLY_CODES,
+    )
+
+
+_PUBLIC_DESCRIPTION = """\
+Rhapsode's public API: one HTTP contract in front of many text-to-speech engines \
+(protocol.md sections 4, 6, 7 and 9). GET /engines lists the engines this server has; every \
+engine-scoped route and POST /speak name one, and an id not in that list is \
+unknown_engine.
+
+POST /speak and POST /engines/{engine}/dialogue load a model on demand; nothing needs \
+loading first. Read contract from GET /health to decide what to send, and ignore \
+response fields you do not know. Every error is the Error envelope, whose retryable \
+flag, not the status, says whether to try again. stream: false reports every failure as \
+an envelope; a streamed response that fails after its headers is aborted, never ended \
+short.
+
+A request's Authorization header is stripped before any handler sees the request and \
+is never logged. Management routes (creating and deleting a voice) answer loopback \
+callers, and from anywhere a holder of the management token presenting \
+Authorization: Bearer <token>; a request carrying an Origin is refused unless that \
+origin is this machine's own or listed in management.origins. Everyone else is \
+forbidden. Speaking, listing and previews are open to every caller."""
+
+
+def public_openapi(version: str) -> dict[str, Any]:
+    """
+    The OpenAPI 3.1.0 document of the public API (protocol.md section 9, "The core
+    describes its own API"), C{info.version} set to C{version}: the running core's
+    package version, set when the document is served.
+
+    Public routes only, never a worker's.  A fresh structure each call.
+    """
+    return _document(
+        "Rhapsode",
+        version,
+        _PUBLIC_DESCRIPTION,
+        _public_paths(),
+        {
+            "EngineId": {
+                "name": "engine",
                 "in": "path",
                 "required": True,
-                "description": "A voice id, as GET /voices lists it.",
-                "schema": _string(pattern=VOICE_ID_PATTERN),
-            }
-        },
-    }
-    return copy.deepcopy(
-        {
-            "openapi": "3.1.0",
-            "info": {
-                "title": "Rhapsode worker protocol",
-                "version": version,
-                "description": _WORKER_DESCRIPTION,
-                "license": {"name": "MIT", "identifier": "MIT"},
+                "description": "An engine id, as GET /engines lists it.",
+                "schema": _string(),
             },
-            "paths": paths,
-            "components": components,
-        }
+            "VoiceId": _voice_id_parameter(
+                "voice", "A voice id, as GET /engines/{engine}/voices lists it."
+            ),
+        },
+        frozenset(),
     )
 
 

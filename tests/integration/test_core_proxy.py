@@ -371,3 +371,16 @@ async def test_rebound_host_refused_on_delete(core: Core) -> None:
     answer = await deferToThread(raw_tcp, core.address, head)
     assert answer.startswith(b"HTTP/1.1 403 ")
     assert "host" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_openapi_document_served_at_running_version(core: Core) -> None:
+    """
+    GET /openapi.json is the public API's document, versioned as the running core, with
+    no worker route in it.
+    """
+    from rhapsode import __version__
+
+    document = json.loads((await call(core, "GET", "/openapi.json")).body)
+    assert document["openapi"] == "3.1.0" and document["info"]["version"] == __version__
+    assert "/speak" in document["paths"] and "/terminate" not in document["paths"]
