@@ -6,11 +6,26 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test unit integration venv serve bench openapi clean
 
-$(STAMP): setup.cfg pyproject.toml engines/tone/setup.cfg
+# The twistd dropin lives at the repository root (twisted/plugins/), which only a
+# "strict" editable install exposes on sys.path; strict links files one by one, so the
+# install is redone whenever the set of source files changes (not on every edit).
+SOURCES := $(VENV)/.sources
+
+$(STAMP): setup.cfg pyproject.toml engines/tone/setup.cfg $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]' -e engines/tone
+	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet -e engines/tone
 	touch $(STAMP)
+
+$(SOURCES): FORCE
+	@mkdir -p $(VENV)
+	@find src twisted -name '*.py' | sort > $@.new
+	@cmp -s $@.new $@ || mv $@.new $@
+	@rm -f $@.new
+
+.PHONY: FORCE
+FORCE:
 
 venv: $(STAMP)
 
@@ -23,10 +38,29 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(PY) -m pytest tests/integration
 
-# A tone worker on TCP port 8080: curl it (README).
-serve: $(STAMP)
-	RHAPSODE_WORKER_LISTEN=tcp:127.0.0.1:8080 RHAPSODE_WORKER_ENGINE=tone \
-	RHAPSODE_WORKER_CONTRACT=1 $(PY) -m rhapsode_engine_tone
+# `make serve`: the core on port 8080 with the engines it configures, each installed in
+# a virtualenv of its own under .venvs/ (the core never imports an engine).
+ENGINES := tone
+ENGINE_VENVS := .venvs
+RUN := run
+CONFIG := $(RUN)/rhapsode.json
+
+$(ENGINE_VENVS)/%/.installed: setup.cfg engines/%/setup.cfg
+	test -x $(ENGINE_VENVS)/$*/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/$*
+	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet --upgrade pip
+	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e . -e engines/$*
+	touch $@
+
+$(CONFIG): Makefile
+	mkdir -p $(RUN)
+	$(PY) -c 'import json, os, sys; root = os.path.abspath("."); \
+	engines = {e: {"module": "rhapsode_engine_" + e, "python": os.path.join(root, "$(ENGINE_VENVS)", e, "bin", "python")} for e in sys.argv[1:]}; \
+	json.dump({"server": {"port": 8080, "host": "127.0.0.1"}, \
+	           "workers": {"socketDir": os.path.join(root, "$(RUN)", "sockets"), "voiceDir": os.path.join(root, "$(RUN)", "voices")}, \
+	           "engines": engines}, open("$(CONFIG)", "w"), indent=2)' $(ENGINES)
+
+serve: $(STAMP) $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
+	$(VENV)/bin/rhapsode serve --config $(CONFIG)
 
 bench: $(STAMP)
 	$(PY) bench/worker.py
@@ -35,4 +69,4 @@ openapi: $(STAMP)
 	$(PY) -m rhapsode_worker.contract > docs/openapi.worker.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENVS) $(RUN) build .pytest_cache .hypothesis

@@ -1,0 +1,21 @@
+"""
+The C{rhapsode} command: C{rhapsode serve [--config FILE]} is C{twistd -n rhapsode}.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: rhapsode serve [--config FILE]")
+        raise SystemExit(0 if args else 2)
+    if args[0] != "serve":
+        print(f"rhapsode: unknown command {args[0]!r}; try: rhapsode serve --config FILE", file=sys.stderr)
+        raise SystemExit(2)
+    from twisted.scripts.twistd import run
+
+    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode", *args[1:]]
+    run()

@@ -1,0 +1,728 @@
+"""
+L{WorkerSupervisor}: one engine's local worker process, spawned, watched and stopped
+(protocol.md sections 2 and 3).
+
+The core's half of the spawn contract: the environment a worker starts with, the one
+handshake line it answers with on stdout, its stderr JSON log lines forwarded into the
+core's log, restarts with a growing backoff after a crash, and the stop sequence (the
+terminate verb or SIGTERM, then SIGKILL after a grace period), sent to the worker's
+process group so that an adapter's own child processes go with it.
+
+The lifecycle is the transition table L{WorkerSupervisor._TRANSITIONS}.  Each state is a
+small class holding its own process, timers and waiting Deferreds.  Automat's typed
+machines build a state's data from the input's arguments alone, and here nearly every
+transition carries the process and the waiting Deferreds from one state into the next,
+so a table of C{(state, input) -> handler} functions is the more explicit way to write it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Union
+
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import InvalidLogLevelError, Logger, LogLevel
+from twisted.python.failure import Failure
+
+from rhapsode_worker import ModelUnavailable
+
+# The child makes itself a process-group leader and then becomes the worker (same pid),
+# because spawnProcess has no pre-exec hook.
+LEADER = "import os, sys; os.setpgrp(); os.execvp(sys.argv[1], sys.argv[1:])"
+
+BACKOFF_BASE_SECONDS = 1.0
+# An error message carries the last of the worker's stderr: these many lines, at most
+# these many characters.
+TAIL_LINES = 40
+TAIL_CHARACTERS = 2048
+# A stderr "line" that never ends (a progress bar redrawn with \r) is cut at this length.
+MAX_LINE_BYTES = 65536
+
+
+# -- the worker process, as the core sees it --------------------------------------------------
+
+
+class _Lines:
+    """
+    Bytes in, whole lines out, however the reads split them.
+    """
+
+    def __init__(self, deliver: Callable[[str], None]) -> None:
+        self.deliver = deliver
+        self._pending = b""
+
+    def feed(self, data: bytes) -> None:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        for line in lines:
+            self.deliver(line.rstrip(b"\r").decode("utf-8", "replace"))
+        if len(self._pending) > MAX_LINE_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            line, self._pending = self._pending, b""
+            self.deliver(line.rstrip(b"\r").decode("utf-8", "replace"))
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """
+    The SDK's JSON log record on this line, or None for anything else.
+    """
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(record, dict) and "message" in record:
+        return record
+    return None
+
+
+def _level(name: object) -> LogLevel:
+    try:
+        return LogLevel.levelWithName(str(name))
+    except InvalidLogLevelError:
+        return LogLevel.info
+
+
+def _describe(reason: Failure) -> str:
+    number = getattr(reason.value, "signal", None)
+    if number is not None:
+        try:
+            return f"killed by {signal.Signals(number).name}"
+        except ValueError:
+            return f"killed by signal {number}"
+    return f"exit code {getattr(reason.value, 'exitCode', None)}"
+
+
+class _Child(ProcessProtocol):
+    """
+    One spawned worker process: its first stdout line is the handshake, its stderr lines
+    are forwarded into the log and the last of them kept for error messages.
+
+    @ivar pid: the process id, which is also its process group's id; kept after the
+        process is reaped so the group can still be swept.
+    """
+
+    pid: int
+
+    def __init__(
+        self,
+        engine: str,
+        log: Logger,
+        on_handshake: Callable[[str], None],
+        on_exit: Callable[[str], None],
+        sweep: Callable[[int], None],
+    ) -> None:
+        self.engine = engine
+        self._log = log
+        self._on_handshake = on_handshake
+        self._on_exit = on_exit
+        self._sweep = sweep
+        self._stdout = _Lines(self._handshake_line)
+        self._stderr = _Lines(self._stderr_line)
+        self._tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def connectionMade(self) -> None:
+        self.pid = self.transport.pid
+
+    def outReceived(self, data: bytes) -> None:
+        self._stdout.feed(data)
+
+    def errReceived(self, data: bytes) -> None:
+        self._stderr.feed(data)
+
+    def processExited(self, reason: Failure) -> None:
+        # Anything left in the group (an adapter's child) would hold the stdout and
+        # stderr pipes open, and processEnded waits for those to close.
+        self._sweep(self.pid)
+
+    def processEnded(self, reason: Failure) -> None:
+        self._stdout.flush()
+        self._stderr.flush()
+        self._on_exit(_describe(reason))
+
+    def tail(self) -> str:
+        """
+        The last of what the worker wrote on stderr, as readable text.
+        """
+        text = "\n".join(self._tail)[-TAIL_CHARACTERS:]
+        return text or "(nothing on stderr)"
+
+    def _handshake_line(self, line: str) -> None:
+        self._stdout.deliver = self._stdout_line
+        self._on_handshake(line)
+
+    def _stdout_line(self, line: str) -> None:
+        self._log.info("[{engine}] {line}", engine=self.engine, line=line, stream="stdout")
+
+    def _stderr_line(self, line: str) -> None:
+        if not line.strip():
+            return
+        record = _record(line)
+        if record is None:
+            self._log.info("[{engine}] {line}", engine=self.engine, line=line, stream="stderr")
+            self._tail.append(line)
+            return
+        message = str(record["message"])
+        traceback = record.get("traceback")
+        namespace = str(record.get("namespace") or self._log.namespace)
+        fields: dict[str, Any] = {"engine": self.engine, "message": message}
+        text = "[{engine}] {message}"
+        if traceback:
+            fields["traceback"] = str(traceback)
+            text += "\n{traceback}"
+            message += "\n" + str(traceback)
+        Logger(namespace=namespace).emit(_level(record.get("level")), text, **fields)
+        self._tail.append(message)
+
+
+def _parse_handshake(line: str) -> tuple[int, str] | None:
+    """
+    The contract and listen address of a handshake line, or None if it is not one.
+    """
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("ready") is not True:
+        return None
+    contract, listen = doc.get("contract"), doc.get("listen")
+    if isinstance(contract, bool) or not isinstance(contract, int):
+        return None
+    if not isinstance(listen, str) or not listen.startswith(("unix:", "tcp:")):
+        return None
+    return contract, listen
+
+
+# -- the states ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Down:
+    """
+    No process, nothing scheduled.
+    """
+
+    name: ClassVar[str] = "down"
+
+
+@dataclass
+class _Starting:
+    """
+    Spawned, waiting for the handshake line until C{timeout} fires.
+    """
+
+    name: ClassVar[str] = "starting"
+    child: _Child
+    timeout: IDelayedCall
+    waiters: list[Deferred[str]]
+
+
+@dataclass
+class _Up:
+    """
+    Hand-shaken and serving on C{listen}.
+    """
+
+    name: ClassVar[str] = "up"
+    child: _Child
+    listen: str
+
+
+@dataclass
+class _Backoff:
+    """
+    Crashed; C{timer} spawns it again.  Reported as starting: a start() waits for it.
+    """
+
+    name: ClassVar[str] = "starting"
+    timer: IDelayedCall
+    waiters: list[Deferred[str]]
+
+
+@dataclass
+class _Draining:
+    """
+    Asked to stop, by the terminate verb or SIGTERM; C{grace} ends in SIGKILL.
+    C{starters} were asked for while stopping, and start it afresh once it has exited.
+    """
+
+    name: ClassVar[str] = "draining"
+    child: _Child
+    grace: IDelayedCall
+    stoppers: list[Deferred[None]]
+    starters: list[Deferred[str]]
+
+
+@dataclass
+class _Aborting:
+    """
+    Killed because its start ran out of time; the exit counts as a crash.
+    """
+
+    name: ClassVar[str] = "draining"
+    child: _Child
+    error: str
+    stoppers: list[Deferred[None]]
+
+
+@dataclass
+class _Refusing(_Aborting):
+    """
+    Killed for a handshake the core cannot accept; the exit leaves it failed, not
+    restarted, because a worker answers the same way every time.
+    """
+
+
+@dataclass
+class _Failed:
+    """
+    Given up on: C{error} is what every start() is told until a stop().
+    """
+
+    name: ClassVar[str] = "failed"
+    error: str
+
+
+_State = Union[_Down, _Starting, _Up, _Backoff, _Draining, _Aborting, _Failed]
+_WITH_PROCESS = (_Starting, _Up, _Draining, _Aborting)
+# The terminate verb may answer after its worker has exited and the state has moved on.
+_LATE_INPUTS = frozenset({"verb"})
+
+
+class WorkerSupervisor:
+    """
+    Spawns one engine's worker, restarts it when it crashes, and stops it.
+
+    Times are in seconds.  C{listen} is offered to the worker as
+    C{RHAPSODE_WORKER_LISTEN}; the worker's voices live in C{voice_dir/engine_id}.
+    C{env} (the engine's configured environment) goes over the inherited one and
+    under the contract's variables.  C{terminate} asks a worker at a listen address to
+    drain and exit, answering whether the verb landed; C{kill} signals a process group.
+
+    @ivar last_error: the latest failure to start or crash, with the worker's stderr.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        reactor: IReactorProcess,
+        python: str,
+        module: str,
+        listen: str,
+        voice_dir: str,
+        env: Mapping[str, str],
+        contract: int,
+        startup_timeout: float,
+        drain_grace: float,
+        max_restarts: int,
+        restart_decay: float,
+        terminate: Callable[[str], Deferred[bool]],
+        backoff_cap: float = 30.0,
+        kill: Callable[[int, int], None] = os.killpg,
+    ) -> None:
+        self.engine_id = engine_id
+        self.last_error: str | None = None
+        self._reactor = reactor
+        self._clock = IReactorTime(reactor)
+        self._python = python
+        self._module = module
+        self._argv = [python, "-c", LEADER, python, "-m", module]
+        self._env = {
+            **os.environ,
+            **env,
+            "RHAPSODE_WORKER_LISTEN": listen,
+            "RHAPSODE_WORKER_ENGINE": engine_id,
+            "RHAPSODE_WORKER_CONTRACT": str(contract),
+            "RHAPSODE_WORKER_VOICE_DIR": os.path.join(voice_dir, engine_id),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self._contract = contract
+        self._startup_timeout = startup_timeout
+        self._drain_grace = drain_grace
+        self._max_restarts = max_restarts
+        self._restart_decay = restart_decay
+        self._backoff_cap = backoff_cap
+        self._terminate = terminate
+        self._kill = kill
+        self._crashes: deque[float] = deque()
+        self._state: _State = _Down()
+        self._inbox: deque[tuple[str, tuple[Any, ...]]] = deque()
+        self._outbox: list[Callable[[], object]] = []
+        self._dispatching = False
+
+    # -- what callers see ---------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """
+        down, starting, up, draining or failed.
+        """
+        return self._state.name
+
+    @property
+    def listen(self) -> str | None:
+        """
+        The address from the handshake, while up.
+        """
+        return self._state.listen if isinstance(self._state, _Up) else None
+
+    @property
+    def pid(self) -> int | None:
+        return self._state.child.pid if isinstance(self._state, _WITH_PROCESS) else None
+
+    @property
+    def restarts(self) -> int:
+        """
+        Crashes (restarts) within the last C{restart_decay} seconds.
+        """
+        since = self._clock.seconds() - self._restart_decay
+        return sum(1 for when in self._crashes if when > since)
+
+    def start(self) -> Deferred[str]:
+        """
+        The worker's listen address once it is up.
+
+        Fails with L{ModelUnavailable} (retryable) when this start does: the worker
+        exited before its handshake, ran out of time, was refused, was stopped first, or
+        the supervisor has given up on it.
+        """
+        waiter: Deferred[str] = Deferred()
+        self._feed("start", waiter)
+        return waiter
+
+    def stop(self, ask: bool = True) -> Deferred[None]:
+        """
+        Stop the worker; fires once its process has exited.
+
+        With C{ask}, a worker that is up is sent the terminate verb and signalled only
+        if the verb did not land; without it (shutdown), it is sent SIGTERM at once.
+        Either way SIGKILL follows C{drain_grace} later if it has not exited.
+        """
+        waiter: Deferred[None] = Deferred()
+        self._feed("stop", ask, waiter)
+        return waiter
+
+    def health(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"process": self.state, "restarts": self.restarts}
+        if self.pid is not None:
+            doc["pid"] = self.pid
+        if self.last_error is not None:
+            doc["lastError"] = self.last_error
+        return doc
+
+    # -- the machine ----------------------------------------------------------------------
+
+    def _feed(self, name: str, *args: Any) -> None:
+        """
+        Run one input through the table.  An input arriving while another is being
+        handled (a waiter's callback calling start(), a verb answered at once) waits
+        its turn, so every handler sees the state it was written for.
+        """
+        self._inbox.append((name, args))
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            while self._inbox:
+                name, args = self._inbox.popleft()
+                handler = self._TRANSITIONS.get((type(self._state), name))
+                if handler is None:
+                    if name in _LATE_INPUTS:
+                        continue
+                    raise RuntimeError(f"worker {self.engine_id}: no transition for {name} in {self._state}")
+                self._state = handler(self, self._state, *args)
+                # Waiters hear the outcome once the new state is in place.
+                outbox, self._outbox = self._outbox, []
+                for notify in outbox:
+                    notify()
+        finally:
+            self._dispatching = False
+
+    def _resolve(self, waiters: list[Deferred[Any]], value: object) -> None:
+        self._outbox.extend(lambda d=d: d.callback(value) for d in waiters)
+
+    def _reject(self, waiters: list[Deferred[Any]], message: str) -> None:
+        self._outbox.extend(lambda d=d: d.errback(ModelUnavailable(message)) for d in waiters)
+
+    # -- doing things -----------------------------------------------------------------------
+
+    def _spawn(self, waiters: list[Deferred[str]]) -> _State:
+        child = _Child(
+            self.engine_id,
+            self.log,
+            on_handshake=lambda line: self._feed("handshake", line),
+            on_exit=lambda how: self._feed("exited", how),
+            sweep=self._sweep,
+        )
+        self.log.info("starting worker {engine}: {module}", engine=self.engine_id, module=self._module)
+        try:
+            self._reactor.spawnProcess(child, self._python, self._argv, env=self._env)
+        except OSError as error:
+            return self._failed_start(waiters, f"could not spawn worker {self.engine_id}: {error}")
+        timeout = self._clock.callLater(self._startup_timeout, self._feed, "startup_timeout")
+        return _Starting(child, timeout, waiters)
+
+    def _failed_start(self, waiters: list[Deferred[str]], error: str) -> _State:
+        self._reject(waiters, error)
+        return self._crashed(error)
+
+    def _crashed(self, error: str) -> _State:
+        """
+        Count a crash against the window and restart after a backoff, or give up.
+        """
+        now = self._clock.seconds()
+        while self._crashes and self._crashes[0] <= now - self._restart_decay:
+            self._crashes.popleft()
+        self._crashes.append(now)
+        self.last_error = error
+        count = len(self._crashes)
+        if count > self._max_restarts:
+            message = (
+                f"worker {self.engine_id} failed {count} times within "
+                f"{self._restart_decay:g} s and is not restarted; the last: {error}"
+            )
+            self.log.error("{message}", engine=self.engine_id, message=message)
+            return _Failed(message)
+        delay = min(self._backoff_cap, BACKOFF_BASE_SECONDS * 2 ** (count - 1))
+        self.log.warn(
+            "{error}; restart {count} in {delay:g} s",
+            engine=self.engine_id,
+            error=error,
+            count=count,
+            delay=delay,
+        )
+        return _Backoff(self._clock.callLater(delay, self._feed, "respawn"), [])
+
+    def _drain(self, child: _Child, ask_at: str | None, stoppers: list[Deferred[None]]) -> _Draining:
+        """
+        Begin stopping: the verb to C{ask_at}, or SIGTERM when there is no address to ask.
+        """
+        grace = self._clock.callLater(self._drain_grace, self._feed, "grace_over")
+        state = _Draining(child, grace, stoppers, [])
+        if ask_at is None:
+            self._signal(child, signal.SIGTERM)
+            return state
+        self.log.info("asking worker {engine} to terminate", engine=self.engine_id)
+
+        def failed(reason: Failure) -> bool:
+            self.log.info(
+                "terminate verb to worker {engine} failed: {error}",
+                engine=self.engine_id,
+                error=reason.getErrorMessage(),
+            )
+            return False
+
+        # The answer names the stop it belongs to: it may come after this process has
+        # exited and another has been started and is being stopped in turn.
+        maybeDeferred(self._terminate, ask_at).addErrback(failed).addCallback(
+            lambda landed: self._feed("verb", state, bool(landed))
+        )
+        return state
+
+    def _signal(self, child: _Child, number: signal.Signals) -> None:
+        level = LogLevel.warn if number == signal.SIGKILL else LogLevel.info
+        self.log.emit(level, "sending {signal} to worker {engine}", signal=number.name, engine=self.engine_id)
+        try:
+            self._kill(child.pid, number)
+        except OSError:
+            # Not its own group leader yet (the wrapper does that first thing), or the
+            # group is gone: signal the process itself, which Twisted knows has exited.
+            try:
+                child.transport.signalProcess(int(number))
+            except ProcessExitedAlready:
+                pass
+
+    def _sweep(self, pid: int) -> None:
+        try:
+            self._kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _ignore(self, state: _State, *args: Any) -> _State:
+        return state
+
+    # -- down and failed ----------------------------------------------------------------
+
+    def _start_down(self, state: _Down, waiter: Deferred[str]) -> _State:
+        return self._spawn([waiter])
+
+    def _stop_idle(self, state: _Down | _Failed, ask: bool, waiter: Deferred[None]) -> _Down:
+        self._resolve([waiter], None)
+        return _Down()
+
+    def _start_failed(self, state: _Failed, waiter: Deferred[str]) -> _Failed:
+        self._reject([waiter], state.error)
+        return state
+
+    # -- starting -----------------------------------------------------------------------
+
+    def _join_start(self, state: _Starting | _Backoff, waiter: Deferred[str]) -> _State:
+        state.waiters.append(waiter)
+        return state
+
+    def _handshake(self, state: _Starting, line: str) -> _State:
+        state.timeout.cancel()
+        parsed = _parse_handshake(line)
+        if parsed is None:
+            return self._refuse(
+                state, f"worker {self.engine_id} wrote {line[:200]!r} on stdout where its handshake belongs"
+            )
+        contract, listen = parsed
+        if contract > self._contract:
+            return self._refuse(
+                state,
+                f"worker {self.engine_id} answered contract {contract}, "
+                f"above this core's contract {self._contract}",
+            )
+        self.log.info(
+            "worker {engine} up on {listen} (pid {pid}, contract {contract})",
+            engine=self.engine_id,
+            listen=listen,
+            pid=state.child.pid,
+            contract=contract,
+        )
+        self._resolve(state.waiters, listen)
+        return _Up(state.child, listen)
+
+    def _refuse(self, state: _Starting, error: str) -> _Refusing:
+        self.log.error("{error}", engine=self.engine_id, error=error)
+        self.last_error = error
+        self._signal(state.child, signal.SIGKILL)
+        self._reject(state.waiters, error)
+        return _Refusing(state.child, error, [])
+
+    def _exit_starting(self, state: _Starting, how: str) -> _State:
+        state.timeout.cancel()
+        return self._failed_start(
+            state.waiters, f"worker {self.engine_id} exited before its handshake ({how}): {state.child.tail()}"
+        )
+
+    def _timeout_starting(self, state: _Starting) -> _Aborting:
+        error = (
+            f"worker {self.engine_id} did not hand-shake within "
+            f"{self._startup_timeout:g} s: {state.child.tail()}"
+        )
+        self._signal(state.child, signal.SIGKILL)
+        self._reject(state.waiters, error)
+        return _Aborting(state.child, error, [])
+
+    def _stop_starting(self, state: _Starting, ask: bool, waiter: Deferred[None]) -> _Draining:
+        state.timeout.cancel()
+        self._reject(state.waiters, f"worker {self.engine_id} was stopped before it was up")
+        # No handshake means no address to send the verb to.
+        return self._drain(state.child, None, [waiter])
+
+    # -- up -------------------------------------------------------------------------------
+
+    def _start_up(self, state: _Up, waiter: Deferred[str]) -> _Up:
+        self._resolve([waiter], state.listen)
+        return state
+
+    def _stop_up(self, state: _Up, ask: bool, waiter: Deferred[None]) -> _Draining:
+        return self._drain(state.child, state.listen if ask else None, [waiter])
+
+    def _exit_up(self, state: _Up, how: str) -> _State:
+        return self._crashed(f"worker {self.engine_id} exited unexpectedly ({how}): {state.child.tail()}")
+
+    # -- backoff ----------------------------------------------------------------------------
+
+    def _respawn(self, state: _Backoff) -> _State:
+        return self._spawn(state.waiters)
+
+    def _stop_backoff(self, state: _Backoff, ask: bool, waiter: Deferred[None]) -> _Down:
+        state.timer.cancel()
+        self._reject(state.waiters, f"worker {self.engine_id} was stopped before it was up")
+        self._resolve([waiter], None)
+        return _Down()
+
+    # -- draining ---------------------------------------------------------------------------
+
+    def _start_draining(self, state: _Draining, waiter: Deferred[str]) -> _Draining:
+        state.starters.append(waiter)
+        return state
+
+    def _stop_draining(self, state: _Draining, ask: bool, waiter: Deferred[None]) -> _Draining:
+        # The latest word wins: a start asked for before this stop is called off.
+        self._reject(state.starters, f"worker {self.engine_id} was stopped before it was up")
+        state.starters.clear()
+        state.stoppers.append(waiter)
+        return state
+
+    def _verb(self, state: _Draining, asked: _Draining, landed: bool) -> _Draining:
+        if asked is state and not landed:
+            self._signal(state.child, signal.SIGTERM)
+        return state
+
+    def _grace_over(self, state: _Draining) -> _Draining:
+        self._signal(state.child, signal.SIGKILL)
+        return state
+
+    def _exit_draining(self, state: _Draining, how: str) -> _State:
+        if state.grace.active():
+            state.grace.cancel()
+        self.log.info("worker {engine} stopped ({how})", engine=self.engine_id, how=how)
+        self._resolve(state.stoppers, None)
+        if state.starters:
+            return self._spawn(state.starters)
+        return _Down()
+
+    # -- aborting and refusing ----------------------------------------------------------------
+
+    def _start_aborting(self, state: _Aborting, waiter: Deferred[str]) -> _Aborting:
+        self._reject([waiter], state.error)
+        return state
+
+    def _stop_aborting(self, state: _Aborting, ask: bool, waiter: Deferred[None]) -> _Aborting:
+        state.stoppers.append(waiter)
+        return state
+
+    def _exit_aborting(self, state: _Aborting, how: str) -> _State:
+        self._resolve(state.stoppers, None)
+        return _Down() if state.stoppers else self._crashed(state.error)
+
+    def _exit_refusing(self, state: _Refusing, how: str) -> _State:
+        self._resolve(state.stoppers, None)
+        return _Down() if state.stoppers else _Failed(state.error)
+
+    _TRANSITIONS: ClassVar[dict[tuple[type, str], Callable[..., _State]]] = {
+        (_Down, "start"): _start_down,
+        (_Down, "stop"): _stop_idle,
+        (_Starting, "start"): _join_start,
+        (_Starting, "stop"): _stop_starting,
+        (_Starting, "handshake"): _handshake,
+        (_Starting, "exited"): _exit_starting,
+        (_Starting, "startup_timeout"): _timeout_starting,
+        (_Up, "start"): _start_up,
+        (_Up, "stop"): _stop_up,
+        (_Up, "exited"): _exit_up,
+        (_Backoff, "start"): _join_start,
+        (_Backoff, "stop"): _stop_backoff,
+        (_Backoff, "respawn"): _respawn,
+        (_Draining, "start"): _start_draining,
+        (_Draining, "stop"): _stop_draining,
+        (_Draining, "handshake"): _ignore,
+        (_Draining, "verb"): _verb,
+        (_Draining, "grace_over"): _grace_over,
+        (_Draining, "exited"): _exit_draining,
+        (_Aborting, "start"): _start_aborting,
+        (_Aborting, "stop"): _stop_aborting,
+        (_Aborting, "handshake"): _ignore,
+        (_Aborting, "exited"): _exit_aborting,
+        (_Refusing, "start"): _start_aborting,
+        (_Refusing, "stop"): _stop_aborting,
+        (_Refusing, "handshake"): _ignore,
+        (_Refusing, "exited"): _exit_refusing,
+        (_Failed, "start"): _start_failed,
+        (_Failed, "stop"): _stop_idle,
+    }

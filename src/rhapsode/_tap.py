@@ -1,0 +1,31 @@
+"""
+What C{twistd rhapsode} runs: options, validated in C{postOptions}, and the service.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.python import usage
+
+from ._config import ConfigError, load_config
+
+
+class Options(usage.Options):
+    """
+    C{twistd rhapsode [--config FILE]}: without a file, every default and no engines.
+    """
+
+    optParameters = [["config", "c", None, "Path of the JSON config file."]]
+
+    def postOptions(self) -> None:
+        try:
+            self["loaded"] = load_config(self["config"])
+        except (ConfigError, OSError) as error:
+            raise usage.UsageError(str(error)) from None
+
+
+def makeService(options: Options) -> Any:
+    from ._service import RhapsodeService
+
+    return RhapsodeService(options["loaded"])

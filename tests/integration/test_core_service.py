@@ -1,0 +1,235 @@
+"""
+The core as the README runs it: `rhapsode serve --config FILE` (twistd's rhapsode
+plugin) as a real process supervising real tone workers: spawn on demand, crash
+restart, shutdown, no orphans, flat memory under a slow client, and the dropin being
+visible to twistd in both the editable and the regular install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from _worker import process_alive, resident_kib
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get(port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def speak(port: int, **fields: Any) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/speak",
+        data=json.dumps({"engine": "tone", **fields}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def wait_for(predicate: Any, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (OSError, ValueError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextmanager
+def serving(tmp_path: Path, **workers: Any) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    config = {
+        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 2000},
+        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices"), **workers},
+        "engines": {"tone": {"module": "rhapsode_engine_tone"}},
+    }
+    path = tmp_path / "rhapsode.json"
+    path.write_text(json.dumps(config))
+    log = open(tmp_path / "core.log", "wb")
+    core = subprocess.Popen([RHAPSODE, "serve", "--config", str(path)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: get(port, "/health"), 20, "the core to listen")
+        yield core, port
+    finally:
+        if core.poll() is None:
+            core.terminate()
+            try:
+                core.wait(15)
+            except subprocess.TimeoutExpired:
+                core.kill()
+                core.wait()
+        log.close()
+
+
+def worker_pid(port: int) -> int | None:
+    state = get(port, "/health")["engines"]["tone"]
+    return state.get("pid") if state["process"] == "up" else None
+
+
+def test_spawns_on_demand_and_restarts_a_crashed_worker(tmp_path: Path) -> None:
+    """
+    No worker runs until something speaks; a worker killed from outside is a crash, and
+    the core restarts it and speaks again; SIGTERM to the core stops it cleanly.
+    """
+    with serving(tmp_path) as (core, port):
+        assert get(port, "/health")["engines"]["tone"]["process"] == "down"
+        status, audio = speak(port, text="Hello there.", stream=False)
+        assert status == 200 and len(audio) > 1000
+        first = worker_pid(port)
+        assert first is not None and process_alive(first)
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: (pid := worker_pid(port)) and pid != first and pid, 20, "a restart")
+        assert get(port, "/health")["engines"]["tone"]["restarts"] >= 1
+        status, _ = speak(port, text="Back again.", stream=False)
+        assert status == 200
+        core.send_signal(signal.SIGTERM)
+        # twistd stops cleanly, then re-raises the signal so its exit status says why.
+        assert core.wait(20) == -signal.SIGTERM
+        assert b"Server Shut Down" in (tmp_path / "core.log").read_bytes()
+        assert not process_alive(second)
+
+
+def test_no_orphan_worker_after_the_core_is_killed(tmp_path: Path) -> None:
+    """
+    A core killed with SIGKILL cannot stop its workers; they notice and exit.
+    """
+    with serving(tmp_path) as (core, port):
+        assert speak(port, text="hi", stream=False)[0] == 200
+        pid = worker_pid(port)
+        assert pid is not None
+        core.kill()
+        core.wait()
+        wait_for(lambda: not process_alive(pid), 10, "the orphaned worker to exit")
+
+
+def test_slow_client_keeps_core_memory_flat(tmp_path: Path) -> None:
+    """
+    A client that stops reading a long stream pauses the worker's socket: the core's
+    resident memory does not grow by the stream it has not delivered.
+    """
+    text = " ".join(["A long sentence that keeps the stream going for a while."] * 70)[:4000]
+    with serving(tmp_path) as (core, port):
+        assert speak(port, text="warm up", stream=False)[0] == 200
+        before = resident_kib(core.pid)
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        body = json.dumps({"engine": "tone", "text": text, "format": "pcm"}).encode()
+        sock.sendall(
+            b"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        got = 0
+        while got < 256 * 1024:
+            got += len(sock.recv(16384))
+        samples = []
+        for _ in range(10):
+            time.sleep(0.2)
+            samples.append(resident_kib(core.pid))
+        while True:
+            data = sock.recv(262144)
+            if not data:
+                break
+            got += len(data)
+        sock.close()
+        assert got > 12_000_000
+        assert max(samples) - before < 6 * 1024, (before, samples)
+
+
+def test_bad_config_refused_naming_the_key(tmp_path: Path) -> None:
+    """
+    An unknown key in the config stops the start with a message naming it.
+    """
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"engines": {"tone": {"modul": "x"}}}))
+    run = subprocess.run([RHAPSODE, "serve", "--config", str(path)], cwd=tmp_path, capture_output=True, timeout=60)
+    assert run.returncode != 0
+    assert b"engines.tone.modul" in run.stdout + run.stderr
+
+
+PLUGINS = (
+    "from twisted.plugin import getPlugins\n"
+    "from twisted.application.service import IServiceMaker\n"
+    "import sys\n"
+    "found = [p for p in getPlugins(IServiceMaker) if p.tapname == 'rhapsode']\n"
+    "import twisted.plugins.rhapsode_plugin as dropin\n"
+    "print(dropin.__file__ if found else 'missing')\n"
+)
+
+
+def test_twistd_finds_the_plugin_in_the_editable_install(tmp_path: Path) -> None:
+    """
+    The install the README uses (make's strict editable install) makes `twistd rhapsode`
+    visible from any directory.
+    """
+    run = subprocess.run([sys.executable, "-c", PLUGINS], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("rhapsode_plugin.py")
+
+
+def test_twistd_finds_the_plugin_in_a_regular_install(tmp_path: Path) -> None:
+    """
+    A wheel of the project installs the dropin into twisted/plugins (and no __init__.py
+    there), and twistd finds it from that install.
+    """
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = wheels.glob("rhapsode-*.whl")
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )
+    assert (target / "twisted" / "plugins" / "rhapsode_plugin.py").exists()
+    assert not (target / "twisted" / "plugins" / "__init__.py").exists()
+    assert not (target / "twisted" / "__init__.py").exists()
+    env = dict(os.environ, PYTHONPATH=str(target))
+    run = subprocess.run([sys.executable, "-c", PLUGINS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == str(target / "twisted" / "plugins" / "rhapsode_plugin.py"), run.stderr
+
+
+@pytest.mark.parametrize("module", ["rhapsode._tap", "twisted.plugins.rhapsode_plugin"])
+def test_dropin_and_tap_are_import_light(module: str) -> None:
+    """
+    Importing the dropin or the tap module loads no reactor and no engine library.
+    """
+    code = (
+        f"import importlib, sys; importlib.import_module({module!r}); "
+        "heavy = [m for m in ('twisted.internet.reactor', 'torch', 'numpy', 'onnxruntime', 'klein') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
