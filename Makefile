@@ -4,7 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv serve bench openapi clean
+.PHONY: test unit integration venv engines serve bench openapi clean
+
+# Every engine distribution in the tree; each gets a virtualenv of its own.
+ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
+ENGINE_VENVS := .venvs
 
 # The twistd dropin lives at the repository root (twisted/plugins/), which only a
 # "strict" editable install exposes on sys.path; strict links files one by one, so the
@@ -29,19 +33,19 @@ FORCE:
 
 venv: $(STAMP)
 
-test: $(STAMP)
+engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
+
+test: $(STAMP) engines
 	$(PY) -m pytest
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-integration: $(STAMP)
+integration: $(STAMP) engines
 	$(PY) -m pytest tests/integration
 
 # `make serve`: the core on port 8080 with the engines it configures, each installed in
 # a virtualenv of its own under .venvs/ (the core never imports an engine).
-ENGINES := tone
-ENGINE_VENVS := .venvs
 RUN := run
 CONFIG := $(RUN)/rhapsode.json
 
@@ -59,7 +63,7 @@ $(CONFIG): Makefile
 	           "workers": {"socketDir": os.path.join(root, "$(RUN)", "sockets"), "voiceDir": os.path.join(root, "$(RUN)", "voices")}, \
 	           "engines": engines}, open("$(CONFIG)", "w"), indent=2)' $(ENGINES)
 
-serve: $(STAMP) $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
+serve: $(STAMP) engines $(CONFIG)
 	$(VENV)/bin/rhapsode serve --config $(CONFIG)
 
 bench: $(STAMP)

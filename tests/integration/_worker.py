@@ -24,7 +24,18 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-STARTUP_TIMEOUT = 20.0
+STARTUP_TIMEOUT = 60.0
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def engine_python(engine: str) -> str:
+    """
+    The interpreter of an engine's own virtualenv (built by make: .venvs/<engine>).
+    """
+    python = ROOT / ".venvs" / engine / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"{python} is missing: run `make test` (it builds .venvs/{engine})")
+    return str(python)
 
 
 class WorkerProtocol(ProcessProtocol):
@@ -119,6 +130,7 @@ def start_process(
     extra_env: dict[str, str] | None = None,
     engine: str = "tone",
     contract: str = "1",
+    python: str = sys.executable,
 ) -> tuple[WorkerProtocol, Any, str]:
     """
     Spawn a worker under the spawn contract on a Unix socket in C{tmp}.
@@ -136,7 +148,7 @@ def start_process(
     )
     env.update(extra_env or {})
     protocol = WorkerProtocol()
-    transport = reactor.spawnProcess(protocol, sys.executable, [sys.executable, "-m", module], env=env)
+    transport = reactor.spawnProcess(protocol, python, [python, "-m", module], env=env)
     return protocol, transport, socket_path
 
 
