@@ -60,15 +60,28 @@ async def core(tmp_path: Path) -> AsyncIterator[Core]:
         yield running
 
 
+def chatty_env(**knobs: str) -> dict[str, str]:
+    env = {"PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.update(knobs)
+    return env
+
+
 @pytest_twisted.async_yield_fixture()
 async def slow_core(tmp_path: Path) -> AsyncIterator[Core]:
     """
     A core in front of the chatty test engine, speaking a segment every 0.3 s.
     """
-    env = {
-        "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "CHATTY_SECONDS_PER_SEGMENT": "0.3",
-    }
+    env = chatty_env(CHATTY_SECONDS_PER_SEGMENT="0.3")
+    async for running in start_core(tmp_path, engine="chatty", module="chatty_engine", extra_env=env):
+        yield running
+
+
+@pytest_twisted.async_yield_fixture()
+async def tiny_core(tmp_path: Path) -> AsyncIterator[Core]:
+    """
+    A core in front of a chatty engine whose whole answer is 32 bytes: under the floor.
+    """
+    env = chatty_env(CHATTY_SEGMENT_MS="1")
     async for running in start_core(tmp_path, engine="chatty", module="chatty_engine", extra_env=env):
         yield running
 
@@ -384,3 +397,45 @@ async def test_openapi_document_served_at_running_version(core: Core) -> None:
     document = json.loads((await call(core, "GET", "/openapi.json")).body)
     assert document["openapi"] == "3.1.0" and document["info"]["version"] == __version__
     assert "/speak" in document["paths"] and "/terminate" not in document["paths"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_buffered_floor_is_an_error_envelope(tiny_core: Core) -> None:
+    """
+    A buffered 200 under 256 bytes is not audio: the core answers an error envelope
+    instead, since no header has gone out yet.
+    """
+    response = await call(tiny_core, "POST", "/speak", {"engine": "chatty", "text": "hi", "format": "pcm", "stream": False})
+    assert response.status == 500
+    error = json.loads(response.body)["error"]
+    assert error["code"] == "internal" and "32 bytes" in error["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamed_floor_is_an_abort(tiny_core: Core) -> None:
+    """
+    A streamed 200 that ends under 256 bytes is aborted: the client sees the status but
+    never a clean end, so it cannot mistake the click for audio.
+    """
+    response = await call(tiny_core, "POST", "/speak", {"engine": "chatty", "text": "hi", "format": "pcm"})
+    assert response.status == 200
+    assert not response.complete and len(response.body) < 256
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_hangup_stops_the_worker(slow_core: Core) -> None:
+    """
+    A client that hangs up mid-stream through the core cancels the worker's request: a
+    drain asked of the worker right after finishes once the abandoned segment returns,
+    instead of waiting on a stream nobody will read (~9 s of synthesis).
+    """
+    import time
+
+    text = " ".join(["A sentence of about forty characters."] * 30)
+    response = await call(slow_core, "POST", "/speak", {"engine": "chatty", "text": text, "format": "pcm"}, stop_after=200)
+    assert not response.complete
+    started = time.monotonic()
+    code, _ = await slow_core.worker.json("POST", "/terminate")
+    assert code == 202
+    assert await slow_core.worker.protocol.ended == 0
+    assert time.monotonic() - started < 4
