@@ -14,7 +14,7 @@ import json
 from typing import Any, Awaitable, Callable, Sequence
 
 from klein import Klein
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
@@ -98,6 +98,19 @@ class CoreApp:
         self.contract_version = contract_version
         self.management_token = management_token
         self.management_origins = tuple(management_origins)
+        self.in_flight = 0
+        self._idle: list[Deferred[None]] = []
+
+    def when_idle(self) -> "Deferred[None]":
+        """
+        Fires once no request is being answered (at once if none is).
+        """
+        d: Deferred[None] = Deferred()
+        if self.in_flight:
+            self._idle.append(d)
+        else:
+            d.callback(None)
+        return d
 
     def resource(self) -> Any:
         return self.app.resource()
@@ -112,6 +125,7 @@ class CoreApp:
         """
         Map failures before headers onto the taxonomy; abort after them.
         """
+        self.in_flight += 1
         try:
             return await handler()
         except CancelledError:
@@ -124,6 +138,12 @@ class CoreApp:
                 abort_client(request)
                 return None
             return _error(request, error)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                waiters, self._idle = self._idle, []
+                for d in waiters:
+                    d.callback(None)
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def _no_route(self, request: IRequest, failure: Failure) -> bytes:

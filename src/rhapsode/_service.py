@@ -12,8 +12,15 @@ import sys
 from typing import Any
 
 from twisted.application import service
-from twisted.internet.defer import Deferred, DeferredList
-from twisted.logger import Logger
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.logger import (
+    FilteringLogObserver,
+    ILogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    Logger,
+    textFileLogObserver,
+)
 
 from rhapsode_worker.contract import CONTRACT_VERSIONS
 
@@ -55,6 +62,16 @@ class RhapsodeService(service.Service):
     @property
     def reactor(self) -> Any:
         return _reactor(self._reactor_given)
+
+    def setServiceParent(self, parent: Any) -> None:
+        """
+        Under twistd, offer the application a log observer at the config's level; twistd
+        asks the application for one before it falls back to its own.
+        """
+        super().setServiceParent(parent)
+        get = getattr(parent, "getComponent", None)
+        if get is not None and get(ILogObserver, None) is None:
+            parent.setComponent(ILogObserver, level_filtered(self.config.log.level))
 
     def build(self) -> CoreApp:
         """
@@ -121,23 +138,42 @@ class RhapsodeService(service.Service):
 
     def stopService(self) -> "Deferred[Any]":
         """
-        Stop listening, then signal every worker without asking (a shutdown), then close
-        the connection pools.
+        Stop listening, give requests in flight up to shutdownGraceMs to finish, then
+        signal every worker without asking (a shutdown) and close the connection pools.
         """
         super().stopService()
-        stopping: list[Deferred[Any]] = []
-        if self.port is not None:
-            stopping.append(self.port.stopListening())
-        if self.registry is not None:
-            for handle in self.registry:
-                if handle.supervisor is not None:
-                    stopping.append(handle.supervisor.stop(ask=False))
-        done = DeferredList(stopping, consumeErrors=True)
 
-        def close(_: Any) -> Any:
-            return DeferredList([c.close() for c in self._clients], consumeErrors=True)
+        async def stop() -> None:
+            if self.port is not None:
+                await self.port.stopListening()
+            if self.app is not None and self.app.in_flight:
+                idle = self.app.when_idle()
+                grace = self.config.server.shutdown_grace_ms / 1000
+                timer = self.reactor.callLater(grace, idle.cancel)
+                try:
+                    await idle
+                except CancelledError:
+                    self.log.warn("stopping with {n} request(s) still in flight", n=self.app.in_flight)
+                finally:
+                    if timer.active():
+                        timer.cancel()
+            stopping = [
+                h.supervisor.stop(ask=False) for h in self.registry or () if h.supervisor is not None
+            ]
+            await DeferredList(stopping, consumeErrors=True)
+            await DeferredList([c.close() for c in self._clients], consumeErrors=True)
 
-        return done.addCallback(close)
+        return Deferred.fromCoroutine(stop())
+
+
+def level_filtered(level: str, stream: Any = None) -> Any:
+    """
+    A text observer on C{stream} (stdout) that drops events below the config's level;
+    "trace" is Twisted's debug, its lowest.
+    """
+    name = {"trace": "debug"}.get(level, level)
+    predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(name))
+    return FilteringLogObserver(textFileLogObserver(stream or sys.stdout), [predicate])
 
 
 def _terminate_verb(client: WorkerClient) -> Any:

@@ -66,12 +66,12 @@ def wait_for(predicate: Any, seconds: float, what: str) -> Any:
 
 
 @contextmanager
-def serving(tmp_path: Path, **workers: Any) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def serving(tmp_path: Path, engines: dict[str, Any] | None = None, grace_ms: int = 2000) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
     config = {
-        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 2000},
-        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices"), **workers},
-        "engines": {"tone": {"module": "rhapsode_engine_tone"}},
+        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": grace_ms},
+        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")},
+        "engines": engines or {"tone": {"module": "rhapsode_engine_tone"}},
     }
     path = tmp_path / "rhapsode.json"
     path.write_text(json.dumps(config))
@@ -117,6 +117,40 @@ def test_spawns_on_demand_and_restarts_a_crashed_worker(tmp_path: Path) -> None:
         assert core.wait(20) == -signal.SIGTERM
         assert b"Server Shut Down" in (tmp_path / "core.log").read_bytes()
         assert not process_alive(second)
+
+
+def test_shutdown_lets_a_stream_in_flight_finish(tmp_path: Path) -> None:
+    """
+    SIGTERM stops the listener but gives a request in flight up to shutdownGraceMs to
+    finish: the client gets its whole stream, then the core and its worker exit.
+    """
+    here = str(Path(__file__).parent)
+    engines = {
+        "chatty": {
+            "module": "chatty_engine",
+            "env": {"PYTHONPATH": here, "CHATTY_SECONDS_PER_SEGMENT": "0.3"},
+        }
+    }
+    with serving(tmp_path, engines, grace_ms=10000) as (core, port):
+        text = " ".join(["A sentence of about forty characters."] * 5)
+        sock = socket.create_connection(("127.0.0.1", port))
+        body = json.dumps({"engine": "chatty", "text": text, "format": "pcm"}).encode()
+        sock.sendall(
+            b"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        core.send_signal(signal.SIGTERM)
+        data = first
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        sock.close()
+        assert data.endswith(b"\r\n\r\n") and b"\r\n0\r\nX-Rhapsode-Duration-Ms: 2500\r\n\r\n" in data
+        assert core.wait(20) == -signal.SIGTERM
 
 
 def test_no_orphan_worker_after_the_core_is_killed(tmp_path: Path) -> None:

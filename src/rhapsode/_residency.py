@@ -1,0 +1,508 @@
+"""
+The residency manager (protocol.md section 3): which engines' models hold the card,
+for how long, and which one goes when another needs the room.
+
+Separate from the router, it decides and the router acts.  Every stream takes a
+L{Lease} on its engine's model for as long as it runs, and a leased model is never
+evicted or expired under its caller.  A model that needs room takes it from the least
+recently used model without a lease, by terminating that model's worker; when every
+resident model is leased it waits, up to C{evictionWaitSeconds}, for one to let go.
+An idle model is terminated when its keep-alive runs out.
+
+Admissions, evictions, expiries and unloads are serialised by one lock, so an unload
+cannot slip between an admission decision and the lease it grants.  The lock is held
+while a worker is being terminated (the card is not free until it has gone), and never
+while an acquire waits for a lease to end.  Every setting is read when it is used,
+through L{IResidencySettings}, so a settings API can change them while the core runs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from twisted.internet.defer import Deferred, DeferredLock
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import Interface, implementer
+
+from rhapsode_worker._errors import BadRequest, Conflict, ModelUnavailable, SpeechError
+
+from ._config import Config
+
+_T = TypeVar("_T")
+
+#: How an operator may give a model's memory back (POST /engines/{engine}/unload).
+UNLOAD_MODES = ("terminate", "unload")
+
+
+class IResidencySettings(Interface):
+    """
+    The residency settings, asked for each time one is used.  Every method answers
+    at once and never blocks.
+    """
+
+    def max_resident_models() -> int:
+        """
+        How many models may be resident at once (1 or more).
+        """
+
+    def eviction_wait_seconds() -> float:
+        """
+        How long an acquire waits for a leased model to let go before it fails.
+        """
+
+    def keep_alive_seconds() -> int:
+        """
+        The server's keep-alive: seconds an idle model stays, -1 for no deadline.
+        """
+
+    def engine_keep_alive_seconds(engine: str) -> int | None:
+        """
+        The engine's own keep-alive, or C{None} where it has none of its own.
+        """
+
+
+@implementer(IResidencySettings)
+class ConfigSettings:
+    """
+    Residency settings read from whatever config C{current} answers at the time.
+    """
+
+    def __init__(self, current: Callable[[], Config]) -> None:
+        self._current = current
+
+    def max_resident_models(self) -> int:
+        return self._current().residency.max_resident_models
+
+    def eviction_wait_seconds(self) -> float:
+        return self._current().residency.eviction_wait_seconds
+
+    def keep_alive_seconds(self) -> int:
+        return self._current().residency.keep_alive_seconds
+
+    def engine_keep_alive_seconds(self, engine: str) -> int | None:
+        config = self._current().engines.get(engine)
+        return None if config is None else config.keep_alive_seconds
+
+
+def iso_utc(seconds: float) -> str:
+    """
+    A clock reading as ISO 8601 in UTC with milliseconds and a Z.
+    """
+    millis = round(seconds * 1000)
+    moment = datetime.fromtimestamp(millis // 1000, timezone.utc)
+    return f"{moment:%Y-%m-%dT%H:%M:%S}.{millis % 1000:03d}Z"
+
+
+class _Model:
+    """
+    One resident model.
+
+    @ivar asked: the keep-alive the request that last took a lease gave, C{None} if
+        it gave none (the engine's own value then applies).
+    @ivar expiry: the call that ends this model's keep-alive, while it is idle.
+    """
+
+    def __init__(self, engine: str, variant: str) -> None:
+        self.engine = engine
+        self.variant = variant
+        self.leases = 0
+        self.last_used = 0.0
+        self.asked: int | None = None
+        self.size_bytes: int | None = None
+        self.expiry: IDelayedCall | None = None
+
+    def disarm(self) -> None:
+        if self.expiry is not None:
+            if self.expiry.active():
+                self.expiry.cancel()
+            self.expiry = None
+
+
+class Lease:
+    """
+    One stream's hold on its engine's model.  Release it when the stream ends, however
+    it ends; releasing twice is harmless.
+    """
+
+    def __init__(self, residency: Residency, model: _Model) -> None:
+        self._residency = residency
+        self._model: _Model | None = model
+        self.engine = model.engine
+        self.variant = model.variant
+
+    def release(self) -> None:
+        model, self._model = self._model, None
+        if model is not None:
+            self._residency._released(model)
+
+
+class _Ticket:
+    """
+    One acquire on its way to a lease.
+
+    @ivar gone: its caller has stopped waiting (or it is finished), so nothing may be
+        granted to it any more.
+    @ivar give_up_at: when it fails, set the first time every model it could use was
+        leased.
+    """
+
+    def __init__(self, engine: str, variant: str, keep_alive: int | None) -> None:
+        self.engine = engine
+        self.variant = variant
+        self.keep_alive = keep_alive
+        self.gone = False
+        self.give_up_at: float | None = None
+        self.blocked = ""
+
+
+class Residency:
+    """
+    The models resident on the card, their leases and deadlines.
+
+    @param clock: the time source for deadlines, waits and timestamps.
+    @param settings: read each time a value is used.
+    @param terminate: ends an engine's worker process (the terminate verb, then a
+        signal); fires once it has gone.  It must fire, one way or another, in bounded
+        time: admissions wait for it.
+    @param unload: unloads an engine's model and keeps its process; fires once done.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        *,
+        clock: IReactorTime,
+        settings: IResidencySettings,
+        terminate: Callable[[str], Deferred[Any]],
+        unload: Callable[[str], Deferred[Any]],
+    ) -> None:
+        self._clock = clock
+        self._settings = settings
+        self._terminate = terminate
+        self._unload = unload
+        self._lock = DeferredLock()
+        # Least recently used first: the order evictions take them in.
+        self._models: OrderedDict[str, _Model] = OrderedDict()
+        self._tickets: list[_Ticket] = []
+        self._room: list[Deferred[bool]] = []
+
+    # -- what the router calls ----------------------------------------------------------
+
+    async def acquire(self, engine: str, variant: str, keep_alive: int | None = None) -> Lease:
+        """
+        A lease on C{engine}'s model in C{variant}, making it resident if it is not.
+
+        Evicts the least recently used model without a lease when the budget is full,
+        and waits for a lease to end when every resident model has one, or when the
+        engine is speaking another variant.  A caller that cancels stops waiting and
+        takes nothing (an eviction already under way still finishes).
+
+        @param keep_alive: the request's C{keepAliveSeconds}, C{None} if it gave none.
+        @raise ModelUnavailable: no room came within C{evictionWaitSeconds}.
+        """
+        ticket = _Ticket(engine, variant, keep_alive)
+        self._tickets.append(ticket)
+        try:
+            while True:
+                lease = await self._exclusively(lambda: self._admit(ticket))
+                if lease is not None:
+                    return lease
+                await self._wait_for_room(ticket)
+        finally:
+            ticket.gone = True
+            self._tickets.remove(ticket)
+
+    async def unload(self, engine: str, mode: str = "terminate") -> None:
+        """
+        Give C{engine}'s memory back now: C{terminate} ends its worker process, C{unload}
+        keeps the process for a faster next load.  Idempotent: with nothing resident the
+        action is still taken (a terminate still ends the process).
+
+        @raise Conflict: the engine is speaking.
+        @raise BadRequest: C{mode} is neither.
+        """
+        if mode not in UNLOAD_MODES:
+            raise BadRequest(f'mode must be terminate or unload, not "{mode}"', field="mode")
+        await self._exclusively(lambda: self._unload_now(engine, mode))
+
+    def record_size(self, engine: str, variant: str, size_bytes: int | None) -> None:
+        """
+        What the worker measured C{variant} took (its C{modelBytes}); ignored unless
+        that variant is the one resident.  Zero or less is a failed measurement.
+        """
+        model = self._models.get(engine)
+        if model is not None and model.variant == variant:
+            model.size_bytes = size_bytes if size_bytes is not None and size_bytes > 0 else None
+
+    def forget(self, engine: str) -> None:
+        """
+        C{engine}'s worker process has gone, and its model with it.  Leases still held on
+        it end quietly when released.
+        """
+        model = self._models.pop(engine, None)
+        if model is not None:
+            model.disarm()
+            self.log.info("{engine} ({variant}) is no longer resident: its worker exited",
+                          engine=engine, variant=model.variant)
+            self._wake()
+
+    def settings_changed(self) -> None:
+        """
+        A residency setting has changed: every idle model's deadline moves to what the
+        keep-alive in force now gives, and waiting acquires look again.  A lower budget
+        evicts nothing here; the next load that needs the room does.
+        """
+        for model in list(self._models.values()):
+            if model.leases == 0:
+                self._arm(model)
+        self._wake()
+
+    def state(self, engine: str) -> dict[str, Any]:
+        """
+        What the manager holds about C{engine}: whether its model is resident, which
+        variant, and how many streams hold it.
+        """
+        model = self._models.get(engine)
+        if model is None:
+            return {"resident": False, "leases": 0}
+        return {"resident": True, "variant": model.variant, "leases": model.leases}
+
+    def snapshot(self) -> dict[str, Any]:
+        """
+        The C{GET /residency} document, from the manager's own state alone; models in
+        eviction order, the next to go first.
+        """
+        models = []
+        for model in self._models.values():
+            keep_alive = self._keep_alive(model)
+            entry: dict[str, Any] = {
+                "engine": model.engine,
+                "variant": model.variant,
+                "leases": model.leases,
+                "lastUsedAt": iso_utc(model.last_used),
+            }
+            if model.leases == 0 and keep_alive >= 0:
+                entry["expiresAt"] = iso_utc(model.last_used + keep_alive)
+            entry["keepAliveSeconds"] = keep_alive
+            if model.size_bytes is not None:
+                entry["sizeBytes"] = model.size_bytes
+            models.append(entry)
+        return {
+            "resident": len(self._models),
+            "max": self._settings.max_resident_models(),
+            "waiting": len(self._tickets),
+            "models": models,
+        }
+
+    # -- under the lock -------------------------------------------------------------------
+
+    async def _exclusively(self, work: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+        """
+        Run C{work} under the lock.  A caller that gives up while queued leaves the
+        queue; once C{work} has started it runs to its end (it may be terminating a
+        worker) and holds the lock until then, whatever its caller does.
+        """
+        await self._lock.acquire()
+        running = Deferred.fromCoroutine(work())
+        running.addBoth(self._unlock)
+        return await _shielded(running, self._orphaned)
+
+    def _unlock(self, result: _T) -> _T:
+        self._lock.release()
+        return result
+
+    def _orphaned(self, failure: Failure) -> None:
+        if not failure.check(SpeechError):
+            self.log.failure("residency work failed after its caller gave up", failure)
+
+    async def _admit(self, ticket: _Ticket) -> Lease | None:
+        """
+        Grant C{ticket} a lease if it can have one now, evicting what it must; C{None}
+        when it has to wait for a lease to end (why is left in C{ticket.blocked}).
+        """
+        while not ticket.gone:
+            model = self._models.get(ticket.engine)
+            if model is not None:
+                if model.variant != ticket.variant:
+                    if model.leases:
+                        ticket.blocked = (
+                            f'engine "{model.engine}" is speaking variant "{model.variant}" '
+                            f'and cannot switch to "{ticket.variant}" until it finishes'
+                        )
+                        return None
+                    # The worker swaps variants itself as it loads; it is still one model.
+                    self.log.info("{engine}: variant {old} gives way to {new}",
+                                  engine=model.engine, old=model.variant, new=ticket.variant)
+                    model.variant = ticket.variant
+                    model.size_bytes = None
+                return self._lease(model, ticket.keep_alive)
+            if len(self._models) < self._settings.max_resident_models():
+                model = _Model(ticket.engine, ticket.variant)
+                self._models[ticket.engine] = model
+                return self._lease(model, ticket.keep_alive)
+            idle = next((m for m in self._models.values() if m.leases == 0), None)
+            if idle is None:
+                speaking = ", ".join(self._models)
+                ticket.blocked = (
+                    f'engine "{ticket.engine}" needs room and every resident model is '
+                    f"speaking ({speaking})"
+                )
+                return None
+            self.log.info("evicting {engine} ({variant}) to make room for {wanted}",
+                          engine=idle.engine, variant=idle.variant, wanted=ticket.engine)
+            await self._free(idle, self._terminate)
+        return None
+
+    async def _expire_now(self, model: _Model) -> None:
+        if self._models.get(model.engine) is not model or model.leases:
+            return
+        keep_alive = self._keep_alive(model)
+        if keep_alive < 0 or self._clock.seconds() < model.last_used + keep_alive:
+            # A setting moved the deadline while this expiry waited for the lock.
+            self._arm(model)
+            return
+        self.log.info("{engine} ({variant}) idle for {seconds} s: terminating its worker",
+                      engine=model.engine, variant=model.variant, seconds=keep_alive)
+        await self._free(model, self._terminate)
+        self._wake()
+
+    async def _unload_now(self, engine: str, mode: str) -> None:
+        model = self._models.get(engine)
+        if model is not None and model.leases:
+            raise Conflict(
+                f'engine "{engine}" is speaking ({model.leases} in progress); '
+                "unload it once it has finished",
+            )
+        action = self._terminate if mode == "terminate" else self._unload
+        try:
+            if model is None:
+                await action(engine)
+            else:
+                self.log.info("{mode} {engine} ({variant}) on request",
+                              mode=mode, engine=engine, variant=model.variant)
+                await self._free(model, action, quiet=False)
+        finally:
+            self._wake()
+
+    async def _free(
+        self, model: _Model, action: Callable[[str], Deferred[Any]], quiet: bool = True
+    ) -> None:
+        """
+        Forget C{model} and take C{action} on its engine.  An eviction or expiry that
+        fails is logged and forgotten all the same; an operator's unload hears why.
+        """
+        del self._models[model.engine]
+        model.disarm()
+        try:
+            await action(model.engine)
+        except Exception:
+            if not quiet:
+                raise
+            self.log.failure("freeing {engine} failed", engine=model.engine)
+
+    # -- leases, deadlines, waits ---------------------------------------------------------
+
+    def _lease(self, model: _Model, keep_alive: int | None) -> Lease:
+        # The last request to take a lease says how long the model stays; one that
+        # says nothing puts the engine's own value back.
+        model.asked = keep_alive
+        model.leases += 1
+        model.disarm()
+        self._touch(model)
+        return Lease(self, model)
+
+    def _released(self, model: _Model) -> None:
+        if self._models.get(model.engine) is not model:
+            return  # its worker has gone since
+        model.leases -= 1
+        self._touch(model)
+        if model.leases == 0:
+            self._arm(model)
+            self._wake()
+
+    def _touch(self, model: _Model) -> None:
+        model.last_used = self._clock.seconds()
+        self._models.move_to_end(model.engine)
+
+    def _keep_alive(self, model: _Model) -> int:
+        if model.asked is not None:
+            return model.asked
+        own = self._settings.engine_keep_alive_seconds(model.engine)
+        return own if own is not None else self._settings.keep_alive_seconds()
+
+    def _arm(self, model: _Model) -> None:
+        """
+        Set an idle model's deadline from when its last lease ended.
+        """
+        model.disarm()
+        keep_alive = self._keep_alive(model)
+        if keep_alive < 0:
+            return
+        delay = model.last_used + keep_alive - self._clock.seconds()
+        if delay > 0:
+            model.expiry = self._clock.callLater(delay, self._expire, model)
+        else:
+            self._expire(model)
+
+    def _expire(self, model: _Model) -> None:
+        model.expiry = None
+        expiring = Deferred.fromCoroutine(self._exclusively(lambda: self._expire_now(model)))
+        expiring.addErrback(lambda f: self.log.failure("expiring {engine} failed", f,
+                                                       engine=model.engine))
+
+    async def _wait_for_room(self, ticket: _Ticket) -> None:
+        """
+        Wait until something that could let C{ticket} in changes: a lease ends, a model
+        goes, a setting changes.
+
+        @raise ModelUnavailable: C{evictionWaitSeconds} after it first had to wait.
+        """
+        now = self._clock.seconds()
+        if ticket.give_up_at is None:
+            ticket.give_up_at = now + self._settings.eviction_wait_seconds()
+            self.log.info("waiting for room: {why}", why=ticket.blocked)
+        waited = ticket.give_up_at - now
+        if waited <= 0:
+            raise ModelUnavailable(f"{ticket.blocked}; no room came in time")
+        changed: Deferred[bool] = Deferred()
+        self._room.append(changed)
+        timer = self._clock.callLater(waited, changed.callback, False)
+        try:
+            if not await changed:
+                raise ModelUnavailable(f"{ticket.blocked}; no room came in time")
+        finally:
+            if timer.active():
+                timer.cancel()
+            if changed in self._room:
+                self._room.remove(changed)
+
+    def _wake(self) -> None:
+        waiting, self._room = self._room, []
+        for changed in waiting:
+            changed.callback(True)
+
+
+def _shielded(running: Deferred[_T], orphaned: Callable[[Failure], None]) -> Deferred[_T]:
+    """
+    C{running}'s result, in a Deferred whose cancellation leaves C{running} to finish.
+    A failure nobody is waiting for any more goes to C{orphaned}.
+    """
+    out: Deferred[_T] = Deferred()
+
+    def deliver(result: _T | Failure) -> None:
+        if out.called:
+            if isinstance(result, Failure):
+                orphaned(result)
+        elif isinstance(result, Failure):
+            out.errback(result)
+        else:
+            out.callback(result)
+
+    running.addBoth(deliver)
+    return out
