@@ -1,0 +1,248 @@
+"""
+Benchmark of the core as a proxy, run by hand (`.venv/bin/python bench/proxy.py`).
+
+One tone worker, reached two ways in the same run: directly over its Unix socket, and
+through a core (`rhapsode serve`, a separate process) that has it configured by URL.
+Prints, side by side: time to first byte over 500 requests each (p50/p99 and the core's
+overhead), streamed throughput through the core as a ratio of direct, and N concurrent
+realtime streams (24 kHz 16-bit, read at 48 KB/s by paced clients) with the core's CPU,
+peak RSS and failures.  Asserts nothing.
+
+Everything runs on this one machine: the clients, the core and the worker share its
+cores, so the figures are what this box does, not what the core alone would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+RATE_BYTES = 48_000  # 24 kHz, 16-bit mono: one second of audio
+SENTENCE = "The quick brown fox jumps over the lazy dog, then rests."
+LONG = " ".join([SENTENCE] * 80)[:4000]
+STREAM_TEXT = "A ten second sentence of speech, long enough to read at realtime for a while."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_worker(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    path = str(tmp / "tone.sock")
+    env = dict(
+        os.environ,
+        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
+        RHAPSODE_WORKER_ENGINE="tone",
+        RHAPSODE_WORKER_CONTRACT="1",
+        RHAPSODE_WORKER_VOICE_DIR=str(tmp / "voices"),
+        RHAPSODE_WORKER_LOG_LEVEL="error",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rhapsode_engine_tone"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    return proc, path
+
+
+def start_core(tmp: Path, worker_path: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    config = {
+        "server": {"port": port, "host": "127.0.0.1"},
+        "log": {"level": "error"},
+        "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices")},
+        "engines": {"tone": {"url": f"unix:{worker_path}"}},
+    }
+    (tmp / "core.json").write_text(json.dumps(config))
+    rhapsode = str(Path(sys.executable).parent / "rhapsode")
+    proc = subprocess.Popen([rhapsode, "serve", "--config", str(tmp / "core.json")], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("the core did not start")
+
+
+def request_bytes(path: str, payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+    )
+
+
+def timed(connect: Callable[[], socket.socket], raw: bytes) -> tuple[float, float, int]:
+    """
+    One request: (seconds to the first body byte, seconds to the end, bytes received).
+    """
+    sock = connect()
+    start = time.perf_counter()
+    sock.sendall(raw)
+    buffer = b""
+    first = None
+    total = 0
+    while True:
+        data = sock.recv(262144)
+        if not data:
+            break
+        if first is None:
+            buffer += data
+            if b"\r\n\r\n" in buffer:
+                head, rest = buffer.split(b"\r\n\r\n", 1)
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(head.decode(errors="replace"))
+                if rest:
+                    first = time.perf_counter()
+                    total += len(rest)
+            continue
+        total += len(data)
+    end = time.perf_counter()
+    sock.close()
+    return (first or end) - start, end - start, total
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def one_stream(port: int, results: list[str], started: list[float]) -> None:
+    """
+    A realtime listener: reads at 48 KB/s, as a player would, and checks the ending.
+    """
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request_bytes("/speak", {"engine": "tone", "text": STREAM_TEXT, "format": "pcm"}))
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            results.append("status")
+            return
+        started.append(time.monotonic())
+        got = b""
+        begin = time.monotonic()
+        budget = 0
+        while True:
+            data = await reader.read(8192)
+            if not data:
+                break
+            got = (got + data)[-16:]
+            budget += len(data)
+            ahead = budget / RATE_BYTES - (time.monotonic() - begin)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        writer.close()
+        results.append("ok" if got.endswith(b"\r\n\r\n") else "truncated")
+    except (OSError, asyncio.IncompleteReadError) as error:
+        results.append(type(error).__name__)
+
+
+async def concurrent(port: int, n: int) -> tuple[list[str], list[float]]:
+    results: list[str] = []
+    started: list[float] = []
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one_stream(port, results, started)))
+        if i % 100 == 99:
+            await asyncio.sleep(0.05)  # a burst, not a single instant: accept queues are finite
+    await asyncio.gather(*tasks)
+    return results, started
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp())
+    worker, path = start_worker(tmp)
+    core, port = start_core(tmp, path)
+
+    def direct() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        return sock
+
+    def proxied() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", port))
+
+    try:
+        small = {"text": SENTENCE, "format": "pcm", "seed": 1}
+        for _ in range(20):  # warm both paths
+            timed(direct, request_bytes("/speak", small))
+            timed(proxied, request_bytes("/speak", {"engine": "tone", **small}))
+        d_first: list[float] = []
+        p_first: list[float] = []
+        for _ in range(500):
+            d_first.append(timed(direct, request_bytes("/speak", small))[0])
+            p_first.append(timed(proxied, request_bytes("/speak", {"engine": "tone", **small}))[0])
+        print("time to first byte, one sentence, 500 requests each (ms)")
+        print(f"  direct   p50 {percentile(d_first, 0.5) * 1e3:6.2f}  p99 {percentile(d_first, 0.99) * 1e3:6.2f}")
+        print(f"  proxied  p50 {percentile(p_first, 0.5) * 1e3:6.2f}  p99 {percentile(p_first, 0.99) * 1e3:6.2f}")
+        print(
+            f"  overhead p50 {(percentile(p_first, 0.5) - percentile(d_first, 0.5)) * 1e3:6.2f}"
+            f"  p99 {(percentile(p_first, 0.99) - percentile(d_first, 0.99)) * 1e3:6.2f}"
+        )
+        big = {"text": LONG, "format": "pcm", "seed": 1}
+        d_rate = max(r[2] / r[1] for r in (timed(direct, request_bytes("/speak", big)) for _ in range(3)))
+        p_rate = max(r[2] / r[1] for r in (timed(proxied, request_bytes("/speak", {"engine": "tone", **big})) for _ in range(3)))
+        print(f"streamed throughput, {len(LONG)} chars of pcm (best of 3)")
+        print(f"  direct {d_rate / 1e6:7.1f} MB/s   proxied {p_rate / 1e6:7.1f} MB/s   ratio {p_rate / d_rate:4.2f}")
+        print("concurrent realtime streams through the core (~5 s of audio each, read at 48 KB/s)")
+        for n in (500, 1000, 2000):
+            cpu_before = cpu_seconds(core.pid)
+            wall_before = time.monotonic()
+            peak = [rss_mb(core.pid)]
+
+            async def run(n: int = n) -> tuple[list[str], list[float]]:
+                async def sample() -> None:
+                    while True:
+                        peak.append(rss_mb(core.pid))
+                        await asyncio.sleep(0.25)
+
+                sampler = asyncio.create_task(sample())
+                try:
+                    return await concurrent(port, n)
+                finally:
+                    sampler.cancel()
+
+            results, started = asyncio.run(run())
+            wall = time.monotonic() - wall_before
+            cpu = cpu_seconds(core.pid) - cpu_before
+            failed = sum(1 for r in results if r != "ok")
+            print(
+                f"  N={n:5d}: core CPU {100 * cpu / wall:5.1f}% of one core over {wall:5.1f} s, "
+                f"peak RSS {max(peak):6.1f} MB, failed {failed}"
+                + (f" ({', '.join(sorted(set(r for r in results if r != 'ok')))})" if failed else "")
+            )
+    finally:
+        core.terminate()
+        worker.terminate()
+        core.wait(20)
+        worker.wait(20)
+
+
+if __name__ == "__main__":
+    main()
