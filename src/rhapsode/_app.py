@@ -31,9 +31,11 @@ from rhapsode_worker._errors import (
 from rhapsode_worker._vocab import clean_text
 
 from . import __version__
+from ._config import Config
 from ._gate import CoreRequest, CoreSite
 from ._proxy import DURATION_HEADER, FLOOR_BYTES, abort_client, collect, relay, write_trailer
 from ._registry import EngineHandle, Registry
+from ._residency import ConfigSettings, IResidencySettings, Residency
 from ._workers import BytesProducer
 
 #: A buffered body is at most a request's ceiling of audio; this bounds a runaway one.
@@ -92,14 +94,30 @@ class CoreApp:
         contract_version: int = 1,
         management_token: str | None = None,
         management_origins: Sequence[str] = (),
+        settings: IResidencySettings | None = None,
     ) -> None:
         self.registry = registry
+        self.residency = Residency(
+            clock=reactor,
+            settings=settings or ConfigSettings(Config),
+            terminate=lambda engine: registry.get(engine).terminate(),
+            unload=lambda engine: registry.get(engine).unload(),
+        )
         self.reactor = reactor
         self.contract_version = contract_version
         self.management_token = management_token
         self.management_origins = tuple(management_origins)
         self.in_flight = 0
         self._idle: list[Deferred[None]] = []
+        self._background: set[Deferred[None]] = set()
+
+    def close(self) -> None:
+        """
+        Shutting down: stop keep-alive timers and any measurement still in flight.
+        """
+        for task in list(self._background):
+            task.cancel()
+        self.residency.close()
 
     def when_idle(self) -> "Deferred[None]":
         """
@@ -169,11 +187,17 @@ class CoreApp:
             state = {"process": "remote"}
         else:
             state = dict(handle.supervisor.health())
-        resident = handle.resident
-        state["model"] = "loaded" if resident else "unloaded"
-        if resident:
-            state["variant"] = resident
+        # Model state is the residency manager's, so /health, /engines and /residency agree.
+        model = self.residency.state(handle.id)
+        state["model"] = "loaded" if model["resident"] else "unloaded"
+        if model["resident"]:
+            state["variant"] = model["variant"]
+            state["leases"] = model["leases"]
         return state
+
+    def _resident(self, engine: EngineHandle) -> str | None:
+        model = self.residency.state(engine.id)
+        return model["variant"] if model["resident"] else None
 
     @app.route("/engines", methods=["GET"])
     def _engines(self, request: IRequest) -> bytes:
@@ -191,6 +215,21 @@ class CoreApp:
                 "engines": {h.id: self._state(h) for h in self.registry},
             },
         )
+
+    @app.route("/residency", methods=["GET"])
+    def _residency(self, request: IRequest) -> bytes:
+        # The core's own state: spawns nothing, loads nothing, waits on no worker.
+        return _json(request, 200, self.residency.snapshot())
+
+    @app.route("/engines/<string:engine_id>/unload", methods=["POST"])
+    async def _unload(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            engine = self.registry.get(engine_id)
+            raw = request.args.get(b"mode", [b"terminate"])[0]
+            await self.residency.unload(engine.id, raw.decode("utf-8", "replace"))
+            return _json(request, 200, self._summary(engine))
+
+        return await self._answer(request, handle)
 
     @app.route("/openapi.json", methods=["GET"])
     def _openapi(self, request: IRequest) -> bytes:
@@ -229,9 +268,15 @@ class CoreApp:
         async def handle() -> Any:
             contract.check_voice_id(voice_id, "voice")
             engine = self.registry.get(engine_id)
-            client = await engine.ready()
-            response = await client.request(b"GET", f"/voices/{voice_id}/preview")
-            return await self._buffered(request, response, None)
+            caps = await engine.capabilities()
+            variant = engine.effective_variant(None, self._resident(engine))
+            lease = await self.residency.acquire(engine.id, variant, None)
+            try:
+                client = await engine.ready()
+                response = await client.request(b"GET", f"/voices/{voice_id}/preview")
+                return await self._buffered(request, response, None)
+            finally:
+                lease.release()
 
         return await self._answer(request, handle)
 
@@ -286,13 +331,15 @@ class CoreApp:
             body = _body(request, contract.PUBLIC_SPEAK_REQUEST)
             engine = self.registry.get(body["engine"])
             caps = await engine.capabilities()
-            variant = engine.effective_variant(body.get("variant"))
+            variant = engine.effective_variant(body.get("variant"), self._resident(engine))
             performs = self._variant(caps, variant)
             forward = self._forwarded(body, variant)
             forward["text"] = clean_text(body["text"], performs["cues"])
             if forward.get("delivery") not in performs["deliveries"]:
                 forward.pop("delivery", None)
-            return await self._dispatch(request, finished, engine, "/speak", forward, caps)
+            return await self._dispatch(
+                request, finished, engine, "/speak", forward, caps, body.get("keepAliveSeconds")
+            )
 
         return await self._answer(request, handle)
 
@@ -304,14 +351,16 @@ class CoreApp:
             body = _body(request, contract.PUBLIC_DIALOGUE_REQUEST)
             engine = self.registry.get(engine_id)
             caps = await engine.capabilities()
-            variant = engine.effective_variant(body.get("variant"))
+            variant = engine.effective_variant(body.get("variant"), self._resident(engine))
             performs = self._variant(caps, variant)
             forward = self._forwarded(body, variant)
             forward["turns"] = [
                 {"speaker": t["speaker"], "text": clean_text(t["text"], performs["cues"])}
                 for t in body["turns"]
             ]
-            return await self._dispatch(request, finished, engine, "/dialogue", forward, caps)
+            return await self._dispatch(
+                request, finished, engine, "/dialogue", forward, caps, body.get("keepAliveSeconds")
+            )
 
         return await self._answer(request, handle)
 
@@ -340,22 +389,52 @@ class CoreApp:
         path: str,
         forward: dict[str, Any],
         caps: dict[str, Any],
+        keep_alive: int | None,
     ) -> Any:
-        client = await engine.ready()
-        pending = client.request(
-            b"POST", path, BytesProducer(json.dumps(forward).encode()),
-            {b"Content-Type": [b"application/json"]},
-        )
-        # A client that hangs up before the worker answers cancels the upstream request.
-        finished.addErrback(lambda _: pending.cancel())
-        response = await pending
-        if response.code != 200:
-            return await self._relay_error(request, response)
-        engine.note_resident(forward["variant"])
-        fmt = forward.get("format", "wav")
-        if not forward.get("stream", True):
-            return await self._buffered(request, response, fmt)
-        return await self._streamed(request, finished, response, fmt, caps)
+        """
+        Take a lease on the model for as long as the answer streams, then speak.
+        """
+        variant = forward["variant"]
+        lease = await self.residency.acquire(engine.id, variant, keep_alive)
+        try:
+            client = await engine.ready()
+            pending = client.request(
+                b"POST", path, BytesProducer(json.dumps(forward).encode()),
+                {b"Content-Type": [b"application/json"]},
+            )
+            # A client that hangs up before the worker answers cancels the upstream request.
+            finished.addErrback(lambda _: pending.cancel())
+            response = await pending
+            if response.code != 200:
+                return await self._relay_error(request, response)
+            if "sizeBytes" not in self._model_entry(engine.id):
+                task = Deferred.fromCoroutine(self._measure(engine, variant))
+                self._background.add(task)
+                task.addBoth(lambda _: self._background.discard(task))
+            fmt = forward.get("format", "wav")
+            if not forward.get("stream", True):
+                return await self._buffered(request, response, fmt)
+            return await self._streamed(request, finished, response, fmt, caps)
+        finally:
+            lease.release()
+
+    def _model_entry(self, engine_id: str) -> dict[str, Any]:
+        for model in self.residency.snapshot()["models"]:
+            if model["engine"] == engine_id:
+                return dict(model)
+        return {}
+
+    async def _measure(self, engine: EngineHandle, variant: str) -> None:
+        """
+        Record what the load cost, from the worker's own measurement; best effort, off
+        the request's path.
+        """
+        try:
+            code, health = await engine.client.json(b"GET", "/health")
+        except (Exception, CancelledError):
+            return
+        if code == 200 and isinstance(health, dict) and health.get("variant") == variant:
+            self.residency.record_size(engine.id, variant, health.get("modelBytes"))
 
     async def _relay_error(self, request: IRequest, response: Any) -> bytes:
         raw = await collect(response, _ERROR_LIMIT)

@@ -31,15 +31,17 @@ _EARLY_BUFFER = 256 * 1024
 
 _VOICES = re.compile(rb"^/engines/([^/]+)/voices$")
 _VOICE = re.compile(rb"^/engines/([^/]+)/voices/([^/]+)$")
+_UNLOAD = re.compile(rb"^/engines/([^/]+)/unload$")
 
 
 def is_management(method: bytes, path: bytes) -> bool:
     """
-    The management routes that exist so far: creating and deleting voices.
+    The management routes that exist so far: creating and deleting voices, and giving a
+    model's memory back.
     """
-    return (method == b"POST" and bool(_VOICES.match(path))) or (
-        method == b"DELETE" and bool(_VOICE.match(path))
-    )
+    if method == b"POST":
+        return bool(_VOICES.match(path) or _UNLOAD.match(path))
+    return method == b"DELETE" and bool(_VOICE.match(path))
 
 
 @implementer(IBodyProducer)

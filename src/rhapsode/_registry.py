@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol
 
+from twisted.internet.defer import Deferred, succeed
+
 from rhapsode_worker._errors import ModelUnavailable, UnknownEngine
 
 from ._workers import WorkerClient
@@ -42,7 +44,6 @@ class EngineHandle:
         self.client = client
         self.supervisor = supervisor
         self._capabilities: dict[str, Any] | None = None
-        self._resident: tuple[int | None, str] | None = None
 
     @property
     def remote(self) -> bool:
@@ -71,23 +72,7 @@ class EngineHandle:
     def cached_capabilities(self) -> dict[str, Any] | None:
         return self._capabilities
 
-    @property
-    def resident(self) -> str | None:
-        """
-        The variant the core last saw loaded in this worker process, if any.
-        """
-        if self._resident is None:
-            return None
-        pid, variant = self._resident
-        if self.supervisor is not None and self.supervisor.pid != pid:
-            return None  # the process that loaded it is gone
-        return variant
-
-    def note_resident(self, variant: str | None) -> None:
-        pid = self.supervisor.pid if self.supervisor is not None else None
-        self._resident = None if variant is None else (pid, variant)
-
-    def effective_variant(self, requested: str | None) -> str:
+    def effective_variant(self, requested: str | None, resident: str | None) -> str:
         """
         Section 4's total rule: the request's variant, else the resident one, else the
         default.  Never reads C{current}.
@@ -95,7 +80,30 @@ class EngineHandle:
         assert self._capabilities is not None
         if requested is not None:
             return requested
-        return self.resident or self._capabilities["defaultVariant"]
+        return resident or self._capabilities["defaultVariant"]
+
+    def terminate(self) -> Any:
+        """
+        End this engine's worker process: a local one through its supervisor (the verb,
+        then a signal, then SIGKILL), a remote one by the verb alone.
+        """
+        if self.supervisor is not None:
+            return self.supervisor.stop(ask=True)
+        return Deferred.fromCoroutine(self._ask(b"POST", "/terminate"))
+
+    def unload(self) -> Any:
+        """
+        Unload this engine's model but keep its process; a local worker that is not up
+        has nothing loaded and is not started just to be told so.
+        """
+        if self.supervisor is not None and self.supervisor.state != "up":
+            return succeed(None)
+        return Deferred.fromCoroutine(self._ask(b"POST", "/unload"))
+
+    async def _ask(self, method: bytes, path: str) -> None:
+        code, answer = await self.client.json(method, path)
+        if code >= 300:
+            raise ModelUnavailable(f'engine "{self.id}" answered {path} with {code}: {answer}')
 
 
 class Registry:

@@ -148,7 +148,8 @@ class _Ticket:
     @ivar gone: its caller has stopped waiting (or it is finished), so nothing may be
         granted to it any more.
     @ivar give_up_at: when it fails, set the first time every model it could use was
-        leased.
+        leased, C{patience} seconds before.
+    @ivar blocked: why it is waiting.
     """
 
     def __init__(self, engine: str, variant: str, keep_alive: int | None) -> None:
@@ -157,6 +158,7 @@ class _Ticket:
         self.keep_alive = keep_alive
         self.gone = False
         self.give_up_at: float | None = None
+        self.patience = 0.0
         self.blocked = ""
 
 
@@ -273,6 +275,13 @@ class Residency:
             return {"resident": False, "leases": 0}
         return {"resident": True, "variant": model.variant, "leases": model.leases}
 
+    def close(self) -> None:
+        """
+        Stop every keep-alive timer: the core is shutting down and its workers go with it.
+        """
+        for model in self._models.values():
+            model.disarm()
+
     def snapshot(self) -> dict[str, Any]:
         """
         The C{GET /residency} document, from the manager's own state alone; models in
@@ -356,7 +365,8 @@ class Residency:
                 return None
             self.log.info("evicting {engine} ({variant}) to make room for {wanted}",
                           engine=idle.engine, variant=idle.variant, wanted=ticket.engine)
-            await self._free(idle, self._terminate)
+            self._drop(idle)
+            await self._terminate_quietly(idle)
         return None
 
     async def _expire_now(self, model: _Model) -> None:
@@ -369,7 +379,8 @@ class Residency:
             return
         self.log.info("{engine} ({variant}) idle for {seconds} s: terminating its worker",
                       engine=model.engine, variant=model.variant, seconds=keep_alive)
-        await self._free(model, self._terminate)
+        self._drop(model)
+        await self._terminate_quietly(model)
         self._wake()
 
     async def _unload_now(self, engine: str, mode: str) -> None:
@@ -379,32 +390,30 @@ class Residency:
                 f'engine "{engine}" is speaking ({model.leases} in progress); '
                 "unload it once it has finished",
             )
+        if model is not None:
+            self.log.info("{mode} {engine} ({variant}) on request",
+                          mode=mode, engine=engine, variant=model.variant)
+            self._drop(model)
         action = self._terminate if mode == "terminate" else self._unload
         try:
-            if model is None:
-                await action(engine)
-            else:
-                self.log.info("{mode} {engine} ({variant}) on request",
-                              mode=mode, engine=engine, variant=model.variant)
-                await self._free(model, action, quiet=False)
+            await action(engine)
         finally:
             self._wake()
 
-    async def _free(
-        self, model: _Model, action: Callable[[str], Deferred[Any]], quiet: bool = True
-    ) -> None:
-        """
-        Forget C{model} and take C{action} on its engine.  An eviction or expiry that
-        fails is logged and forgotten all the same; an operator's unload hears why.
-        """
+    def _drop(self, model: _Model) -> None:
         del self._models[model.engine]
         model.disarm()
+
+    async def _terminate_quietly(self, model: _Model) -> None:
+        """
+        Terminate an evicted or expired model's worker.  A failure is logged and the
+        model stays forgotten: the supervisor's stop ends in SIGKILL, so the process
+        is gone or going whatever the verb answered.
+        """
         try:
-            await action(model.engine)
+            await self._terminate(model.engine)
         except Exception:
-            if not quiet:
-                raise
-            self.log.failure("freeing {engine} failed", engine=model.engine)
+            self.log.failure("terminating {engine} failed", engine=model.engine)
 
     # -- leases, deadlines, waits ---------------------------------------------------------
 
@@ -465,17 +474,21 @@ class Residency:
         """
         now = self._clock.seconds()
         if ticket.give_up_at is None:
-            ticket.give_up_at = now + self._settings.eviction_wait_seconds()
+            ticket.patience = self._settings.eviction_wait_seconds()
+            ticket.give_up_at = now + ticket.patience
             self.log.info("waiting for room: {why}", why=ticket.blocked)
-        waited = ticket.give_up_at - now
-        if waited <= 0:
-            raise ModelUnavailable(f"{ticket.blocked}; no room came in time")
+        gave_up = ModelUnavailable(
+            f"{ticket.blocked}; none finished within {ticket.patience:g} s, try again"
+        )
+        remaining = ticket.give_up_at - now
+        if remaining <= 0:
+            raise gave_up
         changed: Deferred[bool] = Deferred()
         self._room.append(changed)
-        timer = self._clock.callLater(waited, changed.callback, False)
+        timer = self._clock.callLater(remaining, changed.callback, False)
         try:
             if not await changed:
-                raise ModelUnavailable(f"{ticket.blocked}; no room came in time")
+                raise gave_up
         finally:
             if timer.active():
                 timer.cancel()
@@ -485,7 +498,9 @@ class Residency:
     def _wake(self) -> None:
         waiting, self._room = self._room, []
         for changed in waiting:
-            changed.callback(True)
+            # A waiter woken earlier in this loop may have cancelled one further on.
+            if not changed.called:
+                changed.callback(True)
 
 
 def _shielded(running: Deferred[_T], orphaned: Callable[[Failure], None]) -> Deferred[_T]:

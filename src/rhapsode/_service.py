@@ -27,6 +27,7 @@ from rhapsode_worker.contract import CONTRACT_VERSIONS
 from ._app import CoreApp
 from ._config import Config
 from ._registry import EngineHandle, Registry
+from ._residency import ConfigSettings
 from ._supervisor import WorkerSupervisor
 from ._workers import WorkerClient
 
@@ -102,12 +103,25 @@ class RhapsodeService(service.Service):
                     max_restarts=workers.max_restarts,
                     restart_decay=workers.restart_decay_seconds,
                     terminate=_terminate_verb(client),
+                    on_crash=lambda engine_id=engine_id: self._crashed(engine_id),
                 )
                 handles[engine_id] = EngineHandle(engine_id, client, supervisor)
             self._clients.append(client)
         self.registry = Registry(handles)
-        self.app = CoreApp(self.registry, reactor=reactor, contract_version=CONTRACT)
+        self.app = CoreApp(
+            self.registry,
+            reactor=reactor,
+            contract_version=CONTRACT,
+            management_token=self.config.management.token,
+            management_origins=self.config.management.origins,
+            # Read when used, so a settings API can change them live.
+            settings=ConfigSettings(lambda: self.config),
+        )
         return self.app
+
+    def _crashed(self, engine_id: str) -> None:
+        if self.app is not None:
+            self.app.residency.forget(engine_id)
 
     def startService(self) -> None:
         super().startService()
@@ -146,6 +160,8 @@ class RhapsodeService(service.Service):
         async def stop() -> None:
             if self.port is not None:
                 await self.port.stopListening()
+            if self.app is not None:
+                self.app.close()
             if self.app is not None and self.app.in_flight:
                 idle = self.app.when_idle()
                 grace = self.config.server.shutdown_grace_ms / 1000

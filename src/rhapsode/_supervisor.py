@@ -330,8 +330,10 @@ class WorkerSupervisor:
         terminate: Callable[[str], Deferred[bool]],
         backoff_cap: float = 30.0,
         kill: Callable[[int, int], None] = os.killpg,
+        on_crash: Callable[[], object] = lambda: None,
     ) -> None:
         self.engine_id = engine_id
+        self._on_crash = on_crash
         self.last_error: str | None = None
         self._reactor = reactor
         self._clock = IReactorTime(reactor)
@@ -633,6 +635,8 @@ class WorkerSupervisor:
         return self._drain(state.child, state.listen if ask else None, [waiter])
 
     def _exit_up(self, state: _Up, how: str) -> _State:
+        # Whatever the worker had loaded went with it: tell whoever counts models.
+        self._outbox.append(self._on_crash)
         return self._crashed(f"worker {self.engine_id} exited unexpectedly ({how}): {state.child.tail()}")
 
     # -- backoff ----------------------------------------------------------------------------

@@ -66,10 +66,16 @@ def wait_for(predicate: Any, seconds: float, what: str) -> Any:
 
 
 @contextmanager
-def serving(tmp_path: Path, engines: dict[str, Any] | None = None, grace_ms: int = 2000) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def serving(
+    tmp_path: Path,
+    engines: dict[str, Any] | None = None,
+    grace_ms: int = 2000,
+    residency: dict[str, Any] | None = None,
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
     config = {
         "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": grace_ms},
+        "residency": residency or {},
         "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")},
         "engines": engines or {"tone": {"module": "rhapsode_engine_tone"}},
     }
