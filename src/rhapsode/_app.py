@@ -472,11 +472,12 @@ class CoreApp:
             request.setHeader(b"Content-Type", content_type[0])
         request.setHeader(b"Trailer", DURATION_HEADER)
         try:
-            received = await relay(response, request)
+            stream = await relay(response, request)
         except Exception:
             abort_client(request)
             await _settled(finished)
             return None
+        received = stream.received
         if received < FLOOR_BYTES:
             # Too late for an envelope: the status is on the wire.  An abort is the only
             # way left to say this was not audio.
@@ -484,7 +485,11 @@ class CoreApp:
             abort_client(request)
             await _settled(finished)
             return None
-        write_trailer(request, _duration_ms(fmt, caps.get("nativeFormat", {}), received))
+        # The worker's own trailer is authoritative (it counted the PCM); where it cannot
+        # be read, pcm and wav can still be counted from the bytes.
+        told = stream.trailers.get(DURATION_HEADER.lower(), b"")
+        duration = int(told) if told.isdigit() else _duration_ms(fmt, caps.get("nativeFormat", {}), received)
+        write_trailer(request, duration)
         return None
 
 

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from twisted.internet.defer import CancelledError, succeed
 from twisted.python.failure import Failure
-from twisted.internet.endpoints import UNIXClientEndpoint
+from twisted.internet.endpoints import HostnameEndpoint, UNIXClientEndpoint
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
@@ -50,14 +51,45 @@ class BytesProducer:
         pass
 
 
-@implementer(IAgentEndpointFactory)
-class _UnixEndpoints:
-    def __init__(self, reactor: Any, path: str) -> None:
-        self._reactor = reactor
-        self._path = path
+_TAIL = 512
 
-    def endpointForURI(self, uri: Any) -> UNIXClientEndpoint:
-        return UNIXClientEndpoint(self._reactor, self._path)
+
+class _Sniffer(ProtocolWrapper):
+    """
+    Keeps the last bytes a worker sent on one connection.  twisted.web's client parses a
+    chunked body's trailer and throws it away; the tail is how the core reads the
+    duration a worker put there, once the body has ended.
+    """
+
+    tail = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        # Before the parser sees it: the response may end inside this very call.
+        self.tail = (self.tail + data)[-_TAIL:]
+        super().dataReceived(data)
+
+
+class _SniffingEndpoint:
+    def __init__(self, endpoint: Any) -> None:
+        self._endpoint = endpoint
+
+    def connect(self, factory: Any) -> Any:
+        # The pool must hold the HTTP protocol itself, not the wrapper around it.
+        wrapping = WrappingFactory(factory)
+        wrapping.protocol = _Sniffer
+        return self._endpoint.connect(wrapping).addCallback(lambda w: w.wrappedProtocol)
+
+
+@implementer(IAgentEndpointFactory)
+class _Endpoints:
+    def __init__(self, reactor: Any, address: str) -> None:
+        self._reactor = reactor
+        self._address = address
+
+    def endpointForURI(self, uri: Any) -> Any:
+        if self._address.startswith("unix:"):
+            return _SniffingEndpoint(UNIXClientEndpoint(self._reactor, self._address[len("unix:"):]))
+        return _SniffingEndpoint(HostnameEndpoint(self._reactor, uri.host, uri.port))
 
 
 class WorkerClient:
@@ -70,12 +102,14 @@ class WorkerClient:
         self._pool = HTTPConnectionPool(reactor, persistent=True)
         self._pool.maxPersistentPerHost = 64
         if address.startswith("unix:"):
-            endpoints = _UnixEndpoints(reactor, address[len("unix:"):])
-            self._agent = Agent.usingEndpointFactory(reactor, endpoints, pool=self._pool)
             self._base = b"http://worker"
         else:
-            self._agent = Agent(reactor, pool=self._pool)
             self._base = address.rstrip("/").encode("ascii")
+        if address.startswith("https:"):
+            self._agent = Agent(reactor, pool=self._pool)
+        else:
+            endpoints = _Endpoints(reactor, address)
+            self._agent = Agent.usingEndpointFactory(reactor, endpoints, pool=self._pool)
 
     def request(
         self,

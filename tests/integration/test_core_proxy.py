@@ -444,3 +444,17 @@ async def test_client_hangup_stops_the_worker(slow_core: Core) -> None:
     assert code == 202
     assert await slow_core.worker.protocol.ended == 0
     assert time.monotonic() - started < 4
+
+
+@pytest.mark.parametrize("fmt", ["opus", "mp3", "flac", "wav", "pcm"])
+@pytest_twisted.ensureDeferred
+async def test_trailer_carries_the_workers_duration_in_every_format(core: Core, fmt: str) -> None:
+    """
+    A streamed response through the core ends with the duration the worker reported,
+    compressed formats included: the same number the buffered header gives.
+    """
+    body = {"engine": "tone", "text": TEXT, "format": fmt, "seed": 3}
+    buffered = await call(core, "POST", "/speak", {**body, "stream": False})
+    streamed = await call(core, "POST", "/speak", body)
+    assert streamed.status == 200 and streamed.complete
+    assert streamed.trailers["x-rhapsode-duration-ms"] == buffered.headers["x-rhapsode-duration-ms"]
