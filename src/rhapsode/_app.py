@@ -178,6 +178,11 @@ class CoreApp:
             summary["displayName"] = caps["engine"]["displayName"]
             summary["license"] = caps["license"]
             summary["defaultVariant"] = caps["defaultVariant"]
+        elif handle.catalog is not None:
+            # Never started: what its catalog says, so licences show before first use.
+            for key in ("displayName", "license", "defaultVariant"):
+                if key in handle.catalog:
+                    summary[key] = handle.catalog[key]
         summary.update(self._state(handle))
         return summary
 

@@ -39,10 +39,18 @@ class EngineHandle:
     One configured engine.
     """
 
-    def __init__(self, engine_id: str, client: WorkerClient, supervisor: Supervised | None) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        client: WorkerClient,
+        supervisor: Supervised | None,
+        catalog: Mapping[str, Any] | None = None,
+    ) -> None:
         self.id = engine_id
         self.client = client
         self.supervisor = supervisor
+        #: Facts from the engine's catalog.json, known before its worker ever runs.
+        self.catalog = dict(catalog) if catalog else None
         self._capabilities: dict[str, Any] | None = None
 
     @property

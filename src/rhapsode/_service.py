@@ -25,6 +25,7 @@ from twisted.logger import (
 from rhapsode_worker.contract import CONTRACT_VERSIONS
 
 from ._app import CoreApp
+from ._catalog import read_catalog
 from ._config import Config
 from ._registry import EngineHandle, Registry
 from ._residency import ConfigSettings
@@ -105,7 +106,9 @@ class RhapsodeService(service.Service):
                     terminate=_terminate_verb(client),
                     on_crash=lambda engine_id=engine_id: self._crashed(engine_id),
                 )
-                handles[engine_id] = EngineHandle(engine_id, client, supervisor)
+                python = engine.python or sys.executable
+                catalog = read_catalog(engine.module, python)
+                handles[engine_id] = EngineHandle(engine_id, client, supervisor, catalog)
             self._clients.append(client)
         self.registry = Registry(handles)
         self.app = CoreApp(

@@ -109,6 +109,9 @@ def test_spawns_on_demand_and_restarts_a_crashed_worker(tmp_path: Path) -> None:
     """
     with serving(tmp_path) as (core, port):
         assert get(port, "/health")["engines"]["tone"]["process"] == "down"
+        # The licences show before the engine has ever run: they come from its catalog.
+        (summary,) = get(port, "/engines")
+        assert summary["license"]["code"] == "MIT" and summary["process"] == "down"
         status, audio = speak(port, text="Hello there.", stream=False)
         assert status == 200 and len(audio) > 1000
         first = worker_pid(port)
