@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+
+from _common import free_port, percentile, request_bytes, start_worker, tcp, timed, unix, wait_listening
 
 RATE_BYTES = 48_000  # 24 kHz, 16-bit mono: one second of audio
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests."
@@ -32,28 +31,8 @@ LONG = " ".join([SENTENCE] * 80)[:4000]
 STREAM_TEXT = "A ten second sentence of speech, long enough to read at realtime for a while."
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
-def start_worker(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    path = str(tmp / "tone.sock")
-    env = dict(
-        os.environ,
-        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
-        RHAPSODE_WORKER_ENGINE="tone",
-        RHAPSODE_WORKER_CONTRACT="1",
-        RHAPSODE_WORKER_VOICE_DIR=str(tmp / "voices"),
-        RHAPSODE_WORKER_LOG_LEVEL="error",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rhapsode_engine_tone"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    assert proc.stdout is not None
-    proc.stdout.readline()
-    return proc, path
 
 
 def start_core(tmp: Path, worker_path: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -67,57 +46,14 @@ def start_core(tmp: Path, worker_path: str) -> tuple[subprocess.Popen[bytes], in
     (tmp / "core.json").write_text(json.dumps(config))
     rhapsode = str(Path(sys.executable).parent / "rhapsode")
     proc = subprocess.Popen([rhapsode, "serve", "--config", str(tmp / "core.json")], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port)).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("the core did not start")
+    wait_listening(port)
+    return proc, port
 
 
-def request_bytes(path: str, payload: dict[str, Any]) -> bytes:
-    body = json.dumps(payload).encode()
-    return (
-        b"POST %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
-    )
 
 
-def timed(connect: Callable[[], socket.socket], raw: bytes) -> tuple[float, float, int]:
-    """
-    One request: (seconds to the first body byte, seconds to the end, bytes received).
-    """
-    sock = connect()
-    start = time.perf_counter()
-    sock.sendall(raw)
-    buffer = b""
-    first = None
-    total = 0
-    while True:
-        data = sock.recv(262144)
-        if not data:
-            break
-        if first is None:
-            buffer += data
-            if b"\r\n\r\n" in buffer:
-                head, rest = buffer.split(b"\r\n\r\n", 1)
-                if not head.startswith(b"HTTP/1.1 200"):
-                    raise RuntimeError(head.decode(errors="replace"))
-                if rest:
-                    first = time.perf_counter()
-                    total += len(rest)
-            continue
-        total += len(data)
-    end = time.perf_counter()
-    sock.close()
-    return (first or end) - start, end - start, total
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -180,13 +116,7 @@ def main() -> None:
     worker, path = start_worker(tmp)
     core, port = start_core(tmp, path)
 
-    def direct() -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(path)
-        return sock
-
-    def proxied() -> socket.socket:
-        return socket.create_connection(("127.0.0.1", port))
+    direct, proxied = unix(path), tcp(port)
 
     try:
         small = {"text": SENTENCE, "format": "pcm", "seed": 1}

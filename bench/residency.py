@@ -13,48 +13,21 @@ to first byte for each; asserts nothing.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _common import free_port, request_bytes, tcp, timed, wait_listening
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def first_byte(port: int, engine: str) -> float:
-    body = json.dumps({"engine": engine, "text": SENTENCE, "format": "pcm"}).encode()
-    sock = socket.create_connection(("127.0.0.1", port))
-    start = time.perf_counter()
-    sock.sendall(
-        b"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    buffer = b""
-    first = None
-    while True:
-        data = sock.recv(65536)
-        if not data:
-            break
-        if first is None:
-            buffer += data
-            if b"\r\n\r\n" in buffer:
-                head, rest = buffer.split(b"\r\n\r\n", 1)
-                if not head.startswith(b"HTTP/1.1 200"):
-                    raise RuntimeError(head.decode(errors="replace"))
-                if rest:
-                    first = time.perf_counter() - start
-    sock.close()
-    assert first is not None
-    return first
+    return timed(tcp(port), request_bytes("/speak", {"engine": engine, "text": SENTENCE, "format": "pcm"}))[0]
 
 
 def main(argv: list[str]) -> None:
@@ -76,15 +49,7 @@ def main(argv: list[str]) -> None:
     rhapsode = str(Path(sys.executable).parent / "rhapsode")
     core = subprocess.Popen([rhapsode, "serve", "--config", str(tmp / "core.json")], stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port)).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        wait_listening(port)
         first_byte(port, a)
         warm = [first_byte(port, a) for _ in range(20)]
         switches = []

@@ -9,15 +9,12 @@ asserts nothing.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import request_bytes, start_worker, timed, unix
 
 RATE = 24000
 SENTENCE = "The quick brown fox jumps over the lazy dog, and then it rests for a while."
@@ -25,41 +22,7 @@ LONG = " ".join([SENTENCE] * 53)[:4000]
 
 
 def request(path: str, payload: dict[str, object]) -> tuple[float, float, int]:
-    """
-    POST /speak; returns (seconds to first body byte, seconds to end, body bytes).
-    """
-    body = json.dumps(payload).encode()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    start = time.perf_counter()
-    sock.connect(path)
-    sock.sendall(
-        b"POST /speak HTTP/1.1\r\nHost: w\r\nConnection: close\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    first = None
-    received = b""
-    total = 0
-    while True:
-        data = sock.recv(262144)
-        if not data:
-            break
-        if first is None:
-            received += data
-            if b"\r\n\r\n" in received:
-                head, rest = received.split(b"\r\n\r\n", 1)
-                if not head.startswith(b"HTTP/1.1 200"):
-                    raise RuntimeError(head.decode())
-                if rest:
-                    first = time.perf_counter()
-                total += len(rest)
-                received = b""
-                continue
-        if first is None:
-            first = time.perf_counter()
-        total += len(data)
-    end = time.perf_counter()
-    sock.close()
-    return (first or end) - start, end - start, total
+    return timed(unix(path), request_bytes("/speak", payload))
 
 
 def in_process_rtf() -> float:
@@ -81,20 +44,7 @@ def in_process_rtf() -> float:
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
-    path = str(tmp / "tone.sock")
-    env = dict(
-        os.environ,
-        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
-        RHAPSODE_WORKER_ENGINE="tone",
-        RHAPSODE_WORKER_CONTRACT="1",
-        RHAPSODE_WORKER_VOICE_DIR=str(tmp / "voices"),
-        RHAPSODE_WORKER_LOG_LEVEL="warn",
-    )
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "rhapsode_engine_tone"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    assert worker.stdout is not None
-    worker.stdout.readline()
+    worker, path = start_worker(tmp)
     try:
         request(path, {"text": "warm up", "format": "pcm", "stream": False})
         print(f"tone, {len(LONG)} characters of text (about {len(LONG) / 14:.0f} s of audio)")

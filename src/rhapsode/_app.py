@@ -273,7 +273,7 @@ class CoreApp:
         async def handle() -> Any:
             contract.check_voice_id(voice_id, "voice")
             engine = self.registry.get(engine_id)
-            caps = await engine.capabilities()
+            await engine.capabilities()
             variant = engine.effective_variant(None, self._resident(engine))
             lease = await self.residency.acquire(engine.id, variant, None)
             try:

@@ -30,7 +30,6 @@ from . import _memory, contract
 from ._blend import parse_blend
 from ._encode import content_type, make_encoder
 from ._engine import (
-    ALL_DELIVERIES,
     DialogueRequest,
     IEngine,
     Reference,

@@ -1,0 +1,110 @@
+"""
+What the benchmarks share: starting a worker under the spawn contract, and timing one
+raw HTTP/1.1 request to the first body byte and to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_listening(port: int, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def start_worker(
+    tmp: Path, module: str = "rhapsode_engine_tone", engine: str = "tone", python: str = sys.executable
+) -> tuple[subprocess.Popen[bytes], str]:
+    """
+    A worker on a Unix socket in C{tmp}, once its handshake line has come.
+    """
+    path = str(tmp / f"{engine}.sock")
+    env = dict(
+        os.environ,
+        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
+        RHAPSODE_WORKER_ENGINE=engine,
+        RHAPSODE_WORKER_CONTRACT="1",
+        RHAPSODE_WORKER_VOICE_DIR=str(tmp / "voices"),
+        RHAPSODE_WORKER_LOG_LEVEL="error",
+    )
+    proc = subprocess.Popen([python, "-m", module], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    return proc, path
+
+
+def unix(path: str) -> Callable[[], socket.socket]:
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        return sock
+
+    return connect
+
+
+def tcp(port: int) -> Callable[[], socket.socket]:
+    return lambda: socket.create_connection(("127.0.0.1", port))
+
+
+def request_bytes(path: str, payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+    )
+
+
+def timed(connect: Callable[[], socket.socket], raw: bytes) -> tuple[float, float, int]:
+    """
+    One request: (seconds to the first body byte, seconds to the end, body bytes).
+    """
+    sock = connect()
+    start = time.perf_counter()
+    sock.sendall(raw)
+    buffer = b""
+    first = None
+    total = 0
+    while True:
+        data = sock.recv(262144)
+        if not data:
+            break
+        if first is None:
+            buffer += data
+            if b"\r\n\r\n" in buffer:
+                head, rest = buffer.split(b"\r\n\r\n", 1)
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(head.decode(errors="replace"))
+                if rest:
+                    first = time.perf_counter()
+                    total += len(rest)
+            continue
+        total += len(data)
+    end = time.perf_counter()
+    sock.close()
+    return (first or end) - start, end - start, total
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
