@@ -412,7 +412,7 @@ class CoreApp:
             response = await pending
             if response.code != 200:
                 return await self._relay_error(request, response)
-            if "sizeBytes" not in self._model_entry(engine.id):
+            if "sizeBytes" not in self.residency.state(engine.id):
                 task = Deferred.fromCoroutine(self._measure(engine, variant))
                 self._background.add(task)
                 task.addBoth(lambda _: self._background.discard(task))
@@ -422,12 +422,6 @@ class CoreApp:
             return await self._streamed(request, finished, response, fmt, caps)
         finally:
             lease.release()
-
-    def _model_entry(self, engine_id: str) -> dict[str, Any]:
-        for model in self.residency.snapshot()["models"]:
-            if model["engine"] == engine_id:
-                return dict(model)
-        return {}
 
     async def _measure(self, engine: EngineHandle, variant: str) -> None:
         """

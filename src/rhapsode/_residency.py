@@ -268,12 +268,15 @@ class Residency:
     def state(self, engine: str) -> dict[str, Any]:
         """
         What the manager holds about C{engine}: whether its model is resident, which
-        variant, and how many streams hold it.
+        variant, how many streams hold it, and its size where measured.
         """
         model = self._models.get(engine)
         if model is None:
             return {"resident": False, "leases": 0}
-        return {"resident": True, "variant": model.variant, "leases": model.leases}
+        state: dict[str, Any] = {"resident": True, "variant": model.variant, "leases": model.leases}
+        if model.size_bytes is not None:
+            state["sizeBytes"] = model.size_bytes
+        return state
 
     def close(self) -> None:
         """
