@@ -208,6 +208,11 @@ class Residency:
         @param keep_alive: the request's C{keepAliveSeconds}, C{None} if it gave none.
         @raise ModelUnavailable: no room came within C{evictionWaitSeconds}.
         """
+        model = self._models.get(engine)
+        if model is not None and model.variant == variant and not self._lock.locked:
+            # What the lock would decide at once, without the round trip through it: the
+            # common case of a model already resident in the variant asked for.
+            return self._lease(model, keep_alive)
         ticket = _Ticket(engine, variant, keep_alive)
         self._tickets.append(ticket)
         try:
