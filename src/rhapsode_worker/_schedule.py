@@ -32,7 +32,7 @@ Step = Callable[[], Iterator[bytes]]
 # PCM crosses from the synthesis thread to the reactor in batches: one hop per small
 # chunk costs more than the audio is worth.  The first chunk of a step goes at once,
 # so batching never delays first audio.
-_BATCH_BYTES = 64 * 1024
+_BATCH_BYTES = 256 * 1024
 _BATCH_SECONDS = 0.1
 
 
