@@ -26,14 +26,22 @@ from rhapsode_worker._errors import (
     BadRequest,
     Internal,
     SpeechError,
-    as_speech_error,
+)
+from rhapsode_worker._http import (
+    DURATION_HEADER,
+    abort_connection,
+    answer_failure,
+    json_response,
+    no_route,
+    read_json,
+    write_trailer,
 )
 from rhapsode_worker._vocab import clean_text
 
 from . import __version__
 from ._config import Config
 from ._gate import CoreRequest, CoreSite
-from ._proxy import DURATION_HEADER, FLOOR_BYTES, abort_client, collect, relay, write_trailer
+from ._proxy import FLOOR_BYTES, collect, relay
 from ._registry import EngineHandle, Registry
 from ._residency import ConfigSettings, IResidencySettings, Residency
 from ._workers import BytesProducer
@@ -44,22 +52,8 @@ _ERROR_LIMIT = 64 * 1024
 _JSON_LIMIT = 1024 * 1024
 
 
-def _json(request: IRequest, status: int, body: Any) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"Content-Type", b"application/json")
-    return json.dumps(body).encode("utf-8")
-
-
-def _error(request: IRequest, error: SpeechError) -> bytes:
-    return _json(request, error.status, error.envelope())
-
-
 def _body(request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
-    request.content.seek(0)
-    raw = request.content.read(_JSON_LIMIT + 1)
-    if len(raw) > _JSON_LIMIT:
-        raise BadRequest(f"body is over {_JSON_LIMIT} bytes", field="body")
-    return contract.parse_json_body(raw if raw.strip() else b"{}", schema)
+    return read_json(request, schema, _JSON_LIMIT)
 
 
 def _duration_ms(fmt: str, native: dict[str, Any], byte_count: int) -> int | None:
@@ -149,13 +143,7 @@ class CoreApp:
         except CancelledError:
             raise
         except Exception as exc:
-            error = as_speech_error(exc)
-            if error.code == "internal":
-                self.log.failure("request failed", Failure(exc))
-            if getattr(request, "startedWriting", False):
-                abort_client(request)
-                return None
-            return _error(request, error)
+            return answer_failure(request, exc, self.log)
         finally:
             self.in_flight -= 1
             if not self.in_flight:
@@ -165,9 +153,7 @@ class CoreApp:
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def _no_route(self, request: IRequest, failure: Failure) -> bytes:
-        method = request.method.decode("ascii", "replace")
-        path = request.path.decode("utf-8", "replace")
-        return _error(request, BadRequest(f"no route {method} {path}", field="path"))
+        return no_route(request)
 
     # -- reading the registry ----------------------------------------------------------
 
@@ -206,11 +192,11 @@ class CoreApp:
 
     @app.route("/engines", methods=["GET"])
     def _engines(self, request: IRequest) -> bytes:
-        return _json(request, 200, [self._summary(h) for h in self.registry])
+        return json_response(request, 200, [self._summary(h) for h in self.registry])
 
     @app.route("/health", methods=["GET"])
     def _health(self, request: IRequest) -> bytes:
-        return _json(
+        return json_response(
             request,
             200,
             {
@@ -224,7 +210,7 @@ class CoreApp:
     @app.route("/residency", methods=["GET"])
     def _residency(self, request: IRequest) -> bytes:
         # The core's own state: spawns nothing, loads nothing, waits on no worker.
-        return _json(request, 200, self.residency.snapshot())
+        return json_response(request, 200, self.residency.snapshot())
 
     @app.route("/engines/<string:engine_id>/unload", methods=["POST"])
     async def _unload(self, request: IRequest, engine_id: str) -> Any:
@@ -232,14 +218,14 @@ class CoreApp:
             engine = self.registry.get(engine_id)
             raw = request.args.get(b"mode", [b"terminate"])[0]
             await self.residency.unload(engine.id, raw.decode("utf-8", "replace"))
-            return _json(request, 200, self._summary(engine))
+            return json_response(request, 200, self._summary(engine))
 
         return await self._answer(request, handle)
 
     @app.route("/openapi.json", methods=["GET"])
     def _openapi(self, request: IRequest) -> bytes:
         # Generated from the contract module at the running version: it describes this box.
-        return _json(request, 200, contract.public_openapi(__version__))
+        return json_response(request, 200, contract.public_openapi(__version__))
 
     # -- engine-scoped reads -----------------------------------------------------------
 
@@ -250,7 +236,7 @@ class CoreApp:
             await engine.capabilities()
             client = await engine.ready()
             code, document = await client.json(b"GET", "/capabilities")
-            return _json(request, code, document)
+            return json_response(request, code, document)
 
         return await self._answer(request, handle)
 
@@ -264,7 +250,7 @@ class CoreApp:
                 for voice in voices:
                     # The worker cannot know its prefix: the one field the core edits.
                     voice["previewUrl"] = f"/engines/{engine_id}/voices/{voice['id']}/preview"
-            return _json(request, code, voices)
+            return json_response(request, code, voices)
 
         return await self._answer(request, handle)
 
@@ -301,7 +287,7 @@ class CoreApp:
     def _voice_answer(self, request: IRequest, engine_id: str, code: int, voice: Any) -> bytes:
         if code == 200 and isinstance(voice, dict) and "id" in voice:
             voice["previewUrl"] = f"/engines/{engine_id}/voices/{voice['id']}/preview"
-        return _json(request, code, voice)
+        return json_response(request, code, voice)
 
     @app.route("/engines/<string:engine_id>/voices", methods=["POST"])
     async def _create_voice(self, request: IRequest, engine_id: str) -> Any:
@@ -322,7 +308,7 @@ class CoreApp:
             engine = self.registry.get(engine_id)
             client = await engine.ready()
             code, answer = await client.json(b"DELETE", f"/voices/{voice_id}")
-            return _json(request, code, answer)
+            return json_response(request, code, answer)
 
         return await self._answer(request, handle)
 
@@ -473,7 +459,7 @@ class CoreApp:
         try:
             stream = await relay(response, request)
         except Exception:
-            abort_client(request)
+            abort_connection(request)
             await _settled(finished)
             return None
         received = stream.received
@@ -481,7 +467,7 @@ class CoreApp:
             # Too late for an envelope: the status is on the wire.  An abort is the only
             # way left to say this was not audio.
             self.log.warn("aborting a {n}-byte stream: under the floor", n=received)
-            abort_client(request)
+            abort_connection(request)
             await _settled(finished)
             return None
         # The worker's own trailer is authoritative (it counted the PCM); where it cannot

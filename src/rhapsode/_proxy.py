@@ -21,7 +21,6 @@ from twisted.web.iweb import IRequest
 
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
-DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
 
 
 _TRAILER = re.compile(rb"\r\n0\r\n((?:[!-9;-~]+:[^\r\n]*\r\n)*)\r\n$")
@@ -41,29 +40,6 @@ def trailers_of(sniffer: Any) -> dict[bytes, bytes]:
             name, _, value = line.partition(b":")
             fields[name.strip().lower()] = value.strip()
     return fields
-
-
-def abort_client(request: IRequest) -> None:
-    """
-    End a response whose headers have gone without finishing it.
-    """
-    channel = getattr(request, "channel", None)
-    transport = getattr(channel, "transport", None)
-    if transport is None:
-        return
-    abort = getattr(transport, "abortConnection", None)
-    (abort or transport.loseConnection)()
-
-
-def write_trailer(request: IRequest, duration_ms: int | None) -> None:
-    """
-    End a chunked body with the duration trailer; twisted.web has no trailer API.
-    """
-    if not getattr(request, "chunked", False):
-        return
-    request.chunked = 0  # type: ignore[attr-defined]
-    trailer = b"" if duration_ms is None else b"%s: %d\r\n" % (DURATION_HEADER, duration_ms)
-    request.channel.write(b"0\r\n" + trailer + b"\r\n")  # type: ignore[attr-defined]
 
 
 class StreamRelay(Protocol):

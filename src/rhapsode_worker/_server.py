@@ -39,13 +39,22 @@ from ._engine import (
     Voice,
     overrides,
 )
+from ._http import (
+    DURATION_HEADER,
+    abort_connection,
+    answer_failure,
+    error_response,
+    json_response,
+    no_route,
+    read_json,
+    write_trailer,
+)
 from ._errors import (
     BadRequest,
     Overloaded,
     SpeechError,
     Unsupported,
     UnknownVoice,
-    as_speech_error,
 )
 from ._model import ModelState
 from ._schedule import Job, Scheduler
@@ -58,7 +67,6 @@ MAX_UPLOAD_BYTES = 25 * 1000 * 1000
 #: A JSON body: a speak request is at most a few kilobytes.
 MAX_JSON_BYTES = 1024 * 1024
 
-DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
 PREVIEW_TEXT = "This is how I sound when I read a sentence aloud."
 
 
@@ -97,28 +105,6 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     if overrides(engine, "dialogue") and variant.max_speakers >= 1:
         doc["dialogue"] = {"maxSpeakers": variant.max_speakers}
     return doc
-
-
-def _json(request: IRequest, status: int, body: Any) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"Content-Type", b"application/json")
-    return json.dumps(body).encode("utf-8")
-
-
-def _error(request: IRequest, error: SpeechError) -> bytes:
-    return _json(request, error.status, error.envelope())
-
-
-def _abort(request: IRequest) -> None:
-    """
-    End a response whose headers have gone without finishing it: the client sees a
-    truncated body, never a clean short one.
-    """
-    transport = getattr(getattr(request, "channel", None), "transport", None)
-    if transport is None:
-        return
-    abort = getattr(transport, "abortConnection", None)
-    (abort or transport.loseConnection)()
 
 
 class _ListSink:
@@ -213,10 +199,7 @@ class _AudioResponse:
         if self._stream:
             if not self.headers_sent:
                 request.write(b"")
-            if getattr(request, "chunked", False):
-                # twisted.web has no trailer API: end the chunked body ourselves.
-                request.chunked = 0
-                request.channel.write(b"0\r\n%s: %d\r\n\r\n" % (DURATION_HEADER, duration))
+            write_trailer(request, duration)
             return None
         body = b"".join(self._encoder.finalize(self._sink.chunks))
         request.setHeader(b"Content-Length", b"%d" % len(body))
@@ -355,35 +338,22 @@ class WorkerApp:
         try:
             self._enter()
         except SpeechError as error:
-            return _error(request, error)
+            return error_response(request, error)
         try:
             return await handler()
         except CancelledError:
             raise
         except Exception as exc:
-            error = as_speech_error(exc)
-            if error.code == "internal":
-                self.log.failure("request failed", Failure(exc))
-            if getattr(request, "startedWriting", False):
-                _abort(request)
-                return None
-            return _error(request, error)
+            return answer_failure(request, exc, self.log)
         finally:
             self._leave()
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def _no_route(self, request: IRequest, failure: Failure) -> bytes:
-        method = request.method.decode("ascii", "replace")
-        path = request.path.decode("utf-8", "replace")
-        return _error(request, BadRequest(f"no route {method} {path}", field="path"))
+        return no_route(request)
 
     def _body(self, request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
-        request.content.seek(0)
-        raw = request.content.read(MAX_JSON_BYTES + 1)
-        if len(raw) > MAX_JSON_BYTES:
-            raise BadRequest(f"body is over {MAX_JSON_BYTES} bytes", field="body")
-        # No body is an empty object: POST /load with nothing loads the default.
-        return contract.parse_json_body(raw if raw.strip() else b"{}", schema)
+        return read_json(request, schema, MAX_JSON_BYTES)
 
     # -- state ----------------------------------------------------------------------
 
@@ -446,11 +416,11 @@ class WorkerApp:
 
     @app.route("/health", methods=["GET"])
     def _health(self, request: IRequest) -> bytes:
-        return _json(request, 200, self.health())
+        return json_response(request, 200, self.health())
 
     @app.route("/capabilities", methods=["GET"])
     def _capabilities(self, request: IRequest) -> bytes:
-        return _json(request, 200, self.capabilities())
+        return json_response(request, 200, self.capabilities())
 
     # -- model verbs ------------------------------------------------------------------
 
@@ -473,7 +443,7 @@ class WorkerApp:
             body = self._body(request, contract.LOAD_REQUEST)
             variant = self._variant(body.get("variant") or self.engine.default_variant)
             await self.scheduler.exclusive(lambda: Deferred.fromCoroutine(self.model.ensure(variant)))
-            return _json(request, 200, self.health())
+            return json_response(request, 200, self.health())
 
         return await self._guarded(request, handle)
 
@@ -481,7 +451,7 @@ class WorkerApp:
     async def _unload(self, request: IRequest) -> Any:
         async def handle() -> bytes:
             await self.scheduler.exclusive(lambda: Deferred.fromCoroutine(self.model.unload()))
-            return _json(request, 200, self.health())
+            return json_response(request, 200, self.health())
 
         return await self._guarded(request, handle)
 
@@ -489,7 +459,7 @@ class WorkerApp:
     def _terminate(self, request: IRequest) -> bytes:
         # Answer first, then drain: the caller learns the verb landed either way.
         self.reactor.callLater(0, self._on_terminate)
-        return _json(request, 202, {"terminating": True})
+        return json_response(request, 202, {"terminating": True})
 
     @app.route("/fetch", methods=["POST"])
     async def _fetch(self, request: IRequest) -> Any:
@@ -499,7 +469,7 @@ class WorkerApp:
             if not overrides(self.engine, "fetch"):
                 raise Unsupported("this engine has nothing to fetch", field="variant")
             await deferToThread(self.engine.fetch, variant)
-            return _json(request, 200, {"variant": variant, "fetched": True})
+            return json_response(request, 200, {"variant": variant, "fetched": True})
 
         return await self._guarded(request, handle)
 
@@ -531,7 +501,7 @@ class WorkerApp:
     async def _voices(self, request: IRequest) -> Any:
         async def handle() -> bytes:
             voices = await deferToThread(self.engine.voices)
-            return _json(request, 200, [self._voice_doc(v) for v in voices])
+            return json_response(request, 200, [self._voice_doc(v) for v in voices])
 
         return await self._guarded(request, handle)
 
@@ -558,7 +528,7 @@ class WorkerApp:
                 filename, data = fields["reference"]
                 transcript = fields["transcript"][1].decode("utf-8", "replace") if "transcript" in fields else None
                 voice = await self._clone(voice_id, label, filename, data, transcript)
-            return _json(request, 200, self._voice_doc(voice))
+            return json_response(request, 200, self._voice_doc(voice))
 
         return await self._guarded(request, handle)
 
@@ -594,7 +564,7 @@ class WorkerApp:
         async def handle() -> bytes:
             await self._check_voice(voice_id, "id")
             await deferToThread(self.engine.delete_voice, voice_id)
-            return _json(request, 200, {"deleted": voice_id})
+            return json_response(request, 200, {"deleted": voice_id})
 
         return await self._guarded(request, handle)
 
@@ -781,7 +751,7 @@ class WorkerApp:
             job.cancel()
             output.abort()
             if output.headers_sent:
-                _abort(request)
+                abort_connection(request)
                 # Let the connection loss land before Klein looks at the request again.
                 await finished
                 return None

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode._proxy import trailers_of, write_trailer
+from rhapsode._proxy import trailers_of
+from rhapsode_worker._http import write_trailer
 
 
 def test_trailer_fields_read_from_the_tail() -> None:
