@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from _common import free_port, request_bytes, tcp, timed, wait_listening
 
@@ -43,6 +44,7 @@ TEXTS = {"sentence": SENTENCE, "400 chars": PARAGRAPH, "2000 chars": LONG}
 IN_PROCESS = r"""
 import json, sys, tempfile, time
 from pathlib import Path
+from typing import Callable
 module, variant, text = sys.argv[1], sys.argv[2], sys.argv[3]
 engine_class = getattr(__import__(module), __import__(module).__all__[0])
 engine = engine_class()
@@ -66,6 +68,18 @@ print(json.dumps({"seconds": pcm / engine.native_format.bytes_per_second, "elaps
 """
 
 
+def best(run: Callable[[], float], budget: float = 20.0, most: int = 3) -> float:
+    """
+    The best of up to C{most} runs, stopping once C{budget} seconds have gone: short
+    texts are measured several times (one run is noise), long ones once or twice.
+    """
+    start = time.perf_counter()
+    results = [run()]
+    while len(results) < most and time.perf_counter() - start < budget:
+        results.append(run())
+    return max(results)
+
+
 def in_process(engine: str, variant: str, text: str) -> float:
     python = ROOT / ".venvs" / engine / "bin" / "python"
     env = dict(os.environ, RHAPSODE_KOKORO_CACHE=str(ROOT / ".venvs" / "kokoro-cache"))
@@ -84,14 +98,19 @@ def capabilities(port: int, engine: str) -> dict:
 
 def through_core(port: int, engine: str, text: str) -> tuple[float, float]:
     """
-    (realtime factor of a buffered request, seconds to first audio of a streamed one).
+    (best realtime factor of buffered requests, best seconds to first audio of streamed ones).
     """
     body = {"engine": engine, "text": text, "format": "pcm"}
-    _, total, size = timed(tcp(port), request_bytes("/speak", {**body, "stream": False}))
     caps = capabilities(port, engine)
     rate = caps["nativeFormat"]["sampleRate"] * 2 * caps["nativeFormat"]["channels"]
-    first, _, _ = timed(tcp(port), request_bytes("/speak", body))
-    return size / rate / total, first
+
+    def factor() -> float:
+        _, total, size = timed(tcp(port), request_bytes("/speak", {**body, "stream": False}))
+        return size / rate / total
+
+    served = best(factor)
+    first = -best(lambda: -timed(tcp(port), request_bytes("/speak", body))[0])
+    return served, first
 
 
 def concurrent_firsts(port: int, engine: str, text: str, n: int) -> tuple[list[float], float]:
@@ -174,7 +193,7 @@ def main() -> None:
             variant = caps["defaultVariant"]
             through_core(port, engine, "Warm up.")
             for label, text in TEXTS.items():
-                local = in_process(engine, variant, text)
+                local = best(lambda: in_process(engine, variant, text))
                 served, first = through_core(port, engine, text)
                 print(
                     f"{engine:8s} {label:11s} {local:14.1f}x {served:12.1f}x {served / local:6.2f} {first * 1000:9.0f} ms"

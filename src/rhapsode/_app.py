@@ -104,6 +104,7 @@ class CoreApp:
         self.in_flight = 0
         self._idle: list[Deferred[None]] = []
         self._background: set[Deferred[None]] = set()
+        self._measuring: set[str] = set()
 
     def close(self) -> None:
         """
@@ -398,10 +399,12 @@ class CoreApp:
             response = await pending
             if response.code != 200:
                 return await self._relay_error(request, response)
-            if "sizeBytes" not in self.residency.state(engine.id):
+            if not self.residency.state(engine.id).get("measured", True) and engine.id not in self._measuring:
+                # Once per load: a worker that could not measure it is not asked again.
+                self._measuring.add(engine.id)
                 task = Deferred.fromCoroutine(self._measure(engine, variant))
                 self._background.add(task)
-                task.addBoth(lambda _: self._background.discard(task))
+                task.addBoth(lambda _: (self._background.discard(task), self._measuring.discard(engine.id)))
             fmt = forward.get("format", "wav")
             if not forward.get("stream", True):
                 return await self._buffered(request, response, fmt)
@@ -419,6 +422,7 @@ class CoreApp:
         except (Exception, CancelledError):
             return
         if code == 200 and isinstance(health, dict) and health.get("variant") == variant:
+            # Recorded even when absent: the worker had nothing to say about this load.
             self.residency.record_size(engine.id, variant, health.get("modelBytes"))
 
     async def _relay_error(self, request: IRequest, response: Any) -> bytes:

@@ -114,6 +114,8 @@ class _Model:
         self.last_used = 0.0
         self.asked: int | None = None
         self.size_bytes: int | None = None
+        #: Whether the worker has been asked what this load cost (it may not know).
+        self.measured = False
         self.expiry: IDelayedCall | None = None
 
     def disarm(self) -> None:
@@ -246,6 +248,7 @@ class Residency:
         model = self._models.get(engine)
         if model is not None and model.variant == variant:
             model.size_bytes = size_bytes if size_bytes is not None and size_bytes > 0 else None
+            model.measured = True
 
     def forget(self, engine: str) -> None:
         """
@@ -278,7 +281,12 @@ class Residency:
         model = self._models.get(engine)
         if model is None:
             return {"resident": False, "leases": 0}
-        state: dict[str, Any] = {"resident": True, "variant": model.variant, "leases": model.leases}
+        state: dict[str, Any] = {
+            "resident": True,
+            "variant": model.variant,
+            "leases": model.leases,
+            "measured": model.measured,
+        }
         if model.size_bytes is not None:
             state["sizeBytes"] = model.size_bytes
         return state
@@ -358,6 +366,7 @@ class Residency:
                                   engine=model.engine, old=model.variant, new=ticket.variant)
                     model.variant = ticket.variant
                     model.size_bytes = None
+                    model.measured = False
                 return self._lease(model, ticket.keep_alive)
             if len(self._models) < self._settings.max_resident_models():
                 model = _Model(ticket.engine, ticket.variant)

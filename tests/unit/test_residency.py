@@ -205,7 +205,7 @@ def test_a_first_acquire_makes_the_model_resident_under_a_lease() -> None:
     h = Harness()
     lease = h.lease("kokoro", "v1")
     assert (lease.engine, lease.variant) == ("kokoro", "v1")
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "v1", "leases": 1}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "v1", "leases": 1, "measured": False}
     assert h.residency.state("dia") == {"resident": False, "leases": 0}
     assert h.calls == []
 
@@ -281,7 +281,7 @@ def test_leases_count_concurrent_streams() -> None:
     assert h.residency.state("kokoro")["leases"] == 2
     first.release()
     first.release()
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1, "measured": False}
     assert "expiresAt" not in h.model("kokoro")
     assert h.calls == []
     second.release()
@@ -573,7 +573,7 @@ def test_a_cancelled_acquire_leaves_the_queue() -> None:
     assert h.residency.snapshot()["waiting"] == 1
     h.pending.pop(0).callback(None)
     result_of(first)
-    assert h.residency.state("dia") == {"resident": True, "variant": "base", "leases": 1}
+    assert h.residency.state("dia") == {"resident": True, "variant": "base", "leases": 1, "measured": False}
 
 
 # -- variants ----------------------------------------------------------------------------
@@ -612,7 +612,7 @@ def test_another_variant_waits_while_the_old_one_is_leased() -> None:
     pending(swap)
     same.release()
     assert result_of(swap).variant == "v2"
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "v2", "leases": 1}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "v2", "leases": 1, "measured": False}
     assert h.calls == []
 
 
@@ -714,7 +714,7 @@ def test_forget_drops_a_model_whose_worker_died() -> None:
     other.release()
     again = h.lease("kokoro")
     streaming.release()
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1, "measured": False}
     assert h.clock.getDelayedCalls() == []
     assert h.calls == [("terminate", "tone")]
     h.residency.forget("kokoro")
@@ -927,3 +927,19 @@ def test_close_leaves_no_timer_behind() -> None:
     assert harness.clock.getDelayedCalls()
     harness.residency.close()
     assert not harness.clock.getDelayedCalls()
+
+
+def test_a_load_is_measured_once_even_when_the_worker_cannot_say() -> None:
+    """
+    A size recorded as absent still counts as asked, so the core does not ask the worker
+    again on every request; another variant's load is a new question.
+    """
+    harness = Harness()
+    lease = harness.lease("tone", "a")
+    assert harness.residency.state("tone")["measured"] is False
+    harness.residency.record_size("tone", "a", None)
+    state = harness.residency.state("tone")
+    assert state["measured"] is True and "sizeBytes" not in state
+    lease.release()
+    harness.use("tone", "b")
+    assert harness.residency.state("tone")["measured"] is False
