@@ -24,6 +24,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from rhapsode_worker import contract
 from rhapsode_worker._errors import (
     BadRequest,
+    Forbidden,
     Internal,
     SpeechError,
 )
@@ -216,6 +217,7 @@ class CoreApp:
     @app.route("/engines/<string:engine_id>/unload", methods=["POST"])
     async def _unload(self, request: IRequest, engine_id: str) -> Any:
         async def handle() -> bytes:
+            self._require_guard(request)
             engine = self.registry.get(engine_id)
             raw = request.args.get(b"mode", [b"terminate"])[0]
             await self.residency.unload(engine.id, raw.decode("utf-8", "replace"))
@@ -290,9 +292,17 @@ class CoreApp:
             voice["previewUrl"] = f"/engines/{engine_id}/voices/{voice['id']}/preview"
         return json_response(request, code, voice)
 
+    @staticmethod
+    def _require_guard(request: IRequest) -> None:
+        # The guard runs at the headers (_gate); a management route reached any other
+        # way refuses rather than runs unguarded.
+        if not getattr(request, "guarded", False):
+            raise Forbidden("management route reached without passing the management guard")
+
     @app.route("/engines/<string:engine_id>/voices", methods=["POST"])
     async def _create_voice(self, request: IRequest, engine_id: str) -> Any:
         async def handle() -> bytes:
+            self._require_guard(request)
             upstream = getattr(request, "upstream", None)
             if upstream is None:
                 raise Internal("voice uploads need the core's own site (rhapsode._gate.CoreSite)")
@@ -305,6 +315,7 @@ class CoreApp:
     @app.route("/engines/<string:engine_id>/voices/<string:voice_id>", methods=["DELETE"])
     async def _delete_voice(self, request: IRequest, engine_id: str, voice_id: str) -> Any:
         async def handle() -> bytes:
+            self._require_guard(request)
             contract.check_voice_id(voice_id, "id")
             engine = self.registry.get(engine_id)
             client = await engine.ready()

@@ -126,10 +126,16 @@ class CoreRequest(server.Request):
     """
 
     refused: SpeechError | None = None
+    #: Set once the management guard has admitted this request.
+    guarded = False
     upload: Upload | None = None
     upstream: "Deferred[Any] | None" = None
 
     def gotLength(self, length: int | None) -> None:
+        # At the headers the request line is known only to the channel (twisted.web sets
+        # the request's own method and path once the body is in, too late to refuse
+        # without reading it).  Should that ever be unreadable, no request is marked
+        # guarded and every management route refuses (CoreApp checks the mark).
         method = getattr(self.channel, "_command", b"") or b""
         path = (getattr(self.channel, "_path", b"") or b"").split(b"?", 1)[0]
         core = self.channel.site.core  # type: ignore[attr-defined]
@@ -144,6 +150,7 @@ class CoreRequest(server.Request):
             except SpeechError as error:
                 self._refuse(error)
                 return
+            self.guarded = True
         # Gone before any handler runs, and so never logged.
         self.requestHeaders.removeHeader(b"authorization")
         match = _VOICES.match(path) if method == b"POST" else None

@@ -46,6 +46,7 @@ def test_authorization_removed_before_any_handler() -> None:
         request.gotLength(0)
         assert request.refused is None
         assert not request.requestHeaders.hasHeader(b"authorization")
+        assert request.guarded is (method == b"DELETE")
 
 
 def test_guard_refuses_at_headers_and_writes_403() -> None:

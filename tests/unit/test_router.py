@@ -157,3 +157,18 @@ def test_preview_urls_rewritten_under_the_engine() -> None:
     code, listed = call(stub, "GET", "/engines/tone/voices")
     assert code == 200 and listed[0]["previewUrl"] == "/engines/tone/voices/alto/preview"
     assert {k: v for k, v in listed[0].items() if k != "previewUrl"} == {k: v for k, v in voices[0].items() if k != "previewUrl"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("DELETE", "/engines/tone/voices/alto"), ("POST", "/engines/tone/unload"), ("POST", "/engines/tone/voices")],
+)
+def test_management_routes_refuse_without_the_guard(method: str, path: str) -> None:
+    """
+    A management route reached without the gate having admitted the request (here: a
+    plain site, not CoreSite) refuses as forbidden instead of running unguarded.
+    """
+    stub, client, supervisor = make()
+    code, answer = call(stub, method, path)
+    assert code == 403 and answer["error"]["code"] == "forbidden"
+    assert client.calls == [] and supervisor.starts == 0
