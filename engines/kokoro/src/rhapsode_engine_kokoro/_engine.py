@@ -6,16 +6,32 @@ the seven languages that route really reads (L{ESPEAK_LANGUAGES}), with espeak-n
 language-switch flags taken out (L{_phonemes}); the model makes 24 kHz audio from the
 phonemes, a voice's style array and a speed.
 
-Threads: onnxruntime gets 1 intra-op and 1 inter-op thread unless
-C{RHAPSODE_KOKORO_THREADS} says otherwise.  Measured on 2 cores, two ONNX engines
-synthesising at once do better with one thread each than with two each, and one worker
-alone loses only about a third of its speed (1.7x realtime against 2.5x), so the default
-is the one that cannot oversubscribe the box.  The worker runs one generation at a time.
+Threads: each generation runs on one onnxruntime thread (1 intra-op, 1 inter-op;
+C{RHAPSODE_KOKORO_THREADS} sets the intra-op count), and the worker runs up to two
+generations at once on its one session (C{concurrency = 2}).  Measured on 2 cores with an
+87-character segment (3.1 s a run alone): two one-thread generations at once run at full
+speed each, twice the throughput of one; a third one-thread generation beside them, as
+another engine would be, costs no throughput (1.62 s a run against 1.58) and only shares
+the cores, each run taking half as long again; but two engines at two threads each lose
+a third (2.10 s a run), because onnxruntime's intra-op threads meet at every operator and
+one of them descheduled stalls the rest.  So a generation is never spread over threads,
+and the cores are shared out whole generations at a time.  The price: another engine busy
+beside two Kokoro requests gets a third of the box instead of half while they last.  Two
+threads would make a request alone 1.7x faster (a 30-character piece in 0.61 s instead of
+1.08 s); that is the setting that oversubscribes.  Sharing the session is safe:
+onnxruntime runs one session from several threads, and kokoro-onnx phonemizes under a
+lock, espeak-ng's state being global.
 
 Segments: the SDK hands speak() up to 200 characters at a time and puts 250 ms of
-silence at each joint.  The first segment is kept to 30 characters because the int8
-graph has no streaming output and renders about 0.6 s of padding around any text: at one
-thread a 30-character piece is out in about 1.1 s, where 60 would take 1.9.
+silence at each joint.  The graph has no streaming output, and a call has no fixed cost
+worth the name: of a 30-character piece's 1.08 s, phonemes take 0.3 ms, trimming and
+conversion 1 ms, and the rest is the onnxruntime run (70% of it ConvInteger), which costs
+about 0.5 s for each second of audio it renders.  What makes short pieces dear is that the
+graph renders about 0.55 s of silence around every piece (0.26 s before, 0.30 s after, for
+its start and end tokens), which kokoro-onnx trims away: about 0.28 s of compute a piece.
+The first segment is kept to 30 characters, out in about 1.1 s; four requests arriving
+together get first audio after one or two first segments (about 1.2, 1.2, 2.3, 2.4 s
+through a core).  The session gives a run's memory back when it ends (L{_session}).
 
 Weights are fetched into a cache outside the virtualenv (L{_fetch}); a load with no
 weights fetches them first.  The same phonemes, voice and speed give the same bytes, so
@@ -119,6 +135,7 @@ class KokoroEngine(Engine):
     segment_characters = 200
     first_segment_characters = 30
     joint_silence_ms = 250
+    concurrency = 2
     reference_formats = ("npy", "pt")
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -137,18 +154,14 @@ class KokoroEngine(Engine):
         self._known(variant)
         # Imported here so that a worker answers its handshake, lists and makes voices
         # without paying for onnxruntime and espeak-ng until a model is wanted.
-        import onnxruntime
         from kokoro_onnx import Kokoro
+
+        from ._session import ShrinkingSession
 
         threads = _threads(self._environ)
         ensure(self._cache)
         started = time.monotonic()
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        session = onnxruntime.InferenceSession(
-            str(self._cache / MODEL.name), options, providers=["CPUExecutionProvider"]
-        )
+        session = ShrinkingSession(self._cache / MODEL.name, threads)
         self._kokoro = Kokoro.from_session(session, str(self._cache / VOICES.name))
         log.info("{variant} loaded in {seconds:.2f} s with {threads} intra-op thread(s)",
                  variant=variant, seconds=time.monotonic() - started, threads=threads)
