@@ -30,6 +30,7 @@ from rhapsode_worker._errors import (
 )
 from rhapsode_worker._http import (
     DURATION_HEADER,
+    InFlight,
     abort_connection,
     answer_failure,
     json_response,
@@ -102,8 +103,7 @@ class CoreApp:
         self.contract_version = contract_version
         self.management_token = management_token
         self.management_origins = tuple(management_origins)
-        self.in_flight = 0
-        self._idle: list[Deferred[None]] = []
+        self.requests = InFlight()
         self._background: set[Deferred[None]] = set()
         self._measuring: set[str] = set()
 
@@ -114,17 +114,6 @@ class CoreApp:
         for task in list(self._background):
             task.cancel()
         self.residency.close()
-
-    def when_idle(self) -> "Deferred[None]":
-        """
-        Fires once no request is being answered (at once if none is).
-        """
-        d: Deferred[None] = Deferred()
-        if self.in_flight:
-            self._idle.append(d)
-        else:
-            d.callback(None)
-        return d
 
     def resource(self) -> Any:
         return self.app.resource()
@@ -139,7 +128,7 @@ class CoreApp:
         """
         Map failures before headers onto the taxonomy; abort after them.
         """
-        self.in_flight += 1
+        self.requests.enter()
         try:
             return await handler()
         except CancelledError:
@@ -147,11 +136,7 @@ class CoreApp:
         except Exception as exc:
             return answer_failure(request, exc, self.log)
         finally:
-            self.in_flight -= 1
-            if not self.in_flight:
-                waiters, self._idle = self._idle, []
-                for d in waiters:
-                    d.callback(None)
+            self.requests.leave()
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def _no_route(self, request: IRequest, failure: Failure) -> bytes:

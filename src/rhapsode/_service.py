@@ -165,14 +165,14 @@ class RhapsodeService(service.Service):
                 await self.port.stopListening()
             if self.app is not None:
                 self.app.close()
-            if self.app is not None and self.app.in_flight:
-                idle = self.app.when_idle()
+            if self.app is not None and self.app.requests.count:
+                idle = self.app.requests.when_idle()
                 grace = self.config.server.shutdown_grace_ms / 1000
                 timer = self.reactor.callLater(grace, idle.cancel)
                 try:
                     await idle
                 except CancelledError:
-                    self.log.warn("stopping with {n} request(s) still in flight", n=self.app.in_flight)
+                    self.log.warn("stopping with {n} request(s) still in flight", n=self.app.requests.count)
                 finally:
                     if timer.active():
                         timer.cancel()

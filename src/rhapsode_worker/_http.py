@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -85,3 +86,35 @@ def write_trailer(request: IRequest, duration_ms: int | None) -> None:
     request.chunked = 0  # type: ignore[attr-defined]
     trailer = b"" if duration_ms is None else b"%s: %d\r\n" % (DURATION_HEADER, duration_ms)
     request.channel.write(b"0\r\n" + trailer + b"\r\n")  # type: ignore[attr-defined]
+
+
+class InFlight:
+    """
+    How many requests are being answered, and who is waiting for that to reach zero
+    (a drain, a graceful shutdown).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._waiters: list[Deferred[None]] = []
+
+    def enter(self) -> None:
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            waiters, self._waiters = self._waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def when_idle(self) -> "Deferred[None]":
+        """
+        Fires once no request is being answered (at once if none is).
+        """
+        d: Deferred[None] = Deferred()
+        if self.count:
+            self._waiters.append(d)
+        else:
+            d.callback(None)
+        return d

@@ -259,10 +259,10 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn) -> None:
         if worker.draining:
             return
         worker.draining = True
-        log.info("draining: {n} request(s) in flight", n=worker.in_flight)
+        log.info("draining: {n} request(s) in flight", n=worker.requests.count)
 
         async def finish() -> None:
-            await worker.when_idle()
+            await worker.requests.when_idle()
             await scheduler.when_idle()
             await port.stopListening()
             await connections.close_all()

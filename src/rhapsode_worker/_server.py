@@ -41,6 +41,7 @@ from ._engine import (
 )
 from ._http import (
     DURATION_HEADER,
+    InFlight,
     abort_connection,
     answer_failure,
     error_response,
@@ -299,8 +300,7 @@ class WorkerApp:
         if engine.default_variant not in self.variants:
             raise ValueError(f"default variant {engine.default_variant!r} is not in variants()")
         self.draining = False
-        self.in_flight = 0
-        self._idle: list[Deferred[None]] = []
+        self.requests = InFlight()
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -310,25 +310,13 @@ class WorkerApp:
         site.displayTracebacks = False
         return site
 
-    def when_idle(self) -> "Deferred[None]":
-        d: Deferred[None] = Deferred()
-        if self.in_flight:
-            self._idle.append(d)
-        else:
-            d.callback(None)
-        return d
-
     def _enter(self) -> None:
         if self.draining:
             raise Overloaded("the worker is draining and takes no new requests")
-        self.in_flight += 1
+        self.requests.enter()
 
     def _leave(self) -> None:
-        self.in_flight -= 1
-        if not self.in_flight:
-            waiters, self._idle = self._idle, []
-            for d in waiters:
-                d.callback(None)
+        self.requests.leave()
 
     async def _guarded(self, request: IRequest, handler: Callable[[], Any]) -> Any:
         """
