@@ -10,7 +10,6 @@ client's connection: a client never receives a clean short 200.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -23,25 +22,6 @@ from twisted.web.iweb import IRequest
 FLOOR_BYTES = 256
 
 
-_TRAILER = re.compile(rb"\r\n0\r\n((?:[!-9;-~]+:[^\r\n]*\r\n)*)\r\n$")
-
-
-def trailers_of(sniffer: Any) -> dict[bytes, bytes]:
-    """
-    The trailer fields that ended the chunked body just received, read from the tail
-    of bytes the worker connection's sniffer kept; nothing where they cannot be seen.
-    """
-    match = _TRAILER.search(getattr(sniffer, "tail", b""))
-    if match is None:
-        return {}
-    fields = {}
-    for line in match.group(1).split(b"\r\n"):
-        if b":" in line:
-            name, _, value = line.partition(b":")
-            fields[name.strip().lower()] = value.strip()
-    return fields
-
-
 class StreamRelay(Protocol):
     """
     Receives a worker's 200 body and writes it to the client as it arrives.
@@ -50,8 +30,9 @@ class StreamRelay(Protocol):
     when it did not; C{trailers} then holds the trailer fields the worker ended it with.
     """
 
-    def __init__(self, request: IRequest) -> None:
+    def __init__(self, request: IRequest, response: Any) -> None:
         self._request = request
+        self._response = response
         self.received = 0
         self.trailers: dict[bytes, bytes] = {}
         self.done: Deferred[int] = Deferred()
@@ -60,9 +41,6 @@ class StreamRelay(Protocol):
         # The worker's socket is the client request's producer: a full client buffer
         # pauses reading from the worker.
         self._request.registerProducer(self.transport, True)
-        # What the body's transport proxies (the worker connection's sniffer, see
-        # _workers) stops being reachable once the body ends: keep it now.
-        self._sniffer = getattr(self.transport, "_producer", None)
 
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
@@ -72,7 +50,7 @@ class StreamRelay(Protocol):
         if getattr(self._request, "producer", None) is not None:
             self._request.unregisterProducer()
         if reason.check(ResponseDone):
-            self.trailers = trailers_of(self._sniffer)
+            self.trailers = dict(getattr(self._response, "trailers", {}))
             self.done.callback(self.received)
         else:
             self.done.errback(reason)
@@ -112,7 +90,7 @@ def collect(response: Any, limit: int) -> "Deferred[bytes]":
 
 
 def relay(response: Any, request: IRequest) -> "Deferred[StreamRelay]":
-    stream = StreamRelay(request)
+    stream = StreamRelay(request, response)
     response.deliverBody(stream)
     return stream.done.addCallback(lambda _: stream)
 

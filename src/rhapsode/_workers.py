@@ -1,8 +1,8 @@
 """
 HTTP to one worker, over its Unix socket or a remote URL: the same protocol either way
-(protocol.md section 1), through a persistent connection pool.
+(protocol.md section 1), through kept-alive connections of its own HTTP/1.1 client (L{rhapsode._wire}).
 
-Bodies are never buffered here: callers get the C{IResponse} and choose to stream it
+Bodies are never buffered here: callers get the response and choose to stream it
 (C{deliverBody}) or collect a bounded one.
 """
 
@@ -10,35 +10,39 @@ from __future__ import annotations
 
 import json
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
-from twisted.internet.defer import CancelledError, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
+from twisted.internet.endpoints import HostnameEndpoint, UNIXClientEndpoint, wrapClientTLS
+from twisted.internet.protocol import Factory
 from twisted.python.failure import Failure
-from twisted.internet.endpoints import HostnameEndpoint, UNIXClientEndpoint
-from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
-from twisted.web.client import Agent, HTTPConnectionPool
-from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
+from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
 from rhapsode_worker._errors import ModelUnavailable, SpeechError
 
 from ._proxy import collect
+from ._wire import Connection, WorkerResponse, encode_request
 
 _JSON_LIMIT = 4 * 1024 * 1024
+#: Idle connections kept per worker; more are closed when they come back.
+MAX_IDLE = 64
+#: Requests that may be sent again on a fresh connection when a kept one turns out closed.
+_REPEATABLE = frozenset([b"GET", b"HEAD", b"OPTIONS", b"DELETE"])
 
 
 @implementer(IBodyProducer)
 class BytesProducer:
     """
-    A small request body known in full, written at once (no cooperator, no reactor).
+    A small request body known in full: written with the request's head, in one send.
     """
 
     def __init__(self, data: bytes) -> None:
-        self._data = data
+        self.data = data
         self.length = len(data)
 
     def startProducing(self, consumer: Any) -> Any:
-        consumer.write(self._data)
+        consumer.write(self.data)
         return succeed(None)
 
     def pauseProducing(self) -> None:
@@ -51,65 +55,63 @@ class BytesProducer:
         pass
 
 
-_TAIL = 512
+class _Factory(Factory):
+    def __init__(self, client: "WorkerClient") -> None:
+        self._client = client
 
-
-class _Sniffer(ProtocolWrapper):
-    """
-    Keeps the last bytes a worker sent on one connection.  twisted.web's client parses a
-    chunked body's trailer and throws it away; the tail is how the core reads the
-    duration a worker put there, once the body has ended.
-    """
-
-    tail = b""
-
-    def dataReceived(self, data: bytes) -> None:
-        # Before the parser sees it: the response may end inside this very call.
-        self.tail = (self.tail + data)[-_TAIL:]
-        super().dataReceived(data)
-
-
-class _SniffingEndpoint:
-    def __init__(self, endpoint: Any) -> None:
-        self._endpoint = endpoint
-
-    def connect(self, factory: Any) -> Any:
-        # The pool must hold the HTTP protocol itself, not the wrapper around it.
-        wrapping = WrappingFactory(factory)
-        wrapping.protocol = _Sniffer
-        return self._endpoint.connect(wrapping).addCallback(lambda w: w.wrappedProtocol)
-
-
-@implementer(IAgentEndpointFactory)
-class _Endpoints:
-    def __init__(self, reactor: Any, address: str) -> None:
-        self._reactor = reactor
-        self._address = address
-
-    def endpointForURI(self, uri: Any) -> Any:
-        if self._address.startswith("unix:"):
-            return _SniffingEndpoint(UNIXClientEndpoint(self._reactor, self._address[len("unix:"):]))
-        return _SniffingEndpoint(HostnameEndpoint(self._reactor, uri.host, uri.port))
+    def buildProtocol(self, addr: Any) -> Connection:
+        return Connection(self._client._idle_again, self._client._gone)
 
 
 class WorkerClient:
     """
-    Requests to one worker at C{address}: C{unix:/path} or C{http://host:port}.
+    Requests to one worker at C{address}: C{unix:/path} or C{http(s)://host:port[/prefix]},
+    over kept-alive connections (at most L{MAX_IDLE} of them idle).
     """
 
     def __init__(self, reactor: Any, address: str) -> None:
         self.address = address
-        self._pool = HTTPConnectionPool(reactor, persistent=True)
-        self._pool.maxPersistentPerHost = 64
+        self._idle: list[Connection] = []
+        self._open: set[Connection] = set()
+        self._factory = _Factory(self)
         if address.startswith("unix:"):
-            self._base = b"http://worker"
+            self._host = b"worker"
+            self._prefix = b""
+            self._endpoint: Any = UNIXClientEndpoint(reactor, address[len("unix:"):])
         else:
-            self._base = address.rstrip("/").encode("ascii")
-        if address.startswith("https:"):
-            self._agent = Agent(reactor, pool=self._pool)
+            parts = urlsplit(address)
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
+            host = parts.hostname or ""
+            self._host = parts.netloc.encode("ascii")
+            self._prefix = parts.path.rstrip("/").encode("utf-8")
+            self._endpoint = HostnameEndpoint(reactor, host.encode("idna"), port)
+            if tls:
+                from twisted.internet.ssl import optionsForClientTLS
+
+                self._endpoint = wrapClientTLS(optionsForClientTLS(host), self._endpoint)
+
+    # -- the pool ------------------------------------------------------------------
+
+    def _idle_again(self, connection: Connection) -> None:
+        if len(self._idle) < MAX_IDLE:
+            self._idle.append(connection)
         else:
-            endpoints = _Endpoints(reactor, address)
-            self._agent = Agent.usingEndpointFactory(reactor, endpoints, pool=self._pool)
+            connection.transport.loseConnection()  # type: ignore[union-attr]
+
+    def _gone(self, connection: Connection) -> None:
+        self._open.discard(connection)
+        if connection in self._idle:
+            self._idle.remove(connection)
+
+    def _connect(self) -> "Deferred[Connection]":
+        def opened(connection: Connection) -> Connection:
+            self._open.add(connection)
+            return connection
+
+        return self._endpoint.connect(self._factory).addCallback(opened)
+
+    # -- requests -------------------------------------------------------------------
 
     def request(
         self,
@@ -117,15 +119,54 @@ class WorkerClient:
         path: str,
         body: IBodyProducer | None = None,
         headers: Mapping[bytes, list[bytes]] | None = None,
-    ) -> "Any":
+    ) -> "Deferred[WorkerResponse]":
         """
-        Send a request; the Deferred fires with the C{IResponse} once headers arrive.
-        Cancelling it before then abandons the request.
+        Send a request; the Deferred fires with the response once its head arrives.
+        Cancelling it before then abandons the request (and its connection).
         """
-        pending = self._agent.request(
-            method, self._base + path.encode("utf-8"), Headers(dict(headers or {})), body
-        )
-        return pending.addErrback(self._unreachable)
+        length = None if body is None else body.length
+        if length is None and method in (b"POST", b"PUT"):
+            length = 0
+        head = encode_request(method, self._prefix + path.encode("utf-8"), self._host, dict(headers or {}), length)
+        payload: Any = body.data if isinstance(body, BytesProducer) else body
+        state: dict[str, Any] = {"step": None}
+        result: Deferred[WorkerResponse] = Deferred(lambda _: self._cancel(state))
+
+        def send(connection: Connection, reused: bool) -> None:
+            state["step"] = step = connection.request(method, head, payload)
+            step.addCallbacks(result.callback, lambda f: failed(f, reused))
+
+        def failed(failure: Failure, reused: bool) -> None:
+            if result.called:
+                return
+            if state.get("cancelled"):
+                result.errback(CancelledError())
+                return
+            if reused and not failure.check(CancelledError) and method in _REPEATABLE and body is None:
+                # A kept connection the worker had already closed: once more, afresh.
+                fresh()
+                return
+            result.errback(self._unreachable(failure))
+
+        def fresh() -> None:
+            state["step"] = connecting = self._connect()
+            connecting.addCallbacks(lambda c: send(c, False), lambda f: failed(f, False))
+
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.transport is not None and not connection.busy:
+                send(connection, True)
+                break
+        else:
+            fresh()
+        return result
+
+    @staticmethod
+    def _cancel(state: dict[str, Any]) -> None:
+        state["cancelled"] = True
+        step = state.get("step")
+        if step is not None and not step.called:
+            step.cancel()
 
     def _unreachable(self, failure: Failure) -> Failure:
         # A worker that cannot be reached, or hung up before answering, is a model that is
@@ -147,9 +188,17 @@ class WorkerClient:
         if body is not None:
             producer = BytesProducer(json.dumps(body).encode())
             headers = {b"Content-Type": [b"application/json"]}
-        response: IResponse = await self.request(method, path, producer, headers)
+        response = await self.request(method, path, producer, headers)
         raw = await collect(response, _JSON_LIMIT)
         return response.code, json.loads(raw) if raw else None
 
-    def close(self) -> Any:
-        return self._pool.closeCachedConnections()
+    def close(self) -> "Deferred[Any]":
+        """
+        Close the idle connections; fires once they have closed.
+        """
+        idle, self._idle = self._idle, []
+        waits = [c.lost for c in idle if c.transport is not None]
+        for connection in idle:
+            if connection.transport is not None:
+                connection.transport.loseConnection()
+        return DeferredList(waits, consumeErrors=True)
