@@ -105,6 +105,60 @@ def timed(connect: Callable[[], socket.socket], raw: bytes) -> tuple[float, floa
     return (first or end) - start, end - start, total
 
 
+class KeptAlive:
+    """
+    One kept-alive connection carrying request after request, each answered with a
+    chunked body (as every /speak is); the way a real client with a session talks.
+    """
+
+    def __init__(self, connect: Callable[[], socket.socket]) -> None:
+        self._sock = connect()
+        self._rest = b""
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _more(self) -> None:
+        data = self._sock.recv(262144)
+        if not data:
+            raise RuntimeError("the server closed a kept-alive connection")
+        self._rest += data
+
+    def timed(self, raw: bytes) -> tuple[float, float, int]:
+        """
+        (seconds to the first body byte, seconds to the end, body bytes).
+        """
+        sock = self._sock
+        start = time.perf_counter()
+        sock.sendall(raw.replace(b"Connection: close\r\n", b""))
+        while b"\r\n\r\n" not in self._rest:
+            self._more()
+        head, self._rest = self._rest.split(b"\r\n\r\n", 1)
+        if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+            raise RuntimeError(head.decode(errors="replace"))
+        first = None
+        total = 0
+        while True:
+            while b"\r\n" not in self._rest:
+                self._more()
+            line, self._rest = self._rest.split(b"\r\n", 1)
+            size = int(line.split(b";")[0], 16)
+            if size == 0:
+                while not (self._rest.startswith(b"\r\n") or b"\r\n\r\n" in self._rest):
+                    self._more()
+                self._rest = self._rest[2:] if self._rest.startswith(b"\r\n") else self._rest.split(b"\r\n\r\n", 1)[1]
+                break
+            if first is None:
+                while not self._rest:
+                    self._more()
+                first = time.perf_counter()
+            while len(self._rest) < size + 2:
+                self._more()
+            total += size
+            self._rest = self._rest[size + 2 :]
+        return (first or time.perf_counter()) - start, time.perf_counter() - start, total
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]

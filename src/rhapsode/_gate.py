@@ -231,8 +231,22 @@ class CoreSite(server.Site):
 
     requestFactory = CoreRequest
 
-    def __init__(self, resource: Any, core: Any) -> None:
+    def __init__(self, resource: Any, core: Any, speak: Any = None, access_log: bool = True) -> None:
         super().__init__(resource, parsePOSTFormSubmission=False)
         self.core = core
         self.displayTracebacks = False
+        self._speak = speak
+        self.access_log = access_log
+
+    def log(self, request: Any) -> None:
+        if self.access_log:
+            super().log(request)
+
+    def getResourceFor(self, request: Any) -> Any:
+        # The hot route goes straight to its resource; everything else is routed by Klein.
+        if self._speak is not None and request.path == b"/speak" and request.method == b"POST":
+            request.site = self
+            request.sitepath = []
+            return self._speak
+        return super().getResourceFor(request)
 

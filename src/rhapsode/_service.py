@@ -151,7 +151,9 @@ class RhapsodeService(service.Service):
             self.log.failure("cannot listen", failure)
             self.reactor.stop()
 
-        endpoint.listen(app.site()).addCallbacks(listening, failed)
+        # Access lines are logged at info: below that level none is formatted at all.
+        access_log = self.config.log.level in ("debug", "info")
+        endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
 
     def stopService(self) -> "Deferred[Any]":
         """

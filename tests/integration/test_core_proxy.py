@@ -223,6 +223,19 @@ async def test_refusals_carry_the_taxonomy(core: Core, body: dict[str, Any], sta
 
 
 @pytest_twisted.ensureDeferred
+async def test_speak_by_another_method_is_refused_like_any_route(core: Core) -> None:
+    """
+    POST /speak skips the router, but GET /speak and a path below it are still answered
+    by it, as every unrouted request is: bad_request on the path, naming what was asked.
+    """
+    for method, target in [("GET", "/speak"), ("POST", "/speak/now")]:
+        response = await call(core, method, target, {"engine": "tone", "text": "hi"})
+        error = json.loads(response.body)["error"]
+        assert (response.status, error["code"], error["field"]) == (400, "bad_request", "path")
+        assert error["message"] == f"no route {method} {target}"
+
+
+@pytest_twisted.ensureDeferred
 async def test_core_strips_cues_and_drops_deliveries_and_keepalive(core: Core) -> None:
     """
     Before dispatch the core strips cues the variant does not claim (closing the space),

@@ -95,3 +95,48 @@ def test_which_routes_are_management() -> None:
     assert not is_management(b"GET", b"/engines/tone/voices")
     assert not is_management(b"POST", b"/speak")
     assert not is_management(b"GET", b"/engines/tone/voices/x/preview")
+
+
+def test_speak_goes_straight_to_its_resource_and_the_rest_to_klein() -> None:
+    """
+    The core's site hands POST /speak to its own resource without routing; any other
+    method on /speak, and every other path, goes to the routed resource.
+    """
+    from twisted.web.resource import Resource
+
+    from rhapsode._gate import CoreSite
+
+    routed, speak = Resource(), Resource()
+    routed.isLeaf = True  # type: ignore[misc]
+    site = CoreSite(routed, FakeCore(), speak=speak)
+    for method, path, expected in [
+        (b"POST", b"/speak", speak),
+        (b"GET", b"/speak", routed),
+        (b"POST", b"/speak/more", routed),
+        (b"POST", b"/engines", routed),
+    ]:
+        request, _ = request_for(method, path, {b"Host": b"localhost"})
+        request.method, request.path = method, path
+        request.prepath, request.postpath = [], path.split(b"/")[1:]
+        assert site.getResourceFor(request) is expected, (method, path)
+        assert request.site is site
+
+
+def test_access_lines_are_not_even_formatted_when_not_logged() -> None:
+    """
+    With access logging off (a log level above info) the site formats no access line;
+    with it on, each request is formatted and written once.
+    """
+    from twisted.web.resource import Resource
+
+    from rhapsode._gate import CoreSite
+
+    for enabled in (False, True):
+        site = CoreSite(Resource(), FakeCore(), access_log=enabled)
+        formatted: list[Any] = []
+        lines: list[str] = []
+        site._logFormatter = lambda when, request: formatted.append(request) or "line"  # type: ignore[assignment]
+        site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()  # type: ignore[assignment]
+        request, _ = request_for(b"POST", b"/speak", {b"Host": b"localhost"})
+        site.log(request)
+        assert (len(formatted), lines) == ((1, ["line\n"]) if enabled else (0, []))
