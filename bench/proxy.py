@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import free_port, percentile, request_bytes, start_worker, tcp, timed, unix, wait_listening
+from _common import KeptAlive, free_port, percentile, request_bytes, start_worker, tcp, timed, unix, wait_listening
 
 RATE_BYTES = 48_000  # 24 kHz, 16-bit mono: one second of audio
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests."
@@ -111,6 +111,16 @@ async def concurrent(port: int, n: int) -> tuple[list[str], list[float]]:
     return results, started
 
 
+def report(title: str, direct: list[float], proxied: list[float]) -> None:
+    print(title)
+    print(f"  direct   p50 {percentile(direct, 0.5) * 1e3:6.2f}  p99 {percentile(direct, 0.99) * 1e3:6.2f}")
+    print(f"  proxied  p50 {percentile(proxied, 0.5) * 1e3:6.2f}  p99 {percentile(proxied, 0.99) * 1e3:6.2f}")
+    print(
+        f"  overhead p50 {(percentile(proxied, 0.5) - percentile(direct, 0.5)) * 1e3:6.2f}"
+        f"  p99 {(percentile(proxied, 0.99) - percentile(direct, 0.99)) * 1e3:6.2f}"
+    )
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     worker, path = start_worker(tmp)
@@ -128,13 +138,15 @@ def main() -> None:
         for _ in range(500):
             d_first.append(timed(direct, request_bytes("/speak", small))[0])
             p_first.append(timed(proxied, request_bytes("/speak", {"engine": "tone", **small}))[0])
-        print("time to first byte, one sentence, 500 requests each (ms)")
-        print(f"  direct   p50 {percentile(d_first, 0.5) * 1e3:6.2f}  p99 {percentile(d_first, 0.99) * 1e3:6.2f}")
-        print(f"  proxied  p50 {percentile(p_first, 0.5) * 1e3:6.2f}  p99 {percentile(p_first, 0.99) * 1e3:6.2f}")
-        print(
-            f"  overhead p50 {(percentile(p_first, 0.5) - percentile(d_first, 0.5)) * 1e3:6.2f}"
-            f"  p99 {(percentile(p_first, 0.99) - percentile(d_first, 0.99)) * 1e3:6.2f}"
-        )
+        report("time to first byte, one sentence, 500 requests each, a new connection each (ms)", d_first, p_first)
+        kept_direct, kept_proxied = KeptAlive(direct), KeptAlive(proxied)
+        d_first, p_first = [], []
+        for _ in range(500):
+            d_first.append(kept_direct.timed(request_bytes("/speak", small))[0])
+            p_first.append(kept_proxied.timed(request_bytes("/speak", {"engine": "tone", **small}))[0])
+        kept_direct.close()
+        kept_proxied.close()
+        report("time to first byte, one sentence, 500 requests each, one kept-alive connection (ms)", d_first, p_first)
         big = {"text": LONG, "format": "pcm", "seed": 1}
         d_rate = max(r[2] / r[1] for r in (timed(direct, request_bytes("/speak", big)) for _ in range(3)))
         p_rate = max(r[2] / r[1] for r in (timed(proxied, request_bytes("/speak", {"engine": "tone", **big})) for _ in range(3)))

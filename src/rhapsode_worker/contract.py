@@ -749,6 +749,10 @@ def _refuse_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
+#: One decoder for every body (json.loads with options builds a decoder per call).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def parse_json_body(raw: bytes, schema: Schema) -> dict[str, Any]:
     """
     Decode a UTF-8 JSON request body, require an object, and validate it.
@@ -757,7 +761,7 @@ def parse_json_body(raw: bytes, schema: Schema) -> dict[str, Any]:
         a body that is not an object, or the first violation of C{schema}.
     """
     try:
-        value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        value = _DECODER.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise BadRequest("body is not valid JSON") from None
     if not isinstance(value, dict):
@@ -1241,3 +1245,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
