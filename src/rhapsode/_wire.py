@@ -127,23 +127,31 @@ class _ChunkedConsumer:
 class _BodyTransport:
     """
     The transport a body protocol sees: the worker's socket as a push producer.
-    Stopping it gives up on the body and closes the connection.
+    Stopping it gives up on the body and closes the connection.  Once its body has
+    ended it does nothing, so a stale reader cannot touch the connection's next request.
     """
 
-    def __init__(self, connection: "Connection") -> None:
+    def __init__(self, connection: "Connection", response: WorkerResponse | None) -> None:
         self._connection = connection
+        self._response = response
+
+    def _current(self) -> bool:
+        return self._connection._response is self._response
 
     def pauseProducing(self) -> None:
-        self._connection.pause("reader")
+        if self._current():
+            self._connection.pause("reader")
 
     def resumeProducing(self) -> None:
-        self._connection.resume("reader")
+        if self._current():
+            self._connection.resume("reader")
 
     def stopProducing(self) -> None:
-        self._connection.abandon()
+        if self._current():
+            self._connection.abandon()
 
     def loseConnection(self) -> None:
-        self._connection.abandon()
+        self.stopProducing()
 
 
 # Parser states.
@@ -449,7 +457,7 @@ class Connection(Protocol):
     def deliver(self, reader: Protocol) -> None:
         if self._reader is not None:
             raise RuntimeError("a body is delivered once")
-        reader.makeConnection(_BodyTransport(self))  # type: ignore[arg-type]
+        reader.makeConnection(_BodyTransport(self, self._response))  # type: ignore[arg-type]
         held, self._held = self._held, []
         ending, self._ending = self._ending, None
         self._reader = reader

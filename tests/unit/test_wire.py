@@ -524,3 +524,23 @@ def test_close_closes_idle_connections_and_waits_for_them() -> None:
     assert transport.disconnecting and not closing.called
     socket.connectionLost(Failure(ConnectionError("closed")))
     assert closing.called
+
+
+def test_a_finished_bodys_transport_cannot_touch_the_next_request() -> None:
+    """
+    After a body has ended and the connection carries another request, pausing or
+    stopping the old body's transport does nothing to the new one.
+    """
+    wire = Wire()
+    first = wire.ask()
+    wire.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    reader = Reader()
+    result_of(first).deliverBody(reader)
+    second = wire.ask()
+    reader.transport.pauseProducing()  # type: ignore[union-attr]
+    reader.transport.stopProducing()  # type: ignore[union-attr]
+    assert wire.transport.producerState == "producing" and not wire.transport.disconnecting
+    wire.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nnew")
+    later = Reader()
+    result_of(second).deliverBody(later)
+    assert later.body == b"new" and later.ended.check(ResponseDone)  # type: ignore[union-attr]
