@@ -322,13 +322,10 @@ class Connection(Protocol):
             self._state = _CHUNK_SIZE
             return True
         if state == _CHUNK_SIZE:
-            end = buffer.find(b"\r\n")
-            if end < 0:
-                if len(buffer) > _MAX_LINE:
-                    raise ProtocolError("a chunk-size line is too long")
+            line = self._line("chunk-size")
+            if line is None:
                 return False
-            line = buffer[:end].split(b";", 1)[0].strip()
-            self._buffer = buffer[end + 2 :]
+            line = line.split(b";", 1)[0].strip()
             try:
                 size = int(line, 16)
             except ValueError:
@@ -342,13 +339,9 @@ class Connection(Protocol):
                 self._state = _CHUNK_DATA
             return True
         if state == _TRAILER:
-            end = buffer.find(b"\r\n")
-            if end < 0:
-                if len(buffer) > _MAX_LINE:
-                    raise ProtocolError("a trailer line is too long")
+            line = self._line("trailer")
+            if line is None:
                 return False
-            line = buffer[:end]
-            self._buffer = buffer[end + 2 :]
             if not line:
                 self._end_body()
                 return True
@@ -365,6 +358,19 @@ class Connection(Protocol):
         self._buffer = buffer[end + 4 :]
         self._head(buffer[:end])
         return True
+
+    def _line(self, what: str) -> bytes | None:
+        """
+        The next CRLF-ended line taken from the buffer, or None until it is all in.
+        """
+        end = self._buffer.find(b"\r\n")
+        if end < 0:
+            if len(self._buffer) > _MAX_LINE:
+                raise ProtocolError(f"a {what} line is too long")
+            return None
+        line = self._buffer[:end]
+        self._buffer = self._buffer[end + 2 :]
+        return line
 
     def _head(self, raw: bytes) -> None:
         lines = raw.split(b"\r\n")

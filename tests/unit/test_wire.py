@@ -544,3 +544,18 @@ def test_a_finished_bodys_transport_cannot_touch_the_next_request() -> None:
     later = Reader()
     result_of(second).deliverBody(later)
     assert later.body == b"new" and later.ended.check(ResponseDone)  # type: ignore[union-attr]
+
+
+def test_an_endless_chunk_size_line_fails_the_body() -> None:
+    """
+    A chunk-size or trailer line that never ends is refused once it passes 8 KB, rather
+    than buffered without bound.
+    """
+    for prefix in (b"", b"0\r\n"):
+        wire = Wire()
+        pending = wire.ask()
+        reader = Reader()
+        wire.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + prefix)
+        result_of(pending).deliverBody(reader)
+        wire.answer(b"1" * 9000)
+        assert reader.ended is not None and reader.ended.check(ResponseFailed), prefix
