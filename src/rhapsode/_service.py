@@ -151,7 +151,7 @@ class RhapsodeService(service.Service):
             self.log.failure("cannot listen", failure)
             self.reactor.stop()
 
-        # Access lines are logged at info: below that level none is formatted at all.
+        # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
         endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
 
