@@ -17,7 +17,7 @@ from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web import resource, server
+from twisted.web import server
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
@@ -30,6 +30,7 @@ from rhapsode_worker._errors import (
 )
 from rhapsode_worker._http import (
     DURATION_HEADER,
+    HandlerResource,
     InFlight,
     abort_connection,
     answer_failure,
@@ -123,7 +124,8 @@ class CoreApp:
         The site to listen with: its requests are guarded and stripped at their headers.
         Without C{access_log} no access line is even formatted (a log level above info).
         """
-        return CoreSite(self.resource(), self, speak=SpeakResource(self), access_log=access_log)
+        speak = HandlerResource(self.speak, self.log)
+        return CoreSite(self.resource(), self, {(b"POST", b"/speak"): speak}, access_log=access_log)
 
     async def _answer(self, request: IRequest, handler: Callable[[], Awaitable[Any]]) -> Any:
         """
@@ -319,7 +321,7 @@ class CoreApp:
     async def speak(self, request: IRequest) -> Any:
         """
         C{POST /speak}: validate, resolve the variant, take a lease and relay the audio.
-        The core's own site reaches this without Klein's routing (L{SpeakResource}).
+        The core's own site reaches this without Klein's routing (L{HandlerResource}).
         """
         finished = request.notifyFinish()
 
@@ -484,36 +486,6 @@ class CoreApp:
         duration = int(told) if told.isdigit() else _duration_ms(fmt, caps.get("nativeFormat", {}), received)
         write_trailer(request, duration)
         return None
-
-
-class SpeakResource(resource.Resource):
-    """
-    C{POST /speak} without Klein's routing: the one route on the path of every
-    utterance, where binding and matching a URL map was a quarter of the core's time
-    before the request reached its worker.  Same handler, same failure mapping.
-    """
-
-    isLeaf = True
-
-    def __init__(self, core: CoreApp) -> None:
-        super().__init__()
-        self._core = core
-
-    def render_POST(self, request: IRequest) -> Any:
-        answer = Deferred.fromCoroutine(self._core.speak(request))
-        # A client that hangs up cancels the handler, which cancels the upstream request.
-        request.notifyFinish().addErrback(lambda _: answer.cancel())
-        answer.addCallbacks(lambda body: _finish(request, body), lambda f: f.trap(CancelledError))
-        answer.addErrback(lambda f: self._core.log.failure("answering /speak", f))
-        return server.NOT_DONE_YET
-
-
-def _finish(request: Any, body: bytes | None) -> None:
-    if request.finished or getattr(request, "_disconnected", False):
-        return
-    if body:
-        request.write(body)
-    request.finish()
 
 
 async def _settled(finished: Any) -> None:

@@ -21,6 +21,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
 from rhapsode_worker._errors import BadRequest, SpeechError, as_speech_error
+from rhapsode_worker._http import DirectSite
 
 from ._guard import check_management
 
@@ -224,29 +225,28 @@ def _headers(request: server.Request) -> dict[str, list[str]]:
     }
 
 
-class CoreSite(server.Site):
+class CoreSite(DirectSite):
     """
-    A site whose requests can reach the core before their handlers run.
+    A site whose requests can reach the core before their handlers run.  C{direct}
+    routes skip Klein (see L{DirectSite}); without C{access_log} no access line is
+    even formatted.
     """
 
     requestFactory = CoreRequest
 
-    def __init__(self, resource: Any, core: Any, speak: Any = None, access_log: bool = True) -> None:
-        super().__init__(resource, parsePOSTFormSubmission=False)
+    def __init__(
+        self,
+        resource: Any,
+        core: Any,
+        direct: dict[tuple[bytes, bytes], Any] | None = None,
+        access_log: bool = True,
+    ) -> None:
+        super().__init__(resource, direct)
         self.core = core
         self.displayTracebacks = False
-        self._speak = speak
         self.access_log = access_log
 
     def log(self, request: Any) -> None:
         if self.access_log:
             super().log(request)
-
-    def getResourceFor(self, request: Any) -> Any:
-        # The hot route goes straight to its resource; everything else is routed by Klein.
-        if self._speak is not None and request.path == b"/speak" and request.method == b"POST":
-            request.site = self
-            request.sitepath = []
-            return self._speak
-        return super().getResourceFor(request)
 

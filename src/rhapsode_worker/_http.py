@@ -2,7 +2,7 @@
 The HTTP habits the worker and the core share (protocol.md section 6): JSON answers and
 error envelopes, JSON bodies read within a limit, failures mapped onto the taxonomy
 before headers and turned into an abort after them, and the duration trailer that
-twisted.web has no API for.
+twisted.web has no API for; and the hot route that skips the router.
 """
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from typing import Awaitable, Callable
+
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web import resource, server
 from twisted.web.iweb import IRequest
 
 from . import contract
@@ -118,3 +121,53 @@ class InFlight:
         else:
             d.callback(None)
         return d
+
+
+class HandlerResource(resource.Resource):
+    """
+    One route answered by one coroutine handler, with no router in front: for the
+    route on the path of every utterance, where binding and matching a URL map cost
+    more than the handler.  The handler maps its own failures (as every route here
+    does); a client that hangs up cancels it.
+    """
+
+    isLeaf = True
+
+    def __init__(self, handler: Callable[[IRequest], Awaitable[bytes | None]], log: Logger) -> None:
+        super().__init__()
+        self._handler = handler
+        self._log = log
+
+    def render(self, request: IRequest) -> Any:
+        answer = Deferred.fromCoroutine(self._handler(request))  # type: ignore[arg-type]
+        request.notifyFinish().addErrback(lambda _: answer.cancel())
+        answer.addCallbacks(lambda body: _finish(request, body), lambda f: f.trap(CancelledError))
+        answer.addErrback(lambda f: self._log.failure("answering {path}", f, path=getattr(request, "path", b"")))
+        return server.NOT_DONE_YET
+
+
+def _finish(request: Any, body: bytes | None) -> None:
+    if request.finished or getattr(request, "_disconnected", False):
+        return
+    if body:
+        request.write(body)
+    request.finish()
+
+
+class DirectSite(server.Site):
+    """
+    A site that hands the requests named in C{direct} (method and exact path) straight
+    to their resource, and routes the rest through its root as usual.
+    """
+
+    def __init__(self, root: Any, direct: dict[tuple[bytes, bytes], resource.Resource] | None = None) -> None:
+        super().__init__(root, parsePOSTFormSubmission=False)
+        self.direct = dict(direct or {})
+
+    def getResourceFor(self, request: Any) -> Any:
+        target = self.direct.get((request.method, request.path))
+        if target is None:
+            return super().getResourceFor(request)
+        request.site = self
+        request.sitepath = []
+        return target

@@ -41,6 +41,8 @@ from ._engine import (
 )
 from ._http import (
     DURATION_HEADER,
+    DirectSite,
+    HandlerResource,
     InFlight,
     abort_connection,
     answer_failure,
@@ -305,7 +307,9 @@ class WorkerApp:
     # -- plumbing -------------------------------------------------------------------
 
     def site(self) -> server.Site:
-        site = server.Site(self.app.resource(), parsePOSTFormSubmission=False)
+        # POST /speak, on the path of every utterance, skips Klein's routing.
+        speak = HandlerResource(self.speak, self.log)
+        site = DirectSite(self.app.resource(), {(b"POST", b"/speak"): speak})
         site.requestFactory = _BoundedRequest
         site.displayTracebacks = False
         return site
@@ -628,6 +632,13 @@ class WorkerApp:
 
     @app.route("/speak", methods=["POST"])
     async def _speak(self, request: IRequest) -> Any:
+        return await self.speak(request)
+
+    async def speak(self, request: IRequest) -> Any:
+        """
+        C{POST /speak}: validate, schedule the synthesis and write its audio.
+        """
+
         async def handle() -> Any:
             body = self._body(request, contract.SPEAK_REQUEST)
             variant = self._variant(body.get("variant"))

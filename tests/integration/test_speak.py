@@ -44,6 +44,19 @@ async def test_stream_is_chunked_in_pieces_and_ends_with_duration_trailer(tone: 
 
 
 @pytest_twisted.ensureDeferred
+async def test_speak_by_another_method_or_below_is_routed_like_any_path(tone: Worker) -> None:
+    """
+    POST /speak skips the worker's router, but GET /speak and a path below /speak are
+    still answered by it: bad_request on the path, naming what was asked.
+    """
+    for method, target in [("GET", "/speak"), ("POST", "/speak/now")]:
+        response = await deferred_raw(tone.socket_path, method, target, body(text="hi"))
+        error = json.loads(response.body)["error"]
+        assert (response.status, error["code"], error["field"]) == (400, "bad_request", "path")
+        assert error["message"] == f"no route {method} {target}"
+
+
+@pytest_twisted.ensureDeferred
 async def test_buffered_response_has_length_and_duration_header(tone: Worker) -> None:
     """
     C{stream: false} sets Content-Length and the duration header, and the body is the

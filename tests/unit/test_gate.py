@@ -108,7 +108,7 @@ def test_speak_goes_straight_to_its_resource_and_the_rest_to_klein() -> None:
 
     routed, speak = Resource(), Resource()
     routed.isLeaf = True  # type: ignore[misc]
-    site = CoreSite(routed, FakeCore(), speak=speak)
+    site = CoreSite(routed, FakeCore(), {(b"POST", b"/speak"): speak})
     for method, path, expected in [
         (b"POST", b"/speak", speak),
         (b"GET", b"/speak", routed),
