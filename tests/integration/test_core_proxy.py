@@ -355,6 +355,60 @@ async def test_voice_upload_streams_through_the_core(core: Core) -> None:
     assert deleted.status == 200 and json.loads(deleted.body) == {"deleted": "viacore"}
 
 
+def chunked_upload(address: tuple[str, int], target: str, data: bytes, content_type: str) -> tuple[int, bytes]:
+    """
+    Blocking: POST C{data} with chunked transfer encoding, in 4 KB pieces sent a little
+    apart (no length known up front), and read the whole answer.
+    """
+    import socket
+    import time
+
+    sock = socket.create_connection(address)
+    try:
+        sock.sendall(
+            f"POST {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            f"Content-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        for start in range(0, len(data), 4096):
+            piece = data[start : start + 4096]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            time.sleep(0.002)
+        sock.sendall(b"0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    finally:
+        sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        pieces = []
+        while True:
+            size_line, _, body = body.partition(b"\r\n")
+            size = int(size_line, 16)
+            if not size:
+                break
+            pieces.append(body[:size])
+            body = body[size + 2 :]
+        body = b"".join(pieces)
+    return int(head.split()[1]), body
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunked_voice_upload_goes_through_as_it_comes(core: Core) -> None:
+    """
+    An upload whose length the client does not declare (chunked) is streamed on to the
+    worker chunked, and the voice it makes is the worker's.
+    """
+    from test_voices_dialogue import multipart
+
+    data, ctype = multipart({"id": "chunky", "label": "Chunky"}, {"reference": ("clip.wav", wav_clip())})
+    status, body = await deferToThread(chunked_upload, core.address, "/engines/tone/voices", data, ctype)
+    assert status == 200, body
+    assert json.loads(body)["id"] == "chunky"
+    listed = json.loads((await call(core, "GET", "/engines/tone/voices")).body)
+    assert "chunky" in [v["id"] for v in listed]
+
+
 @pytest.mark.parametrize(
     ("extra", "length", "status", "code"),
     [
