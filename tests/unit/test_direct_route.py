@@ -85,3 +85,16 @@ def test_only_the_exact_method_and_path_go_direct() -> None:
         request = DummyRequest(path.split(b"/")[1:])
         request.method, request.path = method, path
         assert site.getResourceFor(request) is expected, (method, path)
+
+
+def test_connections_are_plain_http11_channels() -> None:
+    """
+    The site's connections are HTTP/1.1 channels themselves, not twisted.web's proxy
+    that waits for a TLS negotiation these sites never have; they still know their site.
+    """
+    from twisted.internet.address import IPv4Address
+    from twisted.web.http import HTTPChannel
+
+    site = DirectSite(Resource())
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+    assert type(channel) is HTTPChannel and channel.site is site  # type: ignore[attr-defined]
