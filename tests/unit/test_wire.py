@@ -559,3 +559,44 @@ def test_an_endless_chunk_size_line_fails_the_body() -> None:
         result_of(pending).deliverBody(reader)
         wire.answer(b"1" * 9000)
         assert reader.ended is not None and reader.ended.check(ResponseFailed), prefix
+
+
+class SocketLike(StringTransport):
+    """
+    A transport that, like a socket's, sends its buffer when asked to (doWrite).
+    """
+
+    connected = True
+    sent: bytes = b""
+
+    def doWrite(self) -> None:
+        self.sent += self.value()
+        self.clear()
+
+
+def test_a_request_is_sent_at_once_not_on_the_next_turn() -> None:
+    """
+    The request to a worker is pushed to the socket as soon as it is written, rather
+    than waiting for the reactor's next poll for writability.
+    """
+    idle: list[Connection] = []
+    connection = Connection(idle.append, idle.append)
+    transport = SocketLike()
+    connection.makeConnection(transport)
+    connection.request(b"GET", encode_request(b"GET", b"/health", b"worker", {}, None), None)
+    assert transport.sent == b"GET /health HTTP/1.1\r\nHost: worker\r\n\r\n" and transport.value() == b""
+
+
+def test_flush_leaves_closing_and_non_socket_transports_alone() -> None:
+    """
+    A transport that is closing, or is not a socket (no doWrite), is not flushed.
+    """
+    from rhapsode._wire import flush
+
+    closing = SocketLike()
+    closing.write(b"x")
+    closing.disconnecting = True
+    flush(closing)
+    flush(StringTransport())
+    flush(None)
+    assert closing.sent == b"" and closing.value() == b"x"
