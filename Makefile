@@ -74,8 +74,12 @@ $(CONFIG): Makefile $(wildcard $(RUN)/kokoro.fetched)
 serve: $(STAMP) $(foreach e,$(SERVED),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
 	$(VENV)/bin/rhapsode serve --config $(CONFIG)
 
+# The engines' bench (bench/engines.py) needs their virtualenvs and minutes per engine:
+# run it by hand after `make test`.
 bench: $(STAMP)
 	$(PY) bench/worker.py
+	$(PY) bench/floor.py
+	$(PY) bench/proxy.py
 
 openapi: $(STAMP)
 	$(PY) -m rhapsode_worker.contract > docs/openapi.worker.yaml
