@@ -72,7 +72,6 @@ class WorkerClient:
     def __init__(self, reactor: Any, address: str) -> None:
         self.address = address
         self._idle: list[Connection] = []
-        self._open: set[Connection] = set()
         self._factory = _Factory(self)
         if address.startswith("unix:"):
             self._host = b"worker"
@@ -100,16 +99,11 @@ class WorkerClient:
             connection.transport.loseConnection()  # type: ignore[union-attr]
 
     def _gone(self, connection: Connection) -> None:
-        self._open.discard(connection)
         if connection in self._idle:
             self._idle.remove(connection)
 
     def _connect(self) -> "Deferred[Connection]":
-        def opened(connection: Connection) -> Connection:
-            self._open.add(connection)
-            return connection
-
-        return self._endpoint.connect(self._factory).addCallback(opened)
+        return self._endpoint.connect(self._factory)  # type: ignore[no-any-return]
 
     # -- requests -------------------------------------------------------------------
 
