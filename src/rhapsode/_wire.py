@@ -24,6 +24,8 @@ from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.iweb import UNKNOWN_LENGTH
 from zope.interface import implementer
 
+from rhapsode_worker._http import flush
+
 __all__ = ["Connection", "Headers", "ProtocolError", "WorkerResponse", "encode_request"]
 
 #: A response head larger than this is not a worker's.
@@ -80,19 +82,6 @@ class WorkerResponse:
         with L{ResponseFailed} when it did not.
         """
         self._connection.deliver(protocol)
-
-
-def flush(transport: Any) -> None:
-    """
-    Send what was just written to C{transport} now, rather than on the reactor's next
-    turn: on the path of every request that turn (a poll for writability, two changes
-    to the poll set) cost more than the send.  A socket that cannot take it all keeps
-    the rest, and one that has failed is found by the reactor as usual (it stays
-    registered for writing).  Transports that are not sockets are left alone.
-    """
-    send = getattr(transport, "doWrite", None)
-    if send is not None and getattr(transport, "connected", False) and not getattr(transport, "disconnecting", True):
-        send()
 
 
 def encode_request(

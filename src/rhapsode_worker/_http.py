@@ -123,6 +123,19 @@ class InFlight:
         return d
 
 
+def flush(transport: Any) -> None:
+    """
+    Send what was just written to C{transport} now, rather than on the reactor's next
+    turn: on the path of a request's first bytes that turn (a poll for writability, two changes
+    to the poll set) cost more than the send.  A socket that cannot take it all keeps
+    the rest, and one that has failed is found by the reactor as usual (it stays
+    registered for writing).  Transports that are not sockets are left alone.
+    """
+    send = getattr(transport, "doWrite", None)
+    if send is not None and getattr(transport, "connected", False) and not getattr(transport, "disconnecting", True):
+        send()
+
+
 class HandlerResource(resource.Resource):
     """
     One route answered by one coroutine handler, with no router in front: for the

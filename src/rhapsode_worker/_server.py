@@ -47,6 +47,7 @@ from ._http import (
     abort_connection,
     answer_failure,
     error_response,
+    flush,
     json_response,
     no_route,
     read_json,
@@ -157,7 +158,11 @@ class _AudioResponse:
         if self._encoder is None:
             self._start()
         self.pcm_bytes += len(data)
+        started = self.headers_sent
         self._encoder.write(data)
+        if not started and self._stream and self.headers_sent:
+            # First audio leaves now, not on the reactor's next turn.
+            flush(getattr(getattr(self._request, "channel", None), "transport", None))
 
     def silence(self, milliseconds: int) -> None:
         native = self._worker.engine.native_format

@@ -280,3 +280,53 @@ def test_spawn_environment_parsed() -> None:
         Spawn.from_environ(dict(env, RHAPSODE_WORKER_LISTEN="udp:1"), PlainEngine())
     with pytest.raises(SpawnError):
         Spawn.from_environ(dict(env, RHAPSODE_WORKER_CONTRACT="one"), PlainEngine())
+
+
+def test_first_streamed_audio_is_sent_at_once() -> None:
+    """
+    The first write of a streamed answer (headers and first audio) is pushed to the
+    socket at once rather than on the reactor's next turn; later writes, and a buffered
+    answer, are left to the reactor.
+    """
+    from types import SimpleNamespace
+
+    from rhapsode_worker._schedule import Job
+    from rhapsode_worker._server import _AudioResponse
+
+    class Request:
+        """
+        Enough of a twisted.web request for an answer's writes.
+        """
+
+        def __init__(self, transport: Any) -> None:
+            self.channel = SimpleNamespace(transport=transport)
+            self.startedWriting = False
+            self.written: list[bytes] = []
+            self.producer: Any = None
+
+        def setResponseCode(self, code: int) -> None:
+            self.code = code
+
+        def setHeader(self, name: bytes, value: bytes) -> None:
+            pass
+
+        def registerProducer(self, producer: Any, streaming: bool) -> None:
+            self.producer = producer
+
+        def unregisterProducer(self) -> None:
+            self.producer = None
+
+        def write(self, data: bytes) -> None:
+            self.startedWriting = True
+            self.written.append(data)
+
+    app, _ = make_app(PlainEngine())
+    for stream, expected in ((True, 1), (False, 0)):
+        pushes: list[int] = []
+        transport = SimpleNamespace(connected=True, disconnecting=False, doWrite=lambda: pushes.append(1))
+        request = Request(transport)
+        answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))  # type: ignore[arg-type]
+        answer.pcm(b"\x01\x00" * 100)
+        answer.pcm(b"\x02\x00" * 100)
+        assert len(pushes) == expected, stream
+        assert bool(request.written) is stream

@@ -591,7 +591,7 @@ def test_flush_leaves_closing_and_non_socket_transports_alone() -> None:
     """
     A transport that is closing, or is not a socket (no doWrite), is not flushed.
     """
-    from rhapsode._wire import flush
+    from rhapsode_worker._http import flush
 
     closing = SocketLike()
     closing.write(b"x")
