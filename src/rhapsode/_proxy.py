@@ -18,6 +18,8 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.iweb import IRequest
 
+from rhapsode_worker._http import flush
+
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
 
@@ -45,6 +47,10 @@ class StreamRelay(Protocol):
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
         self._request.write(data)
+        if self.received == len(data):
+            # First audio (and the headers with it) leaves now, not after the reactor
+            # has read and queued whatever the worker sent behind it.
+            flush(getattr(getattr(self._request, "channel", None), "transport", None))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if getattr(self._request, "producer", None) is not None:

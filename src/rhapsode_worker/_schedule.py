@@ -14,6 +14,7 @@ request waits in memory and a slow reader never holds the model from the others.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Any, Callable, Iterator
@@ -34,6 +35,11 @@ Step = Callable[[], Iterator[bytes]]
 # so batching never delays first audio.
 _BATCH_BYTES = 256 * 1024
 _BATCH_SECONDS = 0.1
+# How long a job's first step waits for the reactor to have written its first audio
+# before synthesising on.  An engine that holds the GIL while it computes (pure Python,
+# or Python around its native calls) would otherwise keep the reactor from writing that
+# audio until the whole segment is made: first audio would wait for the segment.
+_FIRST_AUDIO_WAIT = 0.005
 
 
 @implementer(IPushProducer)
@@ -212,7 +218,7 @@ class Scheduler:
         if index:
             job.on_step(index)
         self._running += 1
-        d = deferToThreadPool(self._reactor, self._pool, self._drain_step, job, step)
+        d = deferToThreadPool(self._reactor, self._pool, self._drain_step, job, step, index == 0)
 
         def finished(result: Any) -> None:
             self._running -= 1
@@ -230,15 +236,18 @@ class Scheduler:
 
         d.addBoth(finished)
 
-    def _drain_step(self, job: Job, step: Step) -> None:
+    def _drain_step(self, job: Job, step: Step, first_step: bool = False) -> None:
         """
-        On a synthesis thread: run one step, handing PCM to the reactor in batches.
+        On a synthesis thread: run one step, handing PCM to the reactor in batches.  In a
+        job's first step, the first batch is handed over and written before synthesis
+        goes on (for at most L{_FIRST_AUDIO_WAIT}).
         """
         deliver = self._reactor.callFromThread
         generator = step()
         batch: list[bytes] = []
         size = 0
         last = 0.0
+        waiting_first = first_step
         try:
             for chunk in generator:
                 if job.cancelled:
@@ -249,7 +258,14 @@ class Scheduler:
                 size += len(chunk)
                 now = time.monotonic()
                 if size >= _BATCH_BYTES or now - last >= _BATCH_SECONDS:
-                    deliver(job.on_pcm, b"".join(batch))
+                    if waiting_first:
+                        waiting_first = False
+                        written = threading.Event()
+                        deliver(_hand_over, job, b"".join(batch), written)
+                        # Blocking here lets the reactor take the GIL and write it now.
+                        written.wait(_FIRST_AUDIO_WAIT)
+                    else:
+                        deliver(job.on_pcm, b"".join(batch))
                     batch, size, last = [], 0, now
             if batch and not job.cancelled:
                 deliver(job.on_pcm, b"".join(batch))
@@ -263,6 +279,13 @@ class Scheduler:
             waiters, self._idle_waiters = self._idle_waiters, []
             for d in waiters:
                 d.callback(None)
+
+
+def _hand_over(job: Job, pcm: bytes, written: threading.Event) -> None:
+    try:
+        job.on_pcm(pcm)
+    finally:
+        written.set()
 
 
 def _deferred(coroutine: Any) -> "Deferred[Any]":

@@ -270,3 +270,59 @@ def test_model_state_refuses_illegal_transitions() -> None:
     model._become("loading", "a")
     with pytest.raises(RuntimeError):
         model._become("unloading", "a")
+
+
+def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    In a job's first step the synthesis thread hands its first audio over and waits for
+    the reactor to have taken it before making more, so an engine that holds the GIL
+    cannot keep first audio back until the whole segment is made.  Later steps do not
+    wait.
+    """
+    import threading
+
+    from rhapsode_worker import _schedule
+
+    monkeypatch.setattr(_schedule, "_FIRST_AUDIO_WAIT", 30.0)  # no timing in the outcome
+
+    class ThreadedReactor:
+        """
+        Runs calls from the synthesis thread on a thread of its own, as the reactor does.
+        """
+
+        def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
+            threading.Thread(target=f, args=args).start()
+
+    taken: list[bytes] = []
+    seen_before_second: list[list[bytes]] = []
+
+    def speak() -> Iterator[bytes]:
+        yield b"first"
+        seen_before_second.append(list(taken))
+        yield b"second"
+
+    pool = FakePool()
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)  # type: ignore[arg-type]
+    scheduler = Scheduler(ThreadedReactor(), pool, model)  # type: ignore[arg-type]
+    job = Job("a", [speak], taken.append)
+    scheduler._drain_step(job, speak, True)
+    assert seen_before_second == [[b"first"]]
+
+    later: list[list[bytes]] = []
+    taken.clear()
+
+    def speak_later() -> Iterator[bytes]:
+        yield b"first"
+        later.append(list(taken))
+        yield b"second"
+
+    gate = threading.Event()
+
+    class SlowReactor:
+        def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
+            threading.Thread(target=lambda: (gate.wait(5), f(*args))).start()
+
+    scheduler = Scheduler(SlowReactor(), pool, model)  # type: ignore[arg-type]
+    scheduler._drain_step(Job("a", [speak_later], taken.append), speak_later, False)
+    gate.set()
+    assert later == [[]], "a later step waited for its first hand-over"
