@@ -13,7 +13,7 @@ that a slow reader pauses the worker's socket.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionDone
@@ -52,12 +52,6 @@ class Headers:
 
     def getRawHeaders(self, name: bytes, default: Any = None) -> Any:
         return self._fields.get(name.lower(), default)
-
-    def hasHeader(self, name: bytes) -> bool:
-        return name.lower() in self._fields
-
-    def getAllRawHeaders(self) -> Iterable[tuple[bytes, list[bytes]]]:
-        return self._fields.items()
 
 
 class WorkerResponse:
@@ -185,7 +179,6 @@ class Connection(Protocol):
         self._sending = False
         self._producer: Any = None
         self._parsing = False
-        self.requests = 0
         self.lost: Deferred[None] = Deferred()
 
     @property
@@ -201,7 +194,6 @@ class Connection(Protocol):
         """
         if self.busy:
             raise RuntimeError("a worker connection carries one request at a time")
-        self.requests += 1
         self._method = method
         self._state = _HEAD
         self._keep = True
@@ -544,5 +536,4 @@ class Connection(Protocol):
                 producer.stopProducing()
         self._state = _GONE
         self._on_lost(self)
-        lost, self.lost = self.lost, Deferred()
-        lost.callback(None)
+        self.lost.callback(None)

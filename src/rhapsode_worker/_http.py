@@ -8,9 +8,7 @@ twisted.web has no API for; and the hot route that skips the router.
 from __future__ import annotations
 
 import json
-from typing import Any
-
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger

@@ -308,21 +308,16 @@ def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.Mon
     scheduler._drain_step(job, speak, True)
     assert seen_before_second == [[b"first"]]
 
-    later: list[list[bytes]] = []
-    taken.clear()
+    handed: list[Callable[..., Any]] = []
 
-    def speak_later() -> Iterator[bytes]:
-        yield b"first"
-        later.append(list(taken))
-        yield b"second"
-
-    gate = threading.Event()
-
-    class SlowReactor:
+    class RecordingReactor:
         def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
-            threading.Thread(target=lambda: (gate.wait(5), f(*args))).start()
+            handed.append(f)
+            f(*args)
 
-    scheduler = Scheduler(SlowReactor(), pool, model)  # type: ignore[arg-type]
-    scheduler._drain_step(Job("a", [speak_later], taken.append), speak_later, False)
-    gate.set()
-    assert later == [[]], "a later step waited for its first hand-over"
+    scheduler = Scheduler(RecordingReactor(), pool, model)  # type: ignore[arg-type]
+    scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, True)
+    scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, False)
+    # Each step hands over its first chunk at once and the rest at its end.
+    waited = [f is _schedule._hand_over for f in handed]
+    assert waited == [True, False, False, False], "only a job's first step waits for its first hand-over"
