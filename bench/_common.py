@@ -34,15 +34,21 @@ def wait_listening(port: int, seconds: float = 20) -> None:
 
 
 def start_worker(
-    tmp: Path, module: str = "rhapsode_engine_tone", engine: str = "tone", python: str = sys.executable
+    tmp: Path,
+    module: str = "rhapsode_engine_tone",
+    engine: str = "tone",
+    python: str = sys.executable,
+    listen: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """
-    A worker on a Unix socket in C{tmp}, once its handshake line has come.
+    A worker on a Unix socket in C{tmp} (or on C{listen}, e.g. C{tcp:127.0.0.1:0}), once
+    its handshake line has come.  Returns the process and the socket's path, or for TCP
+    the address it reported (C{tcp:HOST:PORT}).
     """
     path = str(tmp / f"{engine}.sock")
     env = dict(
         os.environ,
-        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
+        RHAPSODE_WORKER_LISTEN=listen or f"unix:{path}",
         RHAPSODE_WORKER_ENGINE=engine,
         RHAPSODE_WORKER_CONTRACT="1",
         RHAPSODE_WORKER_VOICE_DIR=str(tmp / "voices"),
@@ -50,8 +56,8 @@ def start_worker(
     )
     proc = subprocess.Popen([python, "-m", module], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
-    proc.stdout.readline()
-    return proc, path
+    handshake = json.loads(proc.stdout.readline())
+    return proc, (handshake["listen"] if listen else path)
 
 
 def unix(path: str) -> Callable[[], socket.socket]:

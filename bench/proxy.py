@@ -4,8 +4,9 @@ Benchmark of the core as a proxy, run by hand (`.venv/bin/python bench/proxy.py`
 One tone worker, reached two ways in the same run: directly over its Unix socket, and
 through a core (`rhapsode serve`, a separate process) that has it configured by URL.
 Prints, side by side: time to first byte over 500 requests each (p50/p99 and the core's
-overhead), streamed throughput through the core as a ratio of direct, and N concurrent
-realtime streams (24 kHz 16-bit, read at 48 KB/s by paced clients) with the core's CPU,
+overhead; then again with a second worker on TCP behind a second core, so that the
+client's leg is TCP on both sides and the difference is the core alone), streamed
+throughput through the core as a ratio of direct, and N concurrent realtime streams (24 kHz 16-bit, read at 48 KB/s by paced clients) with the core's CPU,
 peak RSS and failures.  Asserts nothing.
 
 Everything runs on this one machine: the clients, the core and the worker share its
@@ -17,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from _common import KeptAlive, free_port, percentile, request_bytes, start_worker, tcp, timed, unix, wait_listening
 
@@ -31,29 +34,19 @@ LONG = " ".join([SENTENCE] * 80)[:4000]
 STREAM_TEXT = "A ten second sentence of speech, long enough to read at realtime for a while."
 
 
-
-
-
-
-def start_core(tmp: Path, worker_path: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_core(tmp: Path, worker_url: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     config = {
         "server": {"port": port, "host": "127.0.0.1"},
         "log": {"level": "error"},
         "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices")},
-        "engines": {"tone": {"url": f"unix:{worker_path}"}},
+        "engines": {"tone": {"url": worker_url}},
     }
     (tmp / "core.json").write_text(json.dumps(config))
     rhapsode = str(Path(sys.executable).parent / "rhapsode")
     proc = subprocess.Popen([rhapsode, "serve", "--config", str(tmp / "core.json")], stdout=subprocess.DEVNULL)
     wait_listening(port)
     return proc, port
-
-
-
-
-
-
 
 
 def cpu_seconds(pid: int) -> float:
@@ -121,36 +114,59 @@ def report(title: str, direct: list[float], proxied: list[float]) -> None:
     )
 
 
+def ttfb(direct: Callable[[], socket.socket], proxied: Callable[[], socket.socket], how: str) -> None:
+    """
+    Time to first byte of one sentence, direct and through the core interleaved request
+    by request (so the box's drift falls on both alike): a new connection each, then one
+    kept-alive connection each.
+    """
+    small = {"text": SENTENCE, "format": "pcm", "seed": 1}
+    to_worker, to_core = request_bytes("/speak", small), request_bytes("/speak", {"engine": "tone", **small})
+    for _ in range(20):  # warm both paths
+        timed(direct, to_worker)
+        timed(proxied, to_core)
+    d_first: list[float] = []
+    p_first: list[float] = []
+    for _ in range(500):
+        d_first.append(timed(direct, to_worker)[0])
+        p_first.append(timed(proxied, to_core)[0])
+    report(f"time to first byte, one sentence, 500 requests each, a new connection each, {how} (ms)", d_first, p_first)
+    kept_direct, kept_proxied = KeptAlive(direct), KeptAlive(proxied)
+    d_first, p_first = [], []
+    for _ in range(500):
+        d_first.append(kept_direct.timed(to_worker)[0])
+        p_first.append(kept_proxied.timed(to_core)[0])
+    kept_direct.close()
+    kept_proxied.close()
+    report(f"time to first byte, one sentence, 500 requests each, one kept-alive connection, {how} (ms)", d_first, p_first)
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     worker, path = start_worker(tmp)
-    core, port = start_core(tmp, path)
-
+    core, port = start_core(tmp, f"unix:{path}")
     direct, proxied = unix(path), tcp(port)
-
     try:
-        small = {"text": SENTENCE, "format": "pcm", "seed": 1}
-        for _ in range(20):  # warm both paths
-            timed(direct, request_bytes("/speak", small))
-            timed(proxied, request_bytes("/speak", {"engine": "tone", **small}))
-        d_first: list[float] = []
-        p_first: list[float] = []
-        for _ in range(500):
-            d_first.append(timed(direct, request_bytes("/speak", small))[0])
-            p_first.append(timed(proxied, request_bytes("/speak", {"engine": "tone", **small}))[0])
-        report("time to first byte, one sentence, 500 requests each, a new connection each (ms)", d_first, p_first)
-        kept_direct, kept_proxied = KeptAlive(direct), KeptAlive(proxied)
-        d_first, p_first = [], []
-        for _ in range(500):
-            d_first.append(kept_direct.timed(request_bytes("/speak", small))[0])
-            p_first.append(kept_proxied.timed(request_bytes("/speak", {"engine": "tone", **small}))[0])
-        kept_direct.close()
-        kept_proxied.close()
-        report("time to first byte, one sentence, 500 requests each, one kept-alive connection (ms)", d_first, p_first)
+        ttfb(direct, proxied, "worker on its Unix socket (as the core spawns it)")
+        # The same comparison with the worker on TCP, as a remote worker is: the client's
+        # leg is TCP on both sides, so what differs is only the core.
+        tcp_tmp = Path(tempfile.mkdtemp())
+        tcp_worker, address = start_worker(tcp_tmp, listen="tcp:127.0.0.1:0")
+        host, _, worker_port = address[len("tcp:"):].rpartition(":")
+        tcp_core, tcp_core_port = start_core(tcp_tmp, f"http://{host}:{worker_port}")
+        try:
+            ttfb(tcp(int(worker_port)), tcp(tcp_core_port), "worker on TCP (as a remote worker is)")
+        finally:
+            for proc in (tcp_core, tcp_worker):
+                proc.terminate()
+                proc.wait(20)
         big = {"text": LONG, "format": "pcm", "seed": 1}
-        d_rate = max(r[2] / r[1] for r in (timed(direct, request_bytes("/speak", big)) for _ in range(3)))
-        p_rate = max(r[2] / r[1] for r in (timed(proxied, request_bytes("/speak", {"engine": "tone", **big})) for _ in range(3)))
-        print(f"streamed throughput, {len(LONG)} chars of pcm (best of 3)")
+        d_rate = p_rate = 0.0
+        for _ in range(5):  # interleaved, so a slow minute falls on both sides
+            d_bytes, d_seconds = timed(direct, request_bytes("/speak", big))[2:0:-1]
+            p_bytes, p_seconds = timed(proxied, request_bytes("/speak", {"engine": "tone", **big}))[2:0:-1]
+            d_rate, p_rate = max(d_rate, d_bytes / d_seconds), max(p_rate, p_bytes / p_seconds)
+        print(f"streamed throughput, {len(LONG)} chars of pcm (best of 5 each, interleaved)")
         print(f"  direct {d_rate / 1e6:7.1f} MB/s   proxied {p_rate / 1e6:7.1f} MB/s   ratio {p_rate / d_rate:4.2f}")
         print("concurrent realtime streams through the core (~5 s of audio each, read at 48 KB/s)")
         for n in (500, 1000, 2000):
