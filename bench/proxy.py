@@ -6,8 +6,9 @@ through a core (`rhapsode serve`, a separate process) that has it configured by 
 Prints, side by side: time to first byte over 500 requests each (p50/p99 and the core's
 overhead; then again with a second worker on TCP behind a second core, so that the
 client's leg is TCP on both sides and the difference is the core alone), streamed
-throughput through the core as a ratio of direct, and N concurrent realtime streams (24 kHz 16-bit, read at 48 KB/s by paced clients) with the core's CPU,
-peak RSS and failures.  Asserts nothing.
+throughput through the core as a ratio of direct, and N concurrent realtime streams
+(24 kHz 16-bit, read at 48 KB/s by paced clients) with the core's CPU, peak RSS and
+failures.  Asserts nothing.
 
 Everything runs on this one machine: the clients, the core and the worker share its
 cores, so the figures are what this box does, not what the core alone would.
