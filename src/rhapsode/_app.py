@@ -323,7 +323,7 @@ class CoreApp:
         C{POST /speak}: validate, resolve the variant, take a lease and relay the audio.
         The core's own site reaches this without Klein's routing (L{HandlerResource}).
         """
-        finished = request.notifyFinish()
+        finished = request.notifyFinish()  # type: ignore[attr-defined]
 
         async def handle() -> Any:
             body = _body(request, contract.PUBLIC_SPEAK_REQUEST)
@@ -343,7 +343,7 @@ class CoreApp:
 
     @app.route("/engines/<string:engine_id>/dialogue", methods=["POST"])
     async def _dialogue(self, request: IRequest, engine_id: str) -> Any:
-        finished = request.notifyFinish()
+        finished = request.notifyFinish()  # type: ignore[attr-defined]
 
         async def handle() -> Any:
             body = _body(request, contract.PUBLIC_DIALOGUE_REQUEST)
@@ -410,7 +410,12 @@ class CoreApp:
                 self._measuring.add(engine.id)
                 task = Deferred.fromCoroutine(self._measure(engine, variant))
                 self._background.add(task)
-                task.addBoth(lambda _: (self._background.discard(task), self._measuring.discard(engine.id)))
+
+                def measured(_: object, task: Deferred[None] = task, engine_id: str = engine.id) -> None:
+                    self._background.discard(task)
+                    self._measuring.discard(engine_id)
+
+                task.addBoth(measured)
             fmt = forward.get("format", "wav")
             if not forward.get("stream", True):
                 return await self._buffered(request, response, fmt)

@@ -40,7 +40,9 @@ def _distribution(module: str, python: str) -> Any:
     sites = _site_packages(python)
     if sites:
         for dist in metadata.distributions(path=[str(s) for s in sites]):
-            if _normalise(dist.metadata.get("Name", "")) == wanted:
+            # An email.message.Message underneath; its get() takes a default, which a
+            # distribution with broken metadata needs (the protocol type does not say so).
+            if _normalise(dist.metadata.get("Name", "")) == wanted:  # type: ignore[attr-defined]
                 return dist
         return None
     if Path(python).absolute() == Path(sys.executable).absolute():

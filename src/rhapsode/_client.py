@@ -16,12 +16,12 @@ import json
 import secrets
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Union, cast
 from urllib.parse import quote
 
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IConsumer
+from twisted.internet.interfaces import IConsumer, IPushProducer
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
@@ -94,7 +94,8 @@ class _Body(Protocol):
 
     def connectionMade(self) -> None:
         if self._consumer is not None:
-            self._consumer.registerProducer(self.transport, True)
+            # A treq body's transport is the connection: a push producer.
+            self._consumer.registerProducer(cast(IPushProducer, self.transport), True)
 
     def dataReceived(self, data: bytes) -> None:
         if self._error is not None:
@@ -208,7 +209,8 @@ class RhapsodeClient:
 
                 reactor = global_reactor
             self._pool = HTTPConnectionPool(reactor, persistent=True)
-            http = HTTPClient(Agent(reactor, pool=self._pool))
+            # treq's request(method, url, **kwargs) is what _HTTP describes.
+            http = cast(_HTTP, HTTPClient(Agent(reactor, pool=self._pool)))
         self._http: _HTTP = http
 
     async def close(self) -> None:
@@ -318,6 +320,7 @@ class RhapsodeClient:
             are the caller's to discard.
         """
         consumer: IConsumer | None = None
+        write: Callable[[bytes], object]
         if IConsumer.providedBy(sink):
             consumer = sink
             write = consumer.write

@@ -206,6 +206,7 @@ class CoreRequest(server.Request):
         body = json.dumps(error.envelope()).encode()
         reason = {400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found"}.get(error.status, b"Error")
         transport = self.channel.transport
+        assert transport is not None  # the request is being received on it
         transport.write(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (error.status, reason, len(body), body)
@@ -214,7 +215,9 @@ class CoreRequest(server.Request):
 
 
 def _peer(request: server.Request) -> str | None:
-    address = request.channel.transport.getPeer()
+    transport = request.channel.transport
+    assert transport is not None  # the request is being received on it
+    address = transport.getPeer()
     return getattr(address, "host", None)
 
 

@@ -42,7 +42,7 @@ class StreamRelay(Protocol):
     def connectionMade(self) -> None:
         # The worker's socket is the client request's producer: a full client buffer
         # pauses reading from the worker.
-        self._request.registerProducer(self.transport, True)
+        self._request.registerProducer(self.transport, True)  # type: ignore[attr-defined]
 
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
@@ -54,7 +54,7 @@ class StreamRelay(Protocol):
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if getattr(self._request, "producer", None) is not None:
-            self._request.unregisterProducer()
+            self._request.unregisterProducer()  # type: ignore[attr-defined]
         if reason.check(ResponseDone):
             self.trailers = dict(getattr(self._response, "trailers", {}))
             self.done.callback(self.received)

@@ -24,8 +24,11 @@ class Supervised(Protocol):
     What the registry needs of a local worker's supervisor.
     """
 
-    state: str
-    pid: int | None
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
 
     def start(self) -> Any: ...
 

@@ -9,6 +9,7 @@ to embed the core as a library.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any
 
 from twisted.application import service
@@ -16,9 +17,9 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
+    Logger,
     LogLevel,
     LogLevelFilterPredicate,
-    Logger,
     textFileLogObserver,
 )
 
@@ -104,7 +105,7 @@ class RhapsodeService(service.Service):
                     max_restarts=workers.max_restarts,
                     restart_decay=workers.restart_decay_seconds,
                     terminate=_terminate_verb(client),
-                    on_crash=lambda engine_id=engine_id: self._crashed(engine_id),
+                    on_crash=partial(self._crashed, engine_id),
                 )
                 python = engine.python or sys.executable
                 catalog = read_catalog(engine.module, python)

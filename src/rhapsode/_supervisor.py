@@ -22,6 +22,7 @@ import os
 import signal
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, ClassVar, Mapping, Union
 
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -130,6 +131,7 @@ class _Child(ProcessProtocol):
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
 
     def connectionMade(self) -> None:
+        assert self.transport is not None  # spawnProcess connects it
         self.pid = self.transport.pid
 
     def outReceived(self, data: bytes) -> None:
@@ -452,10 +454,10 @@ class WorkerSupervisor:
             self._dispatching = False
 
     def _resolve(self, waiters: list[Deferred[Any]], value: object) -> None:
-        self._outbox.extend(lambda d=d: d.callback(value) for d in waiters)
+        self._outbox.extend(partial(d.callback, value) for d in waiters)
 
     def _reject(self, waiters: list[Deferred[Any]], message: str) -> None:
-        self._outbox.extend(lambda d=d: d.errback(ModelUnavailable(message)) for d in waiters)
+        self._outbox.extend(partial(d.errback, ModelUnavailable(message)) for d in waiters)
 
     # -- doing things -----------------------------------------------------------------------
 
@@ -541,7 +543,8 @@ class WorkerSupervisor:
             # Not its own group leader yet (the wrapper does that first thing), or the
             # group is gone: signal the process itself, which Twisted knows has exited.
             try:
-                child.transport.signalProcess(int(number))
+                if child.transport is not None:
+                    child.transport.signalProcess(int(number))
             except ProcessExitedAlready:
                 pass
 

@@ -13,7 +13,7 @@ that a slow reader pauses the worker's socket.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionDone
@@ -445,21 +445,21 @@ class Connection(Protocol):
         if self._keep and not self._buffer and not self._sending and self._producer is None:
             self._state = _IDLE
             if self.transport is not None:
-                self.transport.resumeProducing()
+                cast(IPushProducer, self.transport).resumeProducing()
             self._on_idle(self)
         elif self._sending:
             # The rest of a request body is still going out; close once it has.
             self._state = _IDLE
             self._keep = False
             if self.transport is not None:
-                self.transport.resumeProducing()
+                cast(IPushProducer, self.transport).resumeProducing()
         else:
             self._close()
 
     def deliver(self, reader: Protocol) -> None:
         if self._reader is not None:
             raise RuntimeError("a body is delivered once")
-        reader.makeConnection(_BodyTransport(self, self._response))  # type: ignore[arg-type]
+        reader.makeConnection(_BodyTransport(self, self._response))
         held, self._held = self._held, []
         ending, self._ending = self._ending, None
         self._reader = reader
@@ -476,7 +476,7 @@ class Connection(Protocol):
 
     def pause(self, why: str) -> None:
         if not self._pauses and self.transport is not None and self._state != _GONE:
-            self.transport.pauseProducing()
+            cast(IPushProducer, self.transport).pauseProducing()
         self._pauses.add(why)
 
     def resume(self, why: str) -> None:
@@ -484,7 +484,7 @@ class Connection(Protocol):
             return
         self._pauses.discard(why)
         if not self._pauses and self.transport is not None and self._state != _GONE:
-            self.transport.resumeProducing()
+            cast(IPushProducer, self.transport).resumeProducing()
 
     def abandon(self) -> None:
         """

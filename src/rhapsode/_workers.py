@@ -103,7 +103,7 @@ class WorkerClient:
             self._idle.remove(connection)
 
     def _connect(self) -> "Deferred[Connection]":
-        return self._endpoint.connect(self._factory)  # type: ignore[no-any-return]
+        return self._endpoint.connect(self._factory)
 
     # -- requests -------------------------------------------------------------------
 

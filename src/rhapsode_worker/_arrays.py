@@ -19,7 +19,7 @@ import sys
 import zipfile
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ._errors import BadRequest, Unsupported
 
@@ -55,7 +55,7 @@ def _floats(raw: bytes, code: str, little: bool, field: str) -> array[float]:
     if little != (sys.byteorder == "little"):
         wide.byteswap()
     if code == "f":
-        return wide
+        return wide  # type: ignore[return-value]  # array("f") holds floats
     values = array("f", wide)
     # array() turns a double beyond float32's range into infinity without a word.
     if any(math.isinf(narrow) and not math.isinf(x) for x, narrow in zip(wide, values)):
@@ -235,7 +235,7 @@ def _walk(pickle: bytes, field: str) -> _Tensor:
                     target[key] = value
                 stack.append(target)
             elif name == "GLOBAL":
-                module, _, attribute = arg.partition(" ")
+                module, _, attribute = str(arg).partition(" ")
                 stack.append(_allowed(module, attribute, field))
             elif name == "STACK_GLOBAL":
                 module, attribute = pop(2)
@@ -245,7 +245,7 @@ def _walk(pickle: bytes, field: str) -> _Tensor:
             elif name in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
                 (value,) = pop(1)
                 stack.append(value)
-                memo[len(memo) if name == "MEMOIZE" else arg] = value
+                memo[len(memo) if name == "MEMOIZE" else cast(int, arg)] = value
             elif name in ("BINGET", "LONG_BINGET"):
                 if arg not in memo:
                     raise _bad(field, f"has a pickle that reads memo slot {arg} before writing it")

@@ -31,6 +31,7 @@ import uuid
 import wave
 from array import array
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -1460,7 +1461,7 @@ def _restore(ctx: Context, health: Mapping[str, Any]) -> list[str]:
             problems.append(f"{label}: {response.describe()}")
 
     for voice in sorted(ctx.created):
-        attempt(f"deleting voice {voice}", lambda v=voice: ctx.client.request("DELETE", f"/voices/{v}"))
+        attempt(f"deleting voice {voice}", partial(ctx.client.request, "DELETE", f"/voices/{voice}"))
     variant = health.get("variant")
     if health.get("model") in ("loaded", "loading") and isinstance(variant, str):
         attempt(f"reloading {variant}", lambda: ctx.client.post("/load", {"variant": variant}))

@@ -150,8 +150,8 @@ class HandlerResource(resource.Resource):
         self._log = log
 
     def render(self, request: IRequest) -> Any:
-        answer = Deferred.fromCoroutine(self._handler(request))  # type: ignore[arg-type]
-        request.notifyFinish().addErrback(lambda _: answer.cancel())
+        answer: Deferred[bytes | None] = Deferred.fromCoroutine(self._handler(request))  # type: ignore[arg-type]
+        request.notifyFinish().addErrback(lambda _: answer.cancel())  # type: ignore[attr-defined]
         answer.addCallbacks(lambda body: _finish(request, body), lambda f: f.trap(CancelledError))
         answer.addErrback(lambda f: self._log.failure("answering {path}", f, path=getattr(request, "path", b"")))
         return server.NOT_DONE_YET

@@ -325,7 +325,7 @@ def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn
     Serve C{engine} under the spawn contract until drained; never returns.
     """
     environ = os.environ if environ is None else environ
-    name = environ.get("RHAPSODE_WORKER_ENGINE") or getattr(engine, "id", "")
+    name = environ.get("RHAPSODE_WORKER_ENGINE") or str(getattr(engine, "id", "") or "")
     level = LogLevel.levelWithName(environ.get("RHAPSODE_WORKER_LOG_LEVEL", "info"))
     observer = FilteringLogObserver(
         _json_observer(sys.stderr, name), [LogLevelFilterPredicate(defaultLogLevel=level)]

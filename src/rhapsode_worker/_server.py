@@ -14,8 +14,9 @@ from dataclasses import replace
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
+from functools import partial
 from pathlib import PurePath
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred
@@ -30,6 +31,7 @@ from . import _memory, contract
 from ._blend import parse_blend
 from ._encode import content_type, make_encoder
 from ._engine import (
+    Dial,
     DialogueRequest,
     IEngine,
     Reference,
@@ -38,6 +40,13 @@ from ._engine import (
     Variant,
     Voice,
     overrides,
+)
+from ._errors import (
+    BadRequest,
+    Overloaded,
+    SpeechError,
+    UnknownVoice,
+    Unsupported,
 )
 from ._http import (
     DURATION_HEADER,
@@ -52,13 +61,6 @@ from ._http import (
     no_route,
     read_json,
     write_trailer,
-)
-from ._errors import (
-    BadRequest,
-    Overloaded,
-    SpeechError,
-    Unsupported,
-    UnknownVoice,
 )
 from ._model import ModelState
 from ._schedule import Job, Scheduler
@@ -96,7 +98,8 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
         "deliveries": list(variant.deliveries),
         "dials": {
             name: {"min": d.min, "max": d.max, "default": d.default}
-            for name, d in variant.dials.items()  # type: ignore[union-attr]
+            # Variant.__post_init__ made every value a Dial.
+            for name, d in cast("Mapping[str, Dial]", variant.dials).items()
         },
         "languages": list(variant.languages),
         "maxCharacters": variant.max_characters or engine.max_characters,
@@ -203,7 +206,7 @@ class _AudioResponse:
         duration = native.duration_ms(self.pcm_bytes)
         request = self._request
         if getattr(request, "producer", None) is not None:
-            request.unregisterProducer()
+            request.unregisterProducer()  # type: ignore[attr-defined]
         if self._stream:
             if not self.headers_sent:
                 request.write(b"")
@@ -246,11 +249,13 @@ class _BoundedRequest(server.Request):
         self._refused = True
         error = BadRequest(f"body is over {MAX_UPLOAD_BYTES} bytes", field="body")
         body = json.dumps(error.envelope()).encode()
-        self.channel.transport.write(
+        transport = self.channel.transport
+        assert transport is not None  # the request is being received on it
+        transport.write(
             b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        self.channel.transport.loseConnection()
+        transport.loseConnection()
 
 
 def _parse_multipart(content_type_header: bytes, body: bytes) -> dict[str, tuple[str | None, bytes]]:
@@ -264,7 +269,7 @@ def _parse_multipart(content_type_header: bytes, body: bytes) -> dict[str, tuple
         raise BadRequest("body is not multipart/form-data", field="body")
     fields: dict[str, tuple[str | None, bytes]] = {}
     part: Message
-    for part in message.iter_parts():  # type: ignore[attr-defined]
+    for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if not isinstance(name, str):
             continue
@@ -631,7 +636,7 @@ class WorkerApp:
         pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
         count = len(pieces)
         return [
-            (lambda r=replace(request, text=piece, segment_index=i, segment_count=count): engine.speak(r))
+            partial(engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
             for i, piece in enumerate(pieces)
         ]
 
@@ -737,7 +742,7 @@ class WorkerApp:
         Schedule the synthesis and write its audio, aborting on a failure after headers.
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
-        finished = request.notifyFinish()
+        finished = request.notifyFinish()  # type: ignore[attr-defined]
         joint = self.engine.joint_silence_ms
         output: _AudioResponse
         job = Job(variant, steps, on_pcm=lambda pcm: output.pcm(pcm), on_step=lambda _: output.silence(joint))

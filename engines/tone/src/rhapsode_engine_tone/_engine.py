@@ -15,10 +15,11 @@ import zlib
 from array import array
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence, cast
 
 from rhapsode_worker import (
     ALL_CUES,
+    Dial,
     DialogueRequest,
     Engine,
     License,
@@ -150,7 +151,7 @@ class ToneEngine(Engine):
         if variant not in _VARIANTS:
             raise Unsupported(f"no variant {variant!r}", field="variant")
         brightnesses = tuple(sorted({v.brightness for v in BUILTINS.values()}))
-        self._resident = (variant, Palette(_VARIANTS[variant].languages, brightnesses))
+        self._resident = (variant, Palette(tuple(_VARIANTS[variant].languages), brightnesses))
 
     def unload(self) -> None:
         self._resident = None
@@ -280,7 +281,8 @@ class ToneEngine(Engine):
     ) -> Reader:
         if language not in _VARIANTS[variant].languages:
             raise Unsupported(f"variant {variant!r} does not speak {language!r}", field="language")
-        declared = _VARIANTS[variant].dials
+        # Variant.__post_init__ made every value a Dial.
+        declared = cast("Mapping[str, Dial]", _VARIANTS[variant].dials)
         dials = {name: params.get(name, dial.default) for name, dial in declared.items()}
         rate = dials.get("rate", 1.0) * delivery.rate
         return Reader(

@@ -16,6 +16,7 @@ import wave
 from array import array
 from dataclasses import dataclass
 from operator import mul
+from typing import Sequence
 
 from rhapsode_worker import BadRequest
 
@@ -39,7 +40,7 @@ class Estimate:
     seconds: float
 
 
-def _read(data: bytes) -> tuple[list[float], int, float]:
+def _read(data: bytes) -> tuple[list[int], int, float]:
     """
     Up to the first few seconds of a 16-bit PCM WAV as mono samples, its rate, and the
     whole clip's length in seconds.
@@ -72,7 +73,7 @@ def _read(data: bytes) -> tuple[list[float], int, float]:
     return mono, rate, frames / rate
 
 
-def _decimate(values: list[float], rate: int) -> tuple[list[float], float]:
+def _decimate(values: Sequence[float], rate: int) -> tuple[list[float], float]:
     """
     Box-filter and keep every n-th sample, to about 8 kHz, centred on zero.
     """
