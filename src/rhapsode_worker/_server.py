@@ -76,6 +76,14 @@ MAX_JSON_BYTES = 1024 * 1024
 PREVIEW_TEXT = "This is how I sound when I read a sentence aloud."
 
 
+def _dials(variant: Variant) -> Mapping[str, Dial]:
+    """
+    A variant's dials, each a L{Dial}: C{Variant.__post_init__} made the tuples an
+    engine may declare into Dials, which the field's declared type cannot say.
+    """
+    return cast("Mapping[str, Dial]", variant.dials)
+
+
 def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     """
     One entry of C{variants}: what the build performs, with clone, blend and dialogue
@@ -98,8 +106,7 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
         "deliveries": list(variant.deliveries),
         "dials": {
             name: {"min": d.min, "max": d.max, "default": d.default}
-            # Variant.__post_init__ made every value a Dial.
-            for name, d in cast("Mapping[str, Dial]", variant.dials).items()
+            for name, d in _dials(variant).items()
         },
         "languages": list(variant.languages),
         "maxCharacters": variant.max_characters or engine.max_characters,
@@ -581,7 +588,7 @@ class WorkerApp:
                 variant=variant,
                 voice=voice_id,
                 language=v.languages[0],
-                params={n: d.default for n, d in v.dials.items()},  # type: ignore[union-attr]
+                params={n: d.default for n, d in _dials(v).items()},
             )
             return await self._respond(request, variant, self._segments(speak), "wav", False)
 
@@ -615,11 +622,11 @@ class WorkerApp:
                 raise BadRequest(
                     f'variant "{variant}" has no dial "{key}" (dials: {dials})', field=f"params.{key}"
                 )
-        for name, dial in v.dials.items():
-            value = given.get(name, dial.default)  # type: ignore[union-attr]
-            if not (math.isfinite(value) and dial.min <= value <= dial.max):  # type: ignore[union-attr]
+        for name, dial in _dials(v).items():
+            value = given.get(name, dial.default)
+            if not (math.isfinite(value) and dial.min <= value <= dial.max):
                 raise BadRequest(
-                    f'"params.{name}" must be within [{dial.min}, {dial.max}]',  # type: ignore[union-attr]
+                    f'"params.{name}" must be within [{dial.min}, {dial.max}]',
                     field=f"params.{name}",
                 )
             params[name] = float(value)
