@@ -100,7 +100,26 @@ def split_text(text: str, limit: int | None, first_limit: int | None = None) -> 
     if limit < 1 or (first_limit is not None and first_limit < 1):
         raise ValueError(f"limits must be at least 1, not {limit!r} and {first_limit!r}")
     first = limit if first_limit is None else min(first_limit, limit)
+    whole = text.strip()
+    if len(whole) <= first and _plainly_spaced(whole):
+        # The common request, one short utterance: packing would give it back whole,
+        # because every gap it could cut at is already a single space.
+        return [whole] if whole else []
+    return _pack(text, limit, first)
 
+
+def _plainly_spaced(text: str) -> bool:
+    """
+    Whether every whitespace character in C{text} is a lone ASCII space (packing turns
+    any other gap between sentences into one).
+    """
+    return text.isprintable() and "  " not in text
+
+
+def _pack(text: str, limit: int, first: int) -> list[str]:
+    """
+    L{split_text} in general: the sentences, refined to fit, packed greedily.
+    """
     pieces: list[str] = []
     parts: list[str] = []
     size = 0

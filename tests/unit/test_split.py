@@ -298,3 +298,43 @@ def test_hundred_kilobyte_text() -> None:
     pieces = check(text, 200, first_limit=60)
     assert all(len(p) <= 200 for p in pieces)
     assert len(pieces[0]) <= 60
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    text=st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=2), max_size=12).map("".join),
+    limit=st.integers(1, 80),
+    first_limit=st.none() | st.integers(1, 80),
+)
+def test_the_short_text_path_agrees_with_packing(text: str, limit: int, first_limit: int | None) -> None:
+    """
+    A text short enough for its first piece, whose only whitespace is lone spaces, is
+    answered without the general packer; for any text and limits the answer is the one
+    the packer gives.
+    """
+    from rhapsode_worker._split import _pack
+
+    first = limit if first_limit is None else min(first_limit, limit)
+    assert split_text(text, limit, first_limit) == _pack(text, limit, first)
+
+
+def test_a_short_sentence_takes_the_short_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    The short path is taken for one plain sentence (so the agreement test above covers
+    it) and not for text holding a tab or a double space.
+    """
+    from rhapsode_worker import _split
+
+    calls: list[str] = []
+    original = _split._pack
+
+    def counting(text: str, limit: int, first: int) -> list[str]:
+        calls.append(text)
+        return original(text, limit, first)
+
+    monkeypatch.setattr(_split, "_pack", counting)
+    assert split_text("  The ferry pulled away. It was late!  ", 400) == ["The ferry pulled away. It was late!"]
+    assert calls == []
+    assert split_text("The ferry.\tIt was late.", 400) == ["The ferry. It was late."]
+    assert split_text("The ferry.  It was late.", 400) == ["The ferry. It was late."]
+    assert len(calls) == 2
