@@ -649,6 +649,29 @@ def _resolve(ref: str) -> Schema:
     return _COMPONENTS[ref[len(_REF_PREFIX) :]]
 
 
+#: Schemas already checked for keywords, by id, each with its type test and the message
+#: that names its types (the schema is held, so its id stays its own).  Schemas are
+#: constants here: one is never changed after it has been used.
+_VETTED: dict[int, tuple[Schema, Callable[[object], bool] | None, str]] = {}
+
+
+def _vet(schema: Schema) -> tuple[Schema, Callable[[object], bool] | None, str]:
+    unknown = schema.keys() - _KEYWORDS
+    if unknown:
+        raise ValueError(f"schema keywords not supported: {sorted(unknown)}")
+    accepts: Callable[[object], bool] | None = None
+    message = ""
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        tests = [_TYPES[t][1] for t in types]
+        accepts = tests[0] if len(tests) == 1 else (lambda v: any(test(v) for test in tests))
+        message = "must be " + " or ".join(_TYPES[t][0] for t in types)
+    vetted = (schema, accepts, message)
+    if len(_VETTED) < 4096:  # the contract's own schemas, and a bounded few more
+        _VETTED[id(schema)] = vetted
+    return vetted
+
+
 def validate(schema: Schema, value: object, *, path: str = "") -> None:
     """
     Check C{value} against C{schema}, raising for the first violation found.
@@ -663,17 +686,16 @@ def validate(schema: Schema, value: object, *, path: str = "") -> None:
         C{"turns[2].speaker"}) in both its message and its C{field}.
     @raise ValueError: if C{schema} uses a keyword this validator does not enforce.
     """
-    unknown = schema.keys() - _KEYWORDS
-    if unknown:
-        raise ValueError(f"schema keywords not supported: {sorted(unknown)}")
+    vetted = _VETTED.get(id(schema))
+    if vetted is None or vetted[0] is not schema:
+        vetted = _vet(schema)
     if "$ref" in schema:
         validate(_resolve(schema["$ref"]), value, path=path)
         return
 
-    if "type" in schema:
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(_TYPES[t][1](value) for t in types):
-            raise _fail(path, "must be " + " or ".join(_TYPES[t][0] for t in types))
+    accepts = vetted[1]
+    if accepts is not None and not accepts(value):
+        raise _fail(path, vetted[2])
     if "enum" in schema and value not in schema["enum"]:
         raise _fail(path, "must be one of " + ", ".join(_show(v) for v in schema["enum"]))
     if "const" in schema and value != schema["const"]:

@@ -834,3 +834,30 @@ def test_contract_module_imports_stay_light() -> None:
         [sys.executable, "-c", probe], capture_output=True, check=True, text=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_schema_with_an_unsupported_keyword_is_refused_every_time() -> None:
+    """
+    A keyword the validator does not enforce is a programming error, raised on every
+    use of the schema, not only the first (the vetted-schema cache keeps no bad one).
+    """
+    schema = {"type": "string", "format": "email"}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="format"):
+            validate(schema, "a@b.org")
+
+
+def test_validating_again_gives_the_same_answers() -> None:
+    """
+    A schema's type test, worked out once and kept, refuses and admits the same values
+    the second time as the first, for one type and for several.
+    """
+    one: dict[str, Any] = {"type": "integer"}
+    several: dict[str, Any] = {"type": ["string", "null"]}
+    for _ in range(2):
+        validate(one, 3)
+        with pytest.raises(BadRequest, match="must be an integer"):
+            validate(one, True, path="seed")
+        validate(several, None)
+        with pytest.raises(BadRequest, match="must be a string or null"):
+            validate(several, 3, path="v")
