@@ -222,6 +222,13 @@ class Scheduler:
 
         def finished(result: Any) -> None:
             self._running -= 1
+            if isinstance(result, bytes) and not job.cancelled:
+                # The step's last audio, written in the same turn as whatever its end
+                # leads to (the next step's joint, or the response's end).
+                try:
+                    job.on_pcm(result)
+                except Exception:
+                    result = Failure()
             if isinstance(result, Failure):
                 job._finish(result)
             elif job.cancelled:
@@ -236,11 +243,15 @@ class Scheduler:
 
         d.addBoth(finished)
 
-    def _drain_step(self, job: Job, step: Step, first_step: bool = False) -> None:
+    def _drain_step(self, job: Job, step: Step, first_step: bool = False) -> bytes | None:
         """
         On a synthesis thread: run one step, handing PCM to the reactor in batches.  In a
         job's first step, the first batch is handed over and written before synthesis
         goes on (for at most L{_FIRST_AUDIO_WAIT}).
+
+        @return: the step's last batch, which goes to the reactor with the step's end
+            rather than on its own: one hand-over, one write, and for a job's last step
+            one send that carries the audio's end and the response's together.
         """
         deliver = self._reactor.callFromThread
         generator = step()
@@ -251,7 +262,7 @@ class Scheduler:
         try:
             for chunk in generator:
                 if job.cancelled:
-                    return
+                    return None
                 if not chunk:
                     continue
                 batch.append(chunk)
@@ -268,7 +279,8 @@ class Scheduler:
                         deliver(job.on_pcm, b"".join(batch))
                     batch, size, last = [], 0, now
             if batch and not job.cancelled:
-                deliver(job.on_pcm, b"".join(batch))
+                return b"".join(batch)
+            return None
         finally:
             close = getattr(generator, "close", None)
             if close is not None:

@@ -316,8 +316,62 @@ def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.Mon
             f(*args)
 
     scheduler = Scheduler(RecordingReactor(), pool, model)  # type: ignore[arg-type]
-    scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, True)
-    scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, False)
-    # Each step hands over its first chunk at once and the rest at its end.
+    assert scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, True) == b"second"
+    assert scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, False) == b"second"
+    # Each step hands over its first chunk at once; the rest is returned with its end.
     waited = [f is _schedule._hand_over for f in handed]
-    assert waited == [True, False, False, False], "only a job's first step waits for its first hand-over"
+    assert waited == [True, False], "only a job's first step waits for its first hand-over"
+
+
+def test_a_steps_last_audio_arrives_with_its_end() -> None:
+    """
+    A step's last batch is not handed over on its own: it reaches the job in the same
+    reactor call that ends the step, just before the job is done, so the audio's end and
+    the response's end can leave in one write.  Two calls into the reactor in all: the
+    first chunk, and the step's end carrying the rest.
+    """
+    events: list[Any] = []
+
+    class CountingReactor:
+        def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
+            events.append("hand-over")
+            f(*args)
+
+    def speak() -> Iterator[bytes]:
+        yield b"first"
+        yield b"second"
+        yield b"third"
+
+    pool = FakePool()
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)  # type: ignore[arg-type]
+    scheduler = Scheduler(CountingReactor(), pool, model)  # type: ignore[arg-type]
+    job = Job("a", [speak], events.append)
+    job.done.addCallback(lambda _: events.append("done"))
+    scheduler.submit(job)
+    pool.run_all()
+    assert events == ["hand-over", b"first", "hand-over", b"secondthird", "done"]
+
+
+def test_a_failure_writing_the_last_audio_fails_the_job() -> None:
+    """
+    If the job's writer refuses the step's last batch, the job fails with that error
+    instead of hanging or finishing cleanly.
+    """
+
+    def writer(pcm: bytes) -> None:
+        if pcm == b"secondthird":
+            raise OSError("the encoder is gone")
+
+    def speak() -> Iterator[bytes]:
+        yield b"first"
+        yield b"second"
+        yield b"third"
+
+    scheduler, pool, _ = make([])
+    job = Job("a", [speak], writer)
+    failures: list[Failure] = []
+    job.done.addErrback(failures.append)
+    scheduler.submit(job)
+    pool.run_all()
+    assert len(failures) == 1 and failures[0].check(OSError)
+    assert not scheduler.busy
