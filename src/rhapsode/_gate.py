@@ -231,8 +231,7 @@ def _headers(request: server.Request) -> dict[str, list[str]]:
 class CoreSite(DirectSite):
     """
     A site whose requests can reach the core before their handlers run.  C{direct}
-    routes skip Klein (see L{DirectSite}); without C{access_log} no access line is
-    even formatted.
+    routes skip Klein and C{access_log} is as for L{DirectSite}.
     """
 
     requestFactory = CoreRequest
@@ -244,12 +243,7 @@ class CoreSite(DirectSite):
         direct: dict[tuple[bytes, bytes], Any] | None = None,
         access_log: bool = True,
     ) -> None:
-        super().__init__(resource, direct)
+        super().__init__(resource, direct, access_log)
         self.core = core
         self.displayTracebacks = False
-        self.access_log = access_log
-
-    def log(self, request: Any) -> None:
-        if self.access_log:
-            super().log(request)
 

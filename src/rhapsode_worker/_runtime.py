@@ -244,7 +244,7 @@ def _bound(listen: str, port: Any) -> str:
     return f"tcp:{host}:{address.port}"
 
 
-async def _run(reactor: Any, engine: IEngine, spawn: Spawn) -> None:
+async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = True) -> None:
     engine.voice_dir = spawn.voice_dir
     pool = ThreadPool(minthreads=0, maxthreads=max(1, engine.concurrency), name="synthesis")
     pool.start()
@@ -281,7 +281,7 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn) -> None:
         contract_version=spawn.contract,
         on_terminate=drain,
     )
-    connections = _Connections(worker.site())
+    connections = _Connections(worker.site(access_log=access_log))
     port = await _listen(reactor, spawn.listen, connections)
     handshake = {
         "ready": True,
@@ -338,4 +338,6 @@ def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn
         log.critical("{error}", error=str(error))
         sys.exit(_EXIT_REFUSED if isinstance(error, ContractRefused) else _EXIT_MISCONFIGURED)
     _die_with_parent()
-    react(lambda reactor: Deferred.fromCoroutine(_run(reactor, engine, spawn)))
+    # Access lines are logged at info; at a stricter level none is even formatted.
+    access_log = level in (LogLevel.debug, LogLevel.info)
+    react(lambda reactor: Deferred.fromCoroutine(_run(reactor, engine, spawn, access_log)))

@@ -323,10 +323,14 @@ class WorkerApp:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def site(self) -> server.Site:
+    def site(self, access_log: bool = True) -> server.Site:
+        """
+        The site to listen with; without C{access_log} (a log level above info) no
+        access line is formatted.
+        """
         # POST /speak, on the path of every utterance, skips Klein's routing.
         speak = HandlerResource(self.speak, self.log)
-        site = DirectSite(self.app.resource(), {(b"POST", b"/speak"): speak})
+        site = DirectSite(self.app.resource(), {(b"POST", b"/speak"): speak}, access_log=access_log)
         site.requestFactory = _BoundedRequest
         site.displayTracebacks = False
         return site

@@ -330,3 +330,22 @@ def test_first_streamed_audio_is_sent_at_once() -> None:
         answer.pcm(b"\x02\x00" * 100)
         assert len(pushes) == expected, stream
         assert bool(request.written) is stream
+
+
+def test_the_workers_site_formats_no_access_line_above_info() -> None:
+    """
+    The worker's site, made for a log level above info, formats no access line for a
+    request (twisted.web would format one per request and the filter would drop it);
+    made for info, it formats and writes each once.
+    """
+    from twisted.web.test.requesthelper import DummyRequest
+
+    app, _ = make_app(RichEngine())
+    for enabled in (False, True):
+        site = app.site(access_log=enabled)
+        formatted: list[Any] = []
+        lines: list[str] = []
+        site._logFormatter = lambda when, request: formatted.append(request) or "line"  # type: ignore[attr-defined]
+        site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()  # type: ignore[attr-defined]
+        site.log(DummyRequest([b"speak"]))  # type: ignore[no-untyped-call]
+        assert (len(formatted), lines) == ((1, ["line\n"]) if enabled else (0, []))
