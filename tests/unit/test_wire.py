@@ -599,3 +599,24 @@ def test_flush_leaves_closing_and_non_socket_transports_alone() -> None:
     flush(StringTransport())
     flush(None)
     assert closing.sent == b"" and closing.value() == b"x"
+
+
+class SocketLikeTransport(StringTransport):
+    bufferSize = 64 * 1024  # what a Twisted socket transport reads at most, by default
+
+
+def test_reads_from_a_worker_are_twice_twisteds_default() -> None:
+    """
+    A worker connection raises its socket's read size from Twisted's 64 KiB to
+    READ_SIZE (128 KiB), so a worker's audio batch is relayed in fewer, larger chunks; a
+    transport without a read size is left as it is.
+    """
+    from rhapsode._wire import READ_SIZE
+
+    transport = SocketLikeTransport()
+    Connection(lambda c: None, lambda c: None).makeConnection(transport)
+    assert READ_SIZE == 128 * 1024
+    assert transport.bufferSize == READ_SIZE
+    plain = StringTransport()
+    Connection(lambda c: None, lambda c: None).makeConnection(plain)
+    assert not hasattr(plain, "bufferSize")
