@@ -411,9 +411,9 @@ class CoreApp:
                 task = Deferred.fromCoroutine(self._measure(engine, variant))
                 self._background.add(task)
 
-                def measured(_: object, task: Deferred[None] = task, engine_id: str = engine.id) -> None:
+                def measured(_: object) -> None:
                     self._background.discard(task)
-                    self._measuring.discard(engine_id)
+                    self._measuring.discard(engine.id)
 
                 task.addBoth(measured)
             fmt = forward.get("format", "wav")

@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.iweb import IRequest
 
-from rhapsode_worker._http import flush
+from rhapsode_worker._http import flush, transport_of
 
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
@@ -50,7 +50,7 @@ class StreamRelay(Protocol):
         if self.received == len(data):
             # First audio (and the headers with it) leaves now, not after the reactor
             # has read and queued whatever the worker sent behind it.
-            flush(getattr(getattr(self._request, "channel", None), "transport", None))
+            flush(transport_of(self._request))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if getattr(self._request, "producer", None) is not None:

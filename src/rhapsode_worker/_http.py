@@ -49,7 +49,7 @@ def abort_connection(request: IRequest) -> None:
     End a response whose headers have gone without finishing it: the client sees a
     truncated body, never a clean short one.
     """
-    transport = getattr(getattr(request, "channel", None), "transport", None)
+    transport = transport_of(request)
     if transport is None:
         return
     abort = getattr(transport, "abortConnection", None)
@@ -119,6 +119,13 @@ class InFlight:
         else:
             d.callback(None)
         return d
+
+
+def transport_of(request: Any) -> Any:
+    """
+    The connection a twisted.web request came on, or None (a test double may have none).
+    """
+    return getattr(getattr(request, "channel", None), "transport", None)
 
 
 def flush(transport: Any) -> None:

@@ -60,6 +60,7 @@ from ._http import (
     json_response,
     no_route,
     read_json,
+    transport_of,
     write_trailer,
 )
 from ._model import ModelState
@@ -172,7 +173,7 @@ class _AudioResponse:
         self._encoder.write(data)
         if not started and self._stream and self.headers_sent:
             # First audio leaves now, not on the reactor's next turn.
-            flush(getattr(getattr(self._request, "channel", None), "transport", None))
+            flush(transport_of(self._request))
 
     def silence(self, milliseconds: int) -> None:
         native = self._worker.engine.native_format

@@ -1267,4 +1267,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
