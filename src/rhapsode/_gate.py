@@ -21,7 +21,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
 from rhapsode_worker._errors import BadRequest, SpeechError, as_speech_error
-from rhapsode_worker._http import DirectSite
+from rhapsode_worker._http import DirectSite, EagerRequest
 
 from ._guard import check_management
 
@@ -121,7 +121,7 @@ class Upload:
         self.fail(BadRequest("the worker stopped reading the upload", field="body"))
 
 
-class CoreRequest(server.Request):
+class CoreRequest(EagerRequest):
     """
     A request that is guarded, stripped and (for uploads) streamed at its headers.
     """

@@ -18,8 +18,6 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.iweb import IRequest
 
-from rhapsode_worker._http import flush, transport_of
-
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
 
@@ -46,11 +44,9 @@ class StreamRelay(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
+        # On the core's own site each piece (the first with the headers) is sent as it
+        # is written (rhapsode_worker._http.EagerChannel).
         self._request.write(data)
-        if self.received == len(data):
-            # First audio (and the headers with it) leaves now, not after the reactor
-            # has read and queued whatever the worker sent behind it.
-            flush(transport_of(self._request))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if getattr(self._request, "producer", None) is not None:

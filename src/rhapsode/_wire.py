@@ -24,7 +24,7 @@ from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.iweb import UNKNOWN_LENGTH
 from zope.interface import implementer
 
-from rhapsode_worker._http import flush
+from rhapsode_worker._http import send_now
 
 __all__ = ["Connection", "Headers", "ProtocolError", "WorkerResponse", "encode_request"]
 
@@ -32,15 +32,18 @@ __all__ = ["Connection", "Headers", "ProtocolError", "WorkerResponse", "encode_r
 MAX_HEAD = 64 * 1024
 #: Nor is a chunk-size or trailer line longer than this.
 _MAX_LINE = 8 * 1024
-#: How much one read from a worker's socket may take: twice Twisted's 64 KiB.  Audio
-#: comes in batches of up to 256 KiB, and each read becomes a chunk relayed to the
+#: How much one read from a worker's socket may take: about twice Twisted's 64 KiB.
+#: Audio comes in batches of up to 256 KiB, and each read becomes a chunk relayed to the
 #: client, with its write, send and wake-up.  Measured with interleaved runs: streamed
 #: throughput through the core 0.80-0.83 -> 0.87-0.88 of direct, core CPU for 2000
 #: realtime streams 24.7-26.0 % -> 22.6-23.2 % of a core; the cost is memory, since a
 #: slow listener can hold one larger read in the core: peak RSS for those 2000 streams
-#: 93-94 -> 105-122 MB (the target is 150).  Twisted also pauses a producer writing to
-#: the socket at this size, so a voice upload queues up to 128 KiB for the worker.
-READ_SIZE = 128 * 1024
+#: 93-94 -> 105-122 MB (the target is 150).  It is 64 bytes short of 128 KiB so that a
+#: read relayed with its chunk framing still fits one send (Twisted sends at most 128
+#: KiB at a time; a full 128 KiB read went as a send and then a 2-byte one).  Twisted
+#: also pauses a producer writing to the socket at this size, so a voice upload queues
+#: up to this much for the worker.
+READ_SIZE = 128 * 1024 - 64
 
 
 class ProtocolError(Exception):
@@ -214,15 +217,12 @@ class Connection(Protocol):
         waiting = self._waiting
         transport = self.transport
         assert transport is not None
-        if body is None:
-            transport.write(head)
-        elif isinstance(body, bytes):
-            transport.write(head + body)
+        if body is None or isinstance(body, bytes):
+            # The whole request in one send, now: the worker starts on it this turn.
+            send_now(transport, head if body is None else head + body)
         else:
             transport.write(head)
             self._send_streamed(body)
-            return waiting
-        flush(transport)
         return waiting
 
     def _send_streamed(self, producer: Any) -> None:

@@ -51,16 +51,15 @@ from ._errors import (
 from ._http import (
     DURATION_HEADER,
     DirectSite,
+    EagerRequest,
     HandlerResource,
     InFlight,
     abort_connection,
     answer_failure,
     error_response,
-    flush,
     json_response,
     no_route,
     read_json,
-    transport_of,
     write_trailer,
 )
 from ._model import ModelState
@@ -169,11 +168,7 @@ class _AudioResponse:
         if self._encoder is None:
             self._start()
         self.pcm_bytes += len(data)
-        started = self.headers_sent
         self._encoder.write(data)
-        if not started and self._stream and self.headers_sent:
-            # First audio leaves now, not on the reactor's next turn.
-            flush(transport_of(self._request))
 
     def silence(self, milliseconds: int) -> None:
         native = self._worker.engine.native_format
@@ -226,7 +221,7 @@ class _AudioResponse:
         return body
 
 
-class _BoundedRequest(server.Request):
+class _BoundedRequest(EagerRequest):
     """
     Refuses an oversized body as soon as its length is known, before reading it.
     """

@@ -93,8 +93,12 @@ def test_connections_are_plain_http11_channels() -> None:
     that waits for a TLS negotiation these sites never have; they still know their site.
     """
     from twisted.internet.address import IPv4Address
-    from twisted.web.http import HTTPChannel
+    from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+
+    from rhapsode_worker._http import EagerChannel
 
     site = DirectSite(Resource())
     channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
-    assert type(channel) is HTTPChannel and channel.site is site  # type: ignore[attr-defined]
+    assert type(channel) is EagerChannel and isinstance(channel, HTTPChannel)
+    assert not isinstance(channel, _GenericHTTPChannelProtocol)
+    assert channel.site is site  # type: ignore[attr-defined]

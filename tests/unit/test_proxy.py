@@ -26,21 +26,3 @@ def test_core_trailer_ends_a_chunked_body() -> None:
     request.chunked = 1
     write_trailer(request, None)
     assert written == [b"0\r\n\r\n"]
-
-
-def test_relay_sends_the_first_audio_at_once() -> None:
-    """
-    The first piece of a relayed body is pushed to the client's socket as soon as it is
-    written; later pieces are left to the reactor.
-    """
-    from rhapsode._proxy import StreamRelay
-
-    pushes: list[int] = []
-    request = DummyRequest([b""])
-    request.channel = SimpleNamespace(  # type: ignore[assignment]
-        transport=SimpleNamespace(connected=True, disconnecting=False, doWrite=lambda: pushes.append(1))
-    )
-    relay = StreamRelay(request, SimpleNamespace(trailers={}))
-    relay.dataReceived(b"\x00" * 512)
-    relay.dataReceived(b"\x00" * 512)
-    assert pushes == [1] and request.written == [b"\x00" * 512] * 2

@@ -282,54 +282,35 @@ def test_spawn_environment_parsed() -> None:
         Spawn.from_environ(dict(env, RHAPSODE_WORKER_CONTRACT="one"), PlainEngine())
 
 
-def test_first_streamed_audio_is_sent_at_once() -> None:
+def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
     """
-    The first write of a streamed answer (headers and first audio) is pushed to the
-    socket at once rather than on the reactor's next turn; later writes, and a buffered
-    answer, are left to the reactor.
+    On the worker's own site, a streamed answer's headers and first audio reach the
+    socket in one send as they are written, and each later piece in one more; a
+    buffered answer writes nothing until it is complete.
     """
-    from types import SimpleNamespace
+    from _sockets import FakeSocket
+    from twisted.internet.address import IPv4Address
 
     from rhapsode_worker._schedule import Job
-    from rhapsode_worker._server import _AudioResponse
-
-    class Request:
-        """
-        Enough of a twisted.web request for an answer's writes.
-        """
-
-        def __init__(self, transport: Any) -> None:
-            self.channel = SimpleNamespace(transport=transport)
-            self.startedWriting = False
-            self.written: list[bytes] = []
-            self.producer: Any = None
-
-        def setResponseCode(self, code: int) -> None:
-            self.code = code
-
-        def setHeader(self, name: bytes, value: bytes) -> None:
-            pass
-
-        def registerProducer(self, producer: Any, streaming: bool) -> None:
-            self.producer = producer
-
-        def unregisterProducer(self) -> None:
-            self.producer = None
-
-        def write(self, data: bytes) -> None:
-            self.startedWriting = True
-            self.written.append(data)
+    from rhapsode_worker._server import _AudioResponse, _BoundedRequest
 
     app, _ = make_app(PlainEngine())
-    for stream, expected in ((True, 1), (False, 0)):
-        pushes: list[int] = []
-        transport = SimpleNamespace(connected=True, disconnecting=False, doWrite=lambda: pushes.append(1))
-        request = Request(transport)
+    for stream in (True, False):
+        sock = FakeSocket()
+        channel = app.site(access_log=False).buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+        channel.makeConnection(sock)
+        request = _BoundedRequest(channel)
+        request.method, request.clientproto, request.uri = b"POST", b"HTTP/1.1", b"/speak"
         answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))  # type: ignore[arg-type]
         answer.pcm(b"\x01\x00" * 100)
         answer.pcm(b"\x02\x00" * 100)
-        assert len(pushes) == expected, stream
-        assert bool(request.written) is stream
+        if stream:
+            assert len(sock.sent) == 2 and not sock.polled_for_writing
+            head, _, first = sock.sent[0].partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK") and first == b"c8\r\n" + b"\x01\x00" * 100 + b"\r\n"
+            assert sock.sent[1] == b"c8\r\n" + b"\x02\x00" * 100 + b"\r\n"
+        else:
+            assert sock.sent == [] and sock.queued() == 0
 
 
 def test_the_workers_site_formats_no_access_line_above_info() -> None:

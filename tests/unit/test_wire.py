@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _sockets import FakeSocket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
@@ -560,62 +561,39 @@ def test_an_endless_chunk_size_line_fails_the_body() -> None:
         assert reader.ended is not None and reader.ended.check(ResponseFailed), prefix
 
 
-class SocketLike(StringTransport):
-    """
-    A transport that, like a socket's, sends its buffer when asked to (doWrite).
-    """
-
-    connected = True
-    sent: bytes = b""
-
-    def doWrite(self) -> None:
-        self.sent += self.value()
-        self.clear()
-
-
 def test_a_request_is_sent_at_once_not_on_the_next_turn() -> None:
     """
-    The request to a worker is pushed to the socket as soon as it is written, rather
-    than waiting for the reactor's next poll for writability.
+    The request to a worker goes to the socket, head and body in one send, as soon as
+    it is written, rather than waiting for the reactor's next poll for writability.
     """
     idle: list[Connection] = []
     connection = Connection(idle.append, idle.append)
-    transport = SocketLike()
-    connection.makeConnection(transport)
-    connection.request(b"GET", encode_request(b"GET", b"/health", b"worker", {}, None), None)
-    assert transport.sent == b"GET /health HTTP/1.1\r\nHost: worker\r\n\r\n" and transport.value() == b""
-
-
-def test_flush_leaves_closing_and_non_socket_transports_alone() -> None:
-    """
-    A transport that is closing, or is not a socket (no doWrite), is not flushed.
-    """
-    from rhapsode_worker._http import flush
-
-    closing = SocketLike()
-    closing.write(b"x")
-    closing.disconnecting = True
-    flush(closing)
-    flush(StringTransport())
-    flush(None)
-    assert closing.sent == b"" and closing.value() == b"x"
+    sock = FakeSocket()
+    connection.makeConnection(sock)
+    connection.request(b"POST", encode_request(b"POST", b"/speak", b"worker", {}, 2), b"{}")
+    assert sock.sent == [b"POST /speak HTTP/1.1\r\nHost: worker\r\nContent-Length: 2\r\n\r\n{}"]
+    assert not sock.polled_for_writing
 
 
 class SocketLikeTransport(StringTransport):
     bufferSize = 64 * 1024  # what a Twisted socket transport reads at most, by default
 
 
-def test_reads_from_a_worker_are_twice_twisteds_default() -> None:
+def test_reads_from_a_worker_are_about_twice_twisteds_default() -> None:
     """
     A worker connection raises its socket's read size from Twisted's 64 KiB to
-    READ_SIZE (128 KiB), so a worker's audio batch is relayed in fewer, larger chunks; a
-    transport without a read size is left as it is.
+    READ_SIZE (just under 128 KiB), so a worker's audio batch is relayed in fewer,
+    larger chunks, each of which, framed as a chunk for the client, still fits one of
+    Twisted's sends; a transport without a read size is left as it is.
     """
+    from twisted.internet.abstract import FileDescriptor
+
     from rhapsode._wire import READ_SIZE
 
     transport = SocketLikeTransport()
     Connection(lambda c: None, lambda c: None).makeConnection(transport)
-    assert READ_SIZE == 128 * 1024
+    assert READ_SIZE > 2 * 64 * 1024 - 1024
+    assert len(b"%x\r\n" % READ_SIZE) + READ_SIZE + 2 <= FileDescriptor.SEND_LIMIT
     assert transport.bufferSize == READ_SIZE
     plain = StringTransport()
     Connection(lambda c: None, lambda c: None).makeConnection(plain)

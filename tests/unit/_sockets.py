@@ -1,0 +1,55 @@
+"""
+A socket transport for unit tests: Twisted's own write buffering and producer handling
+(L{FileDescriptor}) over a pretend kernel that takes only as many bytes as it has room.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.abstract import FileDescriptor
+from twisted.internet.address import IPv4Address
+from twisted.internet.testing import MemoryReactor
+
+
+class FakeSocket(FileDescriptor):
+    """
+    C{sent} lists what each send handed to the kernel; C{room} is how many more bytes
+    the kernel will take (None: any number); C{fail} makes every send fail as a lost
+    connection does.  The reactor's C{getWriters()} says whether the socket asked to
+    be polled for writability.
+    """
+
+    def __init__(self, room: int | None = None) -> None:
+        self.memory_reactor = MemoryReactor()
+        super().__init__(self.memory_reactor)
+        self.connected = 1
+        self.room = room
+        self.sent: list[bytes] = []
+        self.fail: BaseException | None = None
+        self.host = IPv4Address("TCP", "127.0.0.1", 8080)
+        self.host_asked = 0
+
+    def writeSomeData(self, data: Any) -> int | BaseException:
+        if self.fail is not None:
+            return self.fail
+        size = len(data) if self.room is None else min(len(data), self.room)
+        if size:
+            self.sent.append(bytes(data[:size]))
+        if self.room is not None:
+            self.room -= size
+        return size
+
+    @property
+    def polled_for_writing(self) -> bool:
+        return self in self.memory_reactor.getWriters()
+
+    def queued(self) -> int:
+        return len(self.dataBuffer) - self.offset + self._tempDataLen
+
+    def getPeer(self) -> IPv4Address:
+        return IPv4Address("TCP", "127.0.0.1", 50000)
+
+    def getHost(self) -> IPv4Address:
+        self.host_asked += 1
+        return self.host
