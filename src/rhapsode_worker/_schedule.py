@@ -43,6 +43,10 @@ _FIRST_AUDIO_WAIT = 0.005
 
 
 @implementer(IPushProducer)
+def _ignore(_: object) -> None:
+    pass
+
+
 class Job:
     """
     One request's synthesis: a variant and the steps (segments) that make its audio.
@@ -92,6 +96,11 @@ class Job:
             self._scheduler._wake(self)
 
     def _finish(self, result: None | Failure) -> None:
+        # A finished job delivers nothing more, and lets go of what it delivered to:
+        # that is usually the response holding this job, a reference cycle that would
+        # otherwise keep the request and its buffers for the garbage collector.
+        self.on_pcm = _ignore
+        self.on_step = _ignore
         if not self.done.called:
             self.done.callback(None) if result is None else self.done.errback(result)
 

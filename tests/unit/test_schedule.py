@@ -375,3 +375,40 @@ def test_a_failure_writing_the_last_audio_fails_the_job() -> None:
     pool.run_all()
     assert len(failures) == 1 and failures[0].check(OSError)
     assert not scheduler.busy
+
+
+def test_a_finished_job_lets_go_of_what_it_delivered_to() -> None:
+    """
+    A job's audio goes to a callback that usually belongs to the response holding the
+    job.  Once the job has finished, well or cancelled, it drops its callbacks, so the
+    pair (and the request behind them) is freed when dropped instead of waiting in a
+    reference cycle for the garbage collector; and nothing more is delivered.
+    """
+    import gc
+    import weakref
+
+    class Response:
+        def __init__(self, job_steps: list[Callable[[], Iterator[bytes]]]) -> None:
+            self.got: list[bytes] = []
+            self.job = Job("a", job_steps, lambda pcm: self.got.append(pcm), lambda index: self.got.append(b"|"))
+
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    gc.disable()
+    try:
+        finished = Response([step(events, "x"), step(events, "y")])
+        scheduler.submit(finished.job)
+        pool.run_all()
+        assert finished.got == [b"x", b"|", b"y"] and finished.job.done.called
+        finished.job.on_pcm(b"late")
+        assert finished.got == [b"x", b"|", b"y"]
+        cancelled = Response([step(events, "z")])
+        scheduler.submit(cancelled.job)
+        cancelled.job.done.addErrback(lambda f: f.trap(CancelledError))
+        cancelled.job.cancel()
+        pool.run_all()
+        gone = [weakref.ref(finished), weakref.ref(cancelled)]
+        del finished, cancelled
+        assert [ref() for ref in gone] == [None, None]
+    finally:
+        gc.enable()
