@@ -75,6 +75,12 @@ def _duration_ms(fmt: str, native: dict[str, Any], byte_count: int) -> int | Non
     return None
 
 
+#: Without settings of its own, an app reads the defaults (built once: a Config works
+#: out its default paths when made).
+_DEFAULT_CONFIG = Config()
+_DEFAULT_SETTINGS = ConfigSettings(lambda: _DEFAULT_CONFIG)
+
+
 class CoreApp:
     """
     The public routes, over a registry of engines.
@@ -96,7 +102,7 @@ class CoreApp:
         self.registry = registry
         self.residency = Residency(
             clock=reactor,
-            settings=settings or ConfigSettings(Config),
+            settings=settings or _DEFAULT_SETTINGS,
             terminate=lambda engine: registry.get(engine).terminate(),
             unload=lambda engine: registry.get(engine).unload(),
         )

@@ -51,7 +51,7 @@ class StreamRelay(Protocol):
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if getattr(self._request, "producer", None) is not None:
             self._request.unregisterProducer()  # type: ignore[attr-defined]
-        if reason.check(ResponseDone):
+        if isinstance(reason.value, ResponseDone):
             self.trailers = dict(getattr(self._response, "trailers", {}))
             self.done.callback(self.received)
         else:
@@ -79,7 +79,7 @@ class BufferRelay(Protocol):
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if self._size > self._limit:
             self.done.errback(ValueError(f"body over {self._limit} bytes"))
-        elif reason.check(ResponseDone):
+        elif isinstance(reason.value, ResponseDone):
             self.done.callback(b"".join(self._chunks))
         else:
             self.done.errback(reason)

@@ -104,7 +104,8 @@ class _Model:
 
     @ivar asked: the keep-alive the request that last took a lease gave, C{None} if
         it gave none (the engine's own value then applies).
-    @ivar expiry: the call that ends this model's keep-alive, while it is idle.
+    @ivar expiry: the call that ends this model's keep-alive once it is idle; it may
+        come due early (the model was leased since), and then sets itself again.
     """
 
     def __init__(self, engine: str, variant: str) -> None:
@@ -439,7 +440,9 @@ class Residency:
         # says nothing puts the engine's own value back.
         model.asked = keep_alive
         model.leases += 1
-        model.disarm()
+        # An armed expiry is left to fire: it finds the model leased, or its deadline
+        # moved on, and does nothing (a request in a steady stream of them costs no
+        # timer to cancel and none to set).
         self._touch(model)
         return Lease(self, model)
 
@@ -449,7 +452,7 @@ class Residency:
         model.leases -= 1
         self._touch(model)
         if model.leases == 0:
-            self._arm(model)
+            self._arm(model, lazily=True)
             self._wake()
 
     def _touch(self, model: _Model) -> None:
@@ -462,12 +465,17 @@ class Residency:
         own = self._settings.engine_keep_alive_seconds(model.engine)
         return own if own is not None else self._settings.keep_alive_seconds()
 
-    def _arm(self, model: _Model) -> None:
+    def _arm(self, model: _Model, lazily: bool = False) -> None:
         """
-        Set an idle model's deadline from when its last lease ended.
+        Set an idle model's deadline from when its last lease ended.  C{lazily}, an
+        expiry already armed for no later than that is kept: when it fires it sees the
+        deadline has moved and arms again for the rest.
         """
-        model.disarm()
         keep_alive = self._keep_alive(model)
+        if lazily and keep_alive >= 0 and model.expiry is not None and model.expiry.active():
+            if model.expiry.getTime() <= model.last_used + keep_alive:
+                return
+        model.disarm()
         if keep_alive < 0:
             return
         delay = model.last_used + keep_alive - self._clock.seconds()

@@ -46,6 +46,11 @@ _MAX_LINE = 8 * 1024
 READ_SIZE = 128 * 1024 - 64
 
 
+#: How every body that ends as framed ends, made once: a Failure works out its
+#: exception's class names when made, and this is the one made for every request.
+_ENDED = Failure(ResponseDone("the body ended as framed"))
+
+
 class ProtocolError(Exception):
     """
     The worker's bytes are not HTTP/1.1 this client can read.
@@ -435,7 +440,7 @@ class Connection(Protocol):
 
     def _end_body(self) -> None:
         self._state = _DONE
-        self._finish(Failure(ResponseDone("the body ended as framed")))
+        self._finish(_ENDED)
 
     def _finish(self, ending: Failure) -> None:
         """
@@ -446,7 +451,7 @@ class Connection(Protocol):
             self._ending = ending
             return
         reader, self._reader = self._reader, None
-        reuse = ending.check(ResponseDone) is not None and self._state == _DONE
+        reuse = isinstance(ending.value, ResponseDone) and self._state == _DONE
         if reuse:
             self._recycle()
         reader.connectionLost(ending)

@@ -388,19 +388,55 @@ def test_the_deadline_starts_when_the_last_lease_ends() -> None:
     assert h.calls == [("terminate", "kokoro")]
 
 
-def test_a_new_lease_cancels_the_deadline() -> None:
+def test_a_new_lease_puts_the_deadline_off() -> None:
     """
-    A request arriving while the model is idle takes it back before it expires; the
-    old deadline does not fire.
+    A request arriving while the model is idle takes it back before it expires: the
+    old deadline passing while it speaks does nothing, and the model stays its full
+    keep-alive after the lease ends.
     """
     h = Harness()
     h.use("kokoro")
     h.clock.advance(250)
     lease = h.lease("kokoro")
-    assert h.clock.getDelayedCalls() == []
     h.clock.advance(100)
+    assert h.calls == []
     lease.release()
     h.clock.advance(299)
+    assert h.calls == []
+    h.clock.advance(1)
+    assert h.calls == [("terminate", "kokoro")]
+
+
+def test_a_steady_stream_of_requests_keeps_one_timer() -> None:
+    """
+    Leases taken and released one after another keep a single keep-alive timer rather
+    than cancelling and setting one per request; when it comes due early it sets
+    itself for the rest, so the model still goes exactly its keep-alive after the
+    last lease ended.
+    """
+    h = Harness()
+    h.use("kokoro")
+    for _ in range(50):
+        h.clock.advance(1)
+        h.lease("kokoro").release()
+        assert len(h.clock.getDelayedCalls()) == 1
+    last_release = h.clock.seconds()
+    h.clock.advance(last_release + 300 - h.clock.seconds() - 1)
+    assert h.calls == [] and len(h.clock.getDelayedCalls()) == 1
+    h.clock.advance(1)
+    assert h.calls == [("terminate", "kokoro")]
+
+
+def test_a_shorter_keep_alive_asked_for_brings_the_deadline_forward() -> None:
+    """
+    A request asking for a shorter keep-alive than the timer already set moves the
+    deadline forward: the kept timer is not left to fire late.
+    """
+    h = Harness()
+    h.use("kokoro")
+    h.clock.advance(10)
+    h.lease("kokoro", keep_alive=30).release()
+    h.clock.advance(29)
     assert h.calls == []
     h.clock.advance(1)
     assert h.calls == [("terminate", "kokoro")]
