@@ -79,6 +79,7 @@ serve: $(STAMP) $(foreach e,$(SERVED),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
 bench: $(STAMP)
 	$(PY) bench/worker.py
 	$(PY) bench/floor.py
+	$(PY) bench/core_path.py
 	$(PY) bench/proxy.py
 
 openapi: $(STAMP)
