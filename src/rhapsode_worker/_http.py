@@ -161,12 +161,17 @@ def send_now(transport: Any, data: bytes) -> None:
     fails, and the reactor then finds the failure as it would have.
     """
     if data and _nothing_queued(transport):
-        sent = transport.writeSomeData(data)
-        while isinstance(sent, int) and 0 < sent < len(data):
-            data = data[sent:]
-            sent = transport.writeSomeData(data)
-        if isinstance(sent, int) and sent == len(data):
+        # A socket sends at most 128 KiB at a time: the rest goes on from a view.
+        view = memoryview(data)
+        done = 0
+        while done < len(data):
+            sent = transport.writeSomeData(view[done:] if done else data)
+            if not isinstance(sent, int) or sent <= 0:
+                break
+            done += sent
+        if done == len(data):
             return
+        data = data[done:]
     transport.write(data)
 
 

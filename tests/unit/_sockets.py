@@ -15,8 +15,9 @@ from twisted.internet.testing import MemoryReactor
 class FakeSocket(FileDescriptor):
     """
     C{sent} lists what each send handed to the kernel; C{room} is how many more bytes
-    the kernel will take (None: any number); C{fail} makes every send fail as a lost
-    connection does.  The reactor's C{getWriters()} says whether the socket asked to
+    the kernel will take (None: any number) and C{cap} the most one send takes (as
+    Twisted's sockets send at most 128 KiB at a time); C{fail} makes every send fail
+    as a lost connection does.  The reactor's C{getWriters()} says whether the socket asked to
     be polled for writability.
     """
 
@@ -25,6 +26,7 @@ class FakeSocket(FileDescriptor):
         super().__init__(self.memory_reactor)
         self.connected = 1
         self.room = room
+        self.cap: int | None = None
         self.sent: list[bytes] = []
         self.fail: BaseException | None = None
         self.host = IPv4Address("TCP", "127.0.0.1", 8080)
@@ -34,6 +36,8 @@ class FakeSocket(FileDescriptor):
         if self.fail is not None:
             return self.fail
         size = len(data) if self.room is None else min(len(data), self.room)
+        if self.cap is not None:
+            size = min(size, self.cap)
         if size:
             self.sent.append(bytes(data[:size]))
         if self.room is not None:

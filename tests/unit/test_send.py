@@ -47,6 +47,17 @@ def test_bytes_the_kernel_takes_are_sent_without_polling() -> None:
     assert not sock.polled_for_writing and sock.queued() == 0
 
 
+def test_a_write_larger_than_one_send_goes_in_several() -> None:
+    """
+    A write larger than one send takes (Twisted's sockets send at most 128 KiB at a
+    time) goes on in further sends at once, in order, and nothing is queued.
+    """
+    sock = FakeSocket()
+    sock.cap = 4
+    send_now(sock, b"abcdefghij")
+    assert sock.sent == [b"abcd", b"efgh", b"ij"] and sock.queued() == 0 and not sock.polled_for_writing
+
+
 def test_what_the_kernel_refuses_is_queued_and_polled_for() -> None:
     """
     A send the kernel takes only part of leaves the rest queued in order, with the
