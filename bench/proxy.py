@@ -5,8 +5,9 @@ One tone worker, reached two ways in the same run: directly over its Unix socket
 through a core (`rhapsode serve`, a separate process) that has it configured by URL.
 Prints, side by side: time to first byte over 500 requests each (p50/p99 and the core's
 overhead; then again with a second worker on TCP behind a second core, so that the
-client's leg is TCP on both sides and the difference is the core alone), streamed
-throughput through the core as a ratio of direct, and N concurrent realtime streams
+client's leg is TCP on both sides and the difference is the core alone), the core's
+CPU time per one-sentence request, streamed throughput through the core as a ratio
+of direct, and N concurrent realtime streams
 (24 kHz 16-bit, read at 48 KB/s by paced clients) with the core's CPU, peak RSS and
 failures.  Asserts nothing.
 
@@ -164,6 +165,18 @@ def main() -> None:
             for proc in (tcp_core, tcp_worker):
                 proc.terminate()
                 proc.wait(20)
+        # What one request costs the core in CPU (user and system, all of it: parsing,
+        # relaying ~190 KB, ending): the core's own work apart from waiting to be
+        # scheduled (it still grows when the box is slow: each instruction costs more).
+        kept = KeptAlive(proxied)
+        small = request_bytes("/speak", {"engine": "tone", "text": SENTENCE, "format": "pcm", "seed": 1})
+        for _ in range(50):
+            kept.timed(small)
+        cpu_before = cpu_seconds(core.pid)
+        for _ in range(1000):
+            kept.timed(small)
+        kept.close()
+        print(f"core CPU per one-sentence request, kept-alive: {(cpu_seconds(core.pid) - cpu_before) * 1e3:.0f} us (1000 requests)")
         big = {"text": LONG, "format": "pcm", "seed": 1}
         d_rate = p_rate = 0.0
         for _ in range(5):  # interleaved, so a slow minute falls on both sides
