@@ -19,3 +19,10 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode", *args[1:]]
     run()
+    from ._tap import made
+
+    # twistd exits 0 however its reactor stopped; a server that never listened did not run.
+    failed = [service.unable_to_listen for service in made if service.unable_to_listen is not None]
+    if failed:
+        print(f"rhapsode: {failed[0].getErrorMessage()}", file=sys.__stderr__)
+        raise SystemExit(1)

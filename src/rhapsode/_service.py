@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from twisted.application import service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
@@ -54,13 +54,22 @@ class RhapsodeService(service.Service):
 
     log = Logger()
 
-    def __init__(self, config: Config, reactor: Any = None) -> None:
+    def __init__(self, config: Config, reactor: Any = None, *, stop_reactor_if_unable: bool = False) -> None:
+        """
+        @param stop_reactor_if_unable: stop the reactor when the port cannot be bound
+            (what C{twistd rhapsode} wants); a program embedding the core leaves it off
+            and learns of the failure from L{when_listening}.
+        """
         self.config = config
         self._reactor_given = reactor
+        self._stop_reactor_if_unable = stop_reactor_if_unable
         self.registry: Registry | None = None
         self.app: CoreApp | None = None
         self.port: Any = None
         self._clients: list[WorkerClient] = []
+        #: Why the port could not be bound, once that has happened.
+        self.unable_to_listen: Any = None
+        self._listen_waiters: list[Deferred[Any]] = []
 
     @property
     def reactor(self) -> Any:
@@ -147,14 +156,39 @@ class RhapsodeService(service.Service):
                 port=address.port,
                 engines=", ".join(self.config.engines) or "none",
             )
+            waiters, self._listen_waiters = self._listen_waiters, []
+            for waiter in waiters:
+                waiter.callback(address)
 
         def failed(failure: Any) -> None:
             self.log.failure("cannot listen", failure)
-            self.reactor.stop()
+            self.unable_to_listen = failure
+            waiters, self._listen_waiters = self._listen_waiters, []
+            for waiter in waiters:
+                waiter.errback(failure)
+            if self._stop_reactor_if_unable:
+                # twistd starts services before it runs the reactor, and a TCP port
+                # fails to bind at once: stopping then would be refused and the
+                # process would run on, listening nowhere.
+                self.reactor.callWhenRunning(self.reactor.stop)
 
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
         endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
+
+    def when_listening(self) -> "Deferred[Any]":
+        """
+        Fires with the address the public API listens on (an C{IPv4Address} or
+        C{IPv6Address}) once the service has started and bound its port, at once if it
+        has; fails with why the port could not be bound.
+        """
+        if self.port is not None:
+            return succeed(self.port.getHost())
+        if self.unable_to_listen is not None:
+            return fail(self.unable_to_listen)
+        waiter: Deferred[Any] = Deferred()
+        self._listen_waiters.append(waiter)
+        return waiter
 
     def stopService(self) -> "Deferred[Any]":
         """

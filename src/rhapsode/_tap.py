@@ -25,7 +25,14 @@ class Options(usage.Options):
             raise usage.UsageError(str(error)) from None
 
 
+#: The services made here, so that C{rhapsode serve} can tell how its run ended.
+made: list[Any] = []
+
+
 def makeService(options: Options) -> Any:
     from ._service import RhapsodeService
 
-    return RhapsodeService(options["loaded"])
+    # Under twistd a port that cannot be bound ends the process, with the reason logged.
+    service = RhapsodeService(options["loaded"], stop_reactor_if_unable=True)
+    made.append(service)
+    return service

@@ -97,6 +97,26 @@ def serving(
         log.close()
 
 
+def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None:
+    """
+    `rhapsode serve` on a port something else holds exits at once with status 1 and
+    says why, rather than running on listening nowhere.
+    """
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        config = tmp_path / "rhapsode.json"
+        config.write_text(json.dumps({
+            "server": {"port": port, "host": "127.0.0.1"},
+            "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")},
+        }))
+        run = subprocess.run([RHAPSODE, "serve", "--config", str(config)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=30)
+    assert run.returncode == 1, (run.returncode, run.stdout[-500:])
+    assert f"Couldn't listen on 127.0.0.1:{port}" in run.stderr and "already in use" in run.stderr
+
+
 def worker_pid(port: int) -> int | None:
     state = get(port, "/health")["engines"]["tone"]
     return state.get("pid") if state["process"] == "up" else None

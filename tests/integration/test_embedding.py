@@ -1,0 +1,91 @@
+"""
+The core as a library (rhapsode.service): a Twisted program starts the service on its
+own reactor, learns where it listens, speaks through it with rhapsode.client, and stops
+it, taking its worker with it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import pytest_twisted
+from twisted.application.service import Application, IServiceCollection
+from twisted.internet.error import CannotListenError
+
+from _worker import process_alive
+from rhapsode.client import RhapsodeClient
+from rhapsode.service import Config, RhapsodeService, parse_config
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _config(tmp_path: Path, port: int) -> Config:
+    return parse_config(
+        {
+            "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 2000},
+            "log": {"level": "error"},
+            "workers": {"socketDir": "sock", "voiceDir": "voices", "drainGraceMs": 2000},
+            "engines": {"tone": {"module": "rhapsode_engine_tone", "python": sys.executable}},
+        },
+        tmp_path,
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_program_embeds_the_core_and_speaks_through_it(tmp_path: Path) -> None:
+    """
+    Added to an application and started, the service reports its address; a client on
+    the same reactor gets real audio through it from a worker it spawned; stopping the
+    service closes the port and ends the worker.
+    """
+    port = _free_port()
+    core = RhapsodeService(_config(tmp_path, port))
+    application = Application("embedding-test")
+    core.setServiceParent(application)
+    IServiceCollection(application).startService()
+    client = RhapsodeClient(f"http://127.0.0.1:{port}")
+    try:
+        address = await core.when_listening()
+        assert (address.host, address.port) == ("127.0.0.1", port)
+        audio = await client.speak("tone", "Hello from a program that embeds the core.", format="wav")
+        assert audio.content_type == "audio/wav" and audio.data[:4] == b"RIFF"
+        rate, = struct.unpack("<I", audio.data[24:28])
+        assert rate == 24000 and audio.duration_ms is not None and audio.duration_ms > 1000
+        assert (len(audio.data) - 44) // 2 * 1000 // rate == audio.duration_ms
+        health = await client.health()
+        pid = health["engines"]["tone"]["pid"]
+        assert health["engines"]["tone"]["process"] == "up" and process_alive(pid)
+        assert (await core.when_listening()).port == port
+    finally:
+        await client.close()
+        await IServiceCollection(application).stopService()
+    assert not process_alive(pid)
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_port_taken_fails_when_listening_and_leaves_the_reactor_running(tmp_path: Path) -> None:
+    """
+    A port that cannot be bound is reported through when_listening; an embedding
+    program's reactor is not stopped for it (twistd's is).
+    """
+    from twisted.internet import reactor
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        core = RhapsodeService(_config(tmp_path, taken.getsockname()[1]))
+        core.startService()
+        with pytest.raises(CannotListenError):
+            await core.when_listening()
+        assert reactor.running
+        await core.stopService()
