@@ -22,6 +22,7 @@ from twisted.logger import (
     LogLevelFilterPredicate,
     textFileLogObserver,
 )
+from twisted.python.failure import Failure
 
 from rhapsode_worker.contract import CONTRACT_VERSIONS
 
@@ -37,6 +38,12 @@ from ._workers import WorkerClient
 #: 500 simultaneous connections on these machines.
 BACKLOG = 2048
 CONTRACT = max(CONTRACT_VERSIONS)
+
+
+class ServiceStartError(Exception):
+    """
+    The core cannot start: a folder it needs cannot be made.
+    """
 
 
 def _reactor(reactor: Any) -> Any:
@@ -144,8 +151,6 @@ class RhapsodeService(service.Service):
         server = self.config.server
         endpoint_type = TCP6ServerEndpoint if ":" in server.host else TCP4ServerEndpoint
         endpoint = endpoint_type(self.reactor, server.port, backlog=BACKLOG, interface=server.host)
-        self.config.workers.socket_dir.mkdir(parents=True, exist_ok=True)
-        self.config.workers.voice_dir.mkdir(parents=True, exist_ok=True)
 
         def listening(port: Any) -> None:
             self.port = port
@@ -161,7 +166,10 @@ class RhapsodeService(service.Service):
                 waiter.callback(address)
 
         def failed(failure: Any) -> None:
-            self.log.failure("cannot listen", failure)
+            if failure.check(ServiceStartError):
+                self.log.critical("{why}", why=failure.getErrorMessage())
+            else:
+                self.log.failure("cannot listen", failure)
             self.unable_to_listen = failure
             waiters, self._listen_waiters = self._listen_waiters, []
             for waiter in waiters:
@@ -172,6 +180,14 @@ class RhapsodeService(service.Service):
                 # process would run on, listening nowhere.
                 self.reactor.callWhenRunning(self.reactor.stop)
 
+        workers = self.config.workers
+        for key, folder in (("workers.socketDir", workers.socket_dir), ("workers.voiceDir", workers.voice_dir)):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                # Checked before listening: a core whose workers cannot start is not up.
+                failed(Failure(ServiceStartError(f"{key} {folder} cannot be made: {error.strerror}")))
+                return
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
         endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)

@@ -117,6 +117,25 @@ def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None
     assert f"Couldn't listen on 127.0.0.1:{port}" in run.stderr and "already in use" in run.stderr
 
 
+def test_a_folder_that_cannot_be_made_ends_the_server_saying_which(tmp_path: Path) -> None:
+    """
+    A workers folder that cannot be made (its parent is a file) ends `rhapsode serve` at
+    once with status 1, naming the key and the folder, before anything listens.
+    """
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    port = free_port()
+    config = tmp_path / "rhapsode.json"
+    config.write_text(json.dumps({
+        "server": {"port": port, "host": "127.0.0.1"},
+        "workers": {"socketDir": str(blocker / "sock"), "voiceDir": str(tmp_path / "voices")},
+    }))
+    run = subprocess.run([RHAPSODE, "serve", "--config", str(config)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 1, (run.returncode, run.stdout[-500:])
+    assert f"workers.socketDir {blocker / 'sock'} cannot be made" in run.stderr
+
+
 def worker_pid(port: int) -> int | None:
     state = get(port, "/health")["engines"]["tone"]
     return state.get("pid") if state["process"] == "up" else None
