@@ -361,3 +361,54 @@ def test_importing_the_core_pieces_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _documented() -> dict[str, str]:
+    """
+    docs/configuration.md's tables: each key path to its default cell.
+    """
+    rows: dict[str, str] = {}
+    for line in REFERENCE.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[0].endswith("`"):
+            key = cells[0].strip("`")
+            assert key not in rows, f"{key} is documented twice"
+            rows[key] = cells[1]
+    return rows
+
+
+def test_the_configuration_reference_documents_every_key_with_its_default() -> None:
+    """
+    docs/configuration.md has a row for every key the parser reads and none it does not
+    (engine keys as engines.<id>.key), and each plain default it states is the default
+    the code has.
+    """
+    defaults = Config()
+    expected: dict[str, Any] = {}
+    for section in dataclasses.fields(Config):
+        if section.name == "engines":
+            for f in dataclasses.fields(EngineConfig):
+                if f.name != "id":
+                    expected[f"engines.<id>.{_camel(f.name)}"] = None
+            continue
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            expected[f"{section.name}.{_camel(f.name)}"] = getattr(getattr(defaults, section.name), f.name)
+    rows = _documented()
+    assert set(rows) == set(expected)
+    for key, default in expected.items():
+        if isinstance(default, (int, float, str)) and not isinstance(default, bool):
+            assert f"`{default:g}`" in rows[key] if isinstance(default, float) else f"`{default}`" in rows[key], key
+    # Every documented key is one the parser takes (a value of the right kind is accepted).
+    for key in rows:
+        if key.startswith("engines."):
+            continue
+        section, name = key.split(".")
+        parse({section: {name: None}})
