@@ -11,6 +11,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
@@ -189,6 +190,18 @@ class EagerChannel(http.HTTPChannel):
     _held: list[bytes] | None = None
     _host: Any = None
 
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        tracker = getattr(getattr(self, "site", None), "connections", None)
+        if tracker is not None:
+            tracker.opened(self)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        super().connectionLost(reason)
+        tracker = getattr(getattr(self, "site", None), "connections", None)
+        if tracker is not None:
+            tracker.closed(self)
+
     def hold(self) -> None:
         if self._held is None:
             self._held = []
@@ -292,6 +305,9 @@ class DirectSite(server.Site):
 
     protocol = EagerChannel  # type: ignore[assignment]
     requestFactory = EagerRequest
+    #: Told of each connection as it opens and closes (C{opened(channel)},
+    #: C{closed(channel)}), where something must close them all at the end.
+    connections: Any = None
 
     def __init__(
         self,

@@ -33,7 +33,6 @@ from twisted.logger import (
     formatEvent,
     globalLogBeginner,
 )
-from twisted.protocols.policies import WrappingFactory
 from twisted.python.threadpool import ThreadPool
 from zope.interface import provider
 
@@ -173,31 +172,38 @@ class _LoggingBridge(logging.Handler):
         Logger(namespace=record.name).emit(level, "{message}", message=record.getMessage())
 
 
-class _Connections(WrappingFactory):
+class _Connections:
     """
-    The site, wrapped so a drain can close every connection gracefully: a response
-    written but still in a send buffer is flushed, not cut off by the process exiting.
+    The worker site's open connections, so a drain can close every one gracefully: a
+    response written but still in a send buffer is flushed, not cut off by the process
+    exiting.  The site's channels report themselves (L{EagerChannel}); wrapping each
+    connection in a protocol wrapper to learn the same put a layer of attribute
+    look-ups under every write.
     """
 
-    def __init__(self, wrapped: Any) -> None:
-        super().__init__(wrapped)
+    def __init__(self) -> None:
+        self.open: set[Any] = set()
         self._empty: list[Deferred[None]] = []
 
-    def unregisterProtocol(self, p: Any) -> None:
-        super().unregisterProtocol(p)
-        if not self.protocols:
+    def opened(self, channel: Any) -> None:
+        self.open.add(channel)
+
+    def closed(self, channel: Any) -> None:
+        self.open.discard(channel)
+        if not self.open:
             waiters, self._empty = self._empty, []
             for d in waiters:
                 d.callback(None)
 
     def close_all(self) -> "Deferred[None]":
         d: Deferred[None] = Deferred()
-        if not self.protocols:
+        if not self.open:
             d.callback(None)
             return d
         self._empty.append(d)
-        for protocol in list(self.protocols):
-            protocol.transport.loseConnection()
+        for channel in list(self.open):
+            if channel.transport is not None:
+                channel.transport.loseConnection()
         return d
 
 
@@ -281,8 +287,10 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = T
         contract_version=spawn.contract,
         on_terminate=drain,
     )
-    connections = _Connections(worker.site(access_log=access_log))
-    port = await _listen(reactor, spawn.listen, connections)
+    connections = _Connections()
+    site = worker.site(access_log=access_log)
+    site.connections = connections
+    port = await _listen(reactor, spawn.listen, site)
     handshake = {
         "ready": True,
         "contract": spawn.contract,

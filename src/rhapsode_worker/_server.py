@@ -319,7 +319,7 @@ class WorkerApp:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def site(self, access_log: bool = True) -> server.Site:
+    def site(self, access_log: bool = True) -> DirectSite:
         """
         The site to listen with; without C{access_log} (a log level above info) no
         access line is formatted.

@@ -213,3 +213,35 @@ def test_a_connection_asks_its_address_once() -> None:
         sock.protocol.dataReceived(b"GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert sock.sent[-1].endswith(b"ok") and len(sock.sent) == 3
     assert sock.host_asked == 1
+
+
+def test_a_site_is_told_of_each_connection_and_a_drain_closes_them_all() -> None:
+    """
+    A site's channels report themselves as they open and close, so the worker's drain
+    can close every open connection gracefully and learn when the last has gone, with
+    no protocol wrapper under every write to track them.
+    """
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.error import ConnectionDone
+    from twisted.python.failure import Failure
+
+    from rhapsode_worker._runtime import _Connections
+
+    site = DirectSite(Resource())
+    tracker = _Connections()
+    site.connections = tracker
+    socks = [FakeSocket(), FakeSocket()]
+    channels = []
+    for sock in socks:
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
+        channel.makeConnection(sock)
+        channels.append(channel)
+    assert tracker.open == set(channels)
+    assert channels[0].transport is socks[0]  # the channel writes to the socket itself
+    done = tracker.close_all()
+    assert not done.called and all(sock.disconnecting for sock in socks)
+    channels[0].connectionLost(Failure(ConnectionDone()))
+    assert not done.called and tracker.open == {channels[1]}
+    channels[1].connectionLost(Failure(ConnectionDone()))
+    assert done.called and tracker.open == set()
+    assert tracker.close_all().called
