@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     run()
     from ._tap import made
 
-    # twistd exits 0 however its reactor stopped; a server that never listened did not run.
-    failed = [service.unable_to_listen for service in made if service.unable_to_listen is not None]
+    # twistd exits 0 however its reactor stopped; a server that could not start did not run.
+    failed = [service.failed_to_start for service in made if service.failed_to_start is not None]
     if failed:
         print(f"rhapsode: {failed[0].getErrorMessage()}", file=sys.__stderr__)
         raise SystemExit(1)

@@ -63,9 +63,10 @@ class RhapsodeService(service.Service):
 
     def __init__(self, config: Config, reactor: Any = None, *, stop_reactor_if_unable: bool = False) -> None:
         """
-        @param stop_reactor_if_unable: stop the reactor when the port cannot be bound
-            (what C{twistd rhapsode} wants); a program embedding the core leaves it off
-            and learns of the failure from L{when_listening}.
+        @param stop_reactor_if_unable: stop the reactor when the service cannot start
+            (a folder it needs cannot be made, its port cannot be bound), which is what
+            C{twistd rhapsode} wants; a program embedding the core leaves it off and
+            learns of the failure from L{when_listening}.
         """
         self.config = config
         self._reactor_given = reactor
@@ -74,8 +75,8 @@ class RhapsodeService(service.Service):
         self.app: CoreApp | None = None
         self.port: Any = None
         self._clients: list[WorkerClient] = []
-        #: Why the port could not be bound, once that has happened.
-        self.unable_to_listen: Any = None
+        #: Why the service could not start (a folder, its port), once that has happened.
+        self.failed_to_start: Any = None
         self._listen_waiters: list[Deferred[Any]] = []
 
     @property
@@ -170,7 +171,7 @@ class RhapsodeService(service.Service):
                 self.log.critical("{why}", why=failure.getErrorMessage())
             else:
                 self.log.failure("cannot listen", failure)
-            self.unable_to_listen = failure
+            self.failed_to_start = failure
             waiters, self._listen_waiters = self._listen_waiters, []
             for waiter in waiters:
                 waiter.errback(failure)
@@ -196,12 +197,12 @@ class RhapsodeService(service.Service):
         """
         Fires with the address the public API listens on (an C{IPv4Address} or
         C{IPv6Address}) once the service has started and bound its port, at once if it
-        has; fails with why the port could not be bound.
+        has; fails with why it could not start.
         """
         if self.port is not None:
             return succeed(self.port.getHost())
-        if self.unable_to_listen is not None:
-            return fail(self.unable_to_listen)
+        if self.failed_to_start is not None:
+            return fail(self.failed_to_start)
         waiter: Deferred[Any] = Deferred()
         self._listen_waiters.append(waiter)
         return waiter

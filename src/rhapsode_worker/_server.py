@@ -23,7 +23,6 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web import server
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 

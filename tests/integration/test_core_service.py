@@ -97,6 +97,19 @@ def serving(
         log.close()
 
 
+def serve_once(tmp_path: Path, port: int, socket_dir: Path) -> subprocess.CompletedProcess[str]:
+    """
+    Run `rhapsode serve` on C{port} with no engines until it exits by itself.
+    """
+    config = tmp_path / "rhapsode.json"
+    config.write_text(json.dumps({
+        "server": {"port": port, "host": "127.0.0.1"},
+        "workers": {"socketDir": str(socket_dir), "voiceDir": str(tmp_path / "voices")},
+    }))
+    return subprocess.run([RHAPSODE, "serve", "--config", str(config)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+
+
 def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None:
     """
     `rhapsode serve` on a port something else holds exits at once with status 1 and
@@ -106,13 +119,7 @@ def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        config = tmp_path / "rhapsode.json"
-        config.write_text(json.dumps({
-            "server": {"port": port, "host": "127.0.0.1"},
-            "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")},
-        }))
-        run = subprocess.run([RHAPSODE, "serve", "--config", str(config)], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=30)
+        run = serve_once(tmp_path, port, tmp_path / "sock")
     assert run.returncode == 1, (run.returncode, run.stdout[-500:])
     assert f"Couldn't listen on 127.0.0.1:{port}" in run.stderr and "already in use" in run.stderr
 
@@ -120,20 +127,14 @@ def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None
 def test_a_folder_that_cannot_be_made_ends_the_server_saying_which(tmp_path: Path) -> None:
     """
     A workers folder that cannot be made (its parent is a file) ends `rhapsode serve` at
-    once with status 1, naming the key and the folder, before anything listens.
+    once with status 1, naming the key and the folder, before it listens.
     """
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    port = free_port()
-    config = tmp_path / "rhapsode.json"
-    config.write_text(json.dumps({
-        "server": {"port": port, "host": "127.0.0.1"},
-        "workers": {"socketDir": str(blocker / "sock"), "voiceDir": str(tmp_path / "voices")},
-    }))
-    run = subprocess.run([RHAPSODE, "serve", "--config", str(config)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=30)
+    run = serve_once(tmp_path, free_port(), blocker / "sock")
     assert run.returncode == 1, (run.returncode, run.stdout[-500:])
     assert f"workers.socketDir {blocker / 'sock'} cannot be made" in run.stderr
+    assert "cannot be made" in run.stdout and "rhapsode listening on" not in run.stdout
 
 
 def worker_pid(port: int) -> int | None:
