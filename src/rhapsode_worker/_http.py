@@ -184,7 +184,8 @@ class EagerChannel(http.HTTPChannel):
 
     Between L{hold} and L{release} writes are gathered and then leave in one send: a
     response's headers and its first bytes, which twisted.web writes separately, reach
-    the client together (see L{EagerRequest}).
+    the client together (see L{EagerRequest}).  A channel tells its site's
+    C{connections}, where it has one, as it opens and closes.
     """
 
     _held: list[bytes] | None = None
