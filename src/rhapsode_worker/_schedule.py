@@ -42,11 +42,11 @@ _BATCH_SECONDS = 0.1
 _FIRST_AUDIO_WAIT = 0.005
 
 
-@implementer(IPushProducer)
 def _ignore(_: object) -> None:
     pass
 
 
+@implementer(IPushProducer)
 class Job:
     """
     One request's synthesis: a variant and the steps (segments) that make its audio.

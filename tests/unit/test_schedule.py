@@ -12,12 +12,18 @@ from typing import Any, Callable, Iterator
 
 import pytest
 from twisted.internet.defer import CancelledError
+from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
+from zope.interface.verify import verifyObject
 
 from rhapsode_worker import Engine, Variant
 from rhapsode_worker._errors import OutOfMemory
 from rhapsode_worker._model import ModelState
 from rhapsode_worker._schedule import Job, Scheduler
+
+
+def _ignore_pcm(pcm: bytes) -> None:
+    pass
 
 
 class FakePool:
@@ -379,10 +385,11 @@ def test_a_failure_writing_the_last_audio_fails_the_job() -> None:
 
 def test_a_finished_job_lets_go_of_what_it_delivered_to() -> None:
     """
-    A job's audio goes to a callback that usually belongs to the response holding the
-    job.  Once the job has finished, well or cancelled, it drops its callbacks, so the
-    pair (and the request behind them) is freed when dropped instead of waiting in a
-    reference cycle for the garbage collector; and nothing more is delivered.
+    A job (a push producer) sends its audio to a callback that usually belongs to the
+    response holding the job.  Once the job has finished, well or cancelled, it drops
+    its callbacks, so the pair (and the request behind them) is freed when dropped
+    instead of waiting in a reference cycle for the garbage collector; and nothing more
+    is delivered.
     """
     import gc
     import weakref
@@ -394,6 +401,7 @@ def test_a_finished_job_lets_go_of_what_it_delivered_to() -> None:
 
     events: list[str] = []
     scheduler, pool, _ = make(events)
+    assert verifyObject(IPushProducer, Job("a", [], _ignore_pcm))
     gc.disable()
     try:
         finished = Response([step(events, "x"), step(events, "y")])
