@@ -38,7 +38,8 @@ _MAX_LINE = 8 * 1024
 #: throughput through the core 0.80-0.83 -> 0.87-0.88 of direct, core CPU for 2000
 #: realtime streams 24.7-26.0 % -> 22.6-23.2 % of a core; the cost is memory, since a
 #: slow listener can hold one larger read in the core: peak RSS for those 2000 streams
-#: 93-94 -> 105-122 MB (the target is 150).  It is 64 bytes short of 128 KiB so that a
+#: 93-94 -> 105-122 MB (the target is 150), and 84-90 MB since writes to clients go to
+#: the kernel as they are made (rhapsode_worker._http.send_now).  It is 64 bytes short of 128 KiB so that a
 #: read relayed with its chunk framing still fits one send (Twisted sends at most 128
 #: KiB at a time; a full 128 KiB read went as a send and then a 2-byte one).  Twisted
 #: also pauses a producer writing to the socket at this size, so a voice upload queues
