@@ -131,7 +131,9 @@ class CoreApp:
         Without C{access_log} no access line is even formatted (a log level above info).
         """
         speak = HandlerResource(self.speak, self.log)
-        return CoreSite(self.resource(), self, {(b"POST", b"/speak"): speak}, access_log=access_log)
+        return CoreSite(
+            self.resource(), self, {(b"POST", b"/speak"): speak}, access_log=access_log, reactor=self.reactor
+        )
 
     async def _answer(self, request: IRequest, handler: Callable[[], Awaitable[Any]]) -> Any:
         """

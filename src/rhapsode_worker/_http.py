@@ -315,8 +315,9 @@ class DirectSite(server.Site):
         root: Any,
         direct: dict[tuple[bytes, bytes], resource.Resource] | None = None,
         access_log: bool = True,
+        reactor: Any = None,
     ) -> None:
-        super().__init__(root, parsePOSTFormSubmission=False)
+        super().__init__(root, parsePOSTFormSubmission=False, reactor=reactor)
         self.direct = dict(direct or {})
         self.access_log = access_log
 

@@ -20,6 +20,7 @@ from twisted.internet.threads import deferToThread
 
 from _worker import Worker, spawn_worker
 from rhapsode._app import CoreApp
+from rhapsode._proxy import FLOOR_BYTES
 from rhapsode._registry import EngineHandle, Registry
 from rhapsode._workers import WorkerClient
 
@@ -525,3 +526,55 @@ async def test_trailer_carries_the_workers_duration_in_every_format(core: Core, 
     streamed = await call(core, "POST", "/speak", body)
     assert streamed.status == 200 and streamed.complete
     assert streamed.trailers["x-rhapsode-duration-ms"] == buffered.headers["x-rhapsode-duration-ms"]
+
+
+def read_responses(data: bytes) -> list[tuple[int, dict[str, str], bytes, dict[str, str]]]:
+    """
+    Every whole response in C{data}, in order: status, fields, body, trailers.
+    """
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        fields = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        body, trailers = b"", {}
+        if fields.get("transfer-encoding") == "chunked":
+            while True:
+                size_line, _, data = data.partition(b"\r\n")
+                size = int(size_line, 16)
+                if size == 0:
+                    block, _, data = data.partition(b"\r\n\r\n") if not data.startswith(b"\r\n") else (b"", b"", data[2:])
+                    trailers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in block.decode().split("\r\n") if line)}
+                    break
+                body, data = body + data[:size], data[size + 2 :]
+        else:
+            length = int(fields["content-length"])
+            body, data = data[:length], data[length:]
+        answers.append((int(lines[0].split()[1]), fields, body, trailers))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_connection_carries_speech_and_other_routes_in_order(core: Core) -> None:
+    """
+    Requests sent together on one kept-alive connection (speech, a health read, speech
+    again: the first read by the core's front door, the rest by twisted.web once the
+    connection is handed to it) are all answered, in order, each whole.
+    """
+    def speak(fmt: str, close: bool = False) -> bytes:
+        body = json.dumps({"engine": "tone", "text": "Hello there.", "format": fmt, "seed": 2}).encode()
+        return (
+            b"POST /speak HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\n\r\n%s" % (b"Connection: close\r\n" if close else b"", len(body), body)
+        )
+
+    sent = speak("pcm") + speak("wav") + b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" + speak("pcm", close=True)
+    answers = read_responses(await deferToThread(raw_tcp, core.address, sent))
+    assert [(status, fields["content-type"].split(";")[0]) for status, fields, _, _ in answers] == [
+        (200, "audio/L16"), (200, "audio/wav"), (200, "application/json"), (200, "audio/L16"),
+    ]
+    pcm, wav, health, again = answers
+    assert pcm[2] == again[2] and len(pcm[2]) > FLOOR_BYTES and wav[2].startswith(b"RIFF")
+    assert int(pcm[3]["x-rhapsode-duration-ms"]) == len(pcm[2]) // 2 * 1000 // RATE
+    assert int(again[3]["x-rhapsode-duration-ms"]) == int(pcm[3]["x-rhapsode-duration-ms"])
+    assert json.loads(health[2])["status"] == "ok"

@@ -1,0 +1,382 @@
+"""
+The public port's front door (rhapsode._front): a speech request read and answered
+without twisted.web, one at a time per connection, with the client's socket as the
+producer's consumer; every request it does not read strictly handed, with the rest of
+its connection, to twisted.web, which answers it as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _sockets import FakeSocket
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionLost
+from twisted.internet.interfaces import IPushProducer, ITCPTransport
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from zope.interface import implementer
+
+from rhapsode._front import MAX_BODY, MAX_HEAD, Front, FrontRequest
+from rhapsode._gate import CoreRequest, CoreSite
+from rhapsode_worker._http import HandlerResource
+
+
+class FakeCore:
+    management_token = "s3cret-token-of-length"
+    management_origins: tuple[str, ...] = ()
+
+    async def start_upload(self, engine_id: str, request: Any) -> None:
+        return None
+
+
+class Routed(Resource):
+    """
+    The routed side (Klein's, in the core): says what reached it.
+    """
+
+    isLeaf = True
+
+    def render(self, request: Any) -> bytes:
+        return b"routed %s %s" % (request.method, request.path)
+
+
+class Handler:
+    """
+    A direct route's handler: echoes the body, or waits on a Deferred when told to.
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+        self.bodies: list[bytes] = []
+        self.waiting: list[Deferred[bytes]] = []
+        self.wait = False
+        self.cancelled = 0
+
+    async def __call__(self, request: Any) -> bytes:
+        self.seen.append(request)
+        self.bodies.append(request.content.read())
+        request.setHeader(b"Content-Type", b"text/plain")
+        if self.wait:
+            waiting: Deferred[bytes] = Deferred(lambda _: self._cancelled())
+            self.waiting.append(waiting)
+            return await waiting
+        return b"echo " + self.bodies[-1]
+
+    def _cancelled(self) -> None:
+        self.cancelled += 1
+
+
+def serve(handler: Handler, transport: Any = None, timeout: float | None = None, log: bool = False) -> tuple[Front, Any, CoreSite, MemoryReactorClock]:
+    reactor = MemoryReactorClock()
+    site = CoreSite(
+        Routed(), FakeCore(), {(b"POST", b"/speak"): HandlerResource(handler, Logger())},
+        access_log=log, reactor=reactor,
+    )
+    site.timeOut = timeout
+    front = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
+    transport = transport or StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 50000))
+    front.makeConnection(transport)
+    return front, transport, site, reactor
+
+
+def speak(body: bytes = b'{"text":"hi"}', extra: bytes = b"") -> bytes:
+    return (
+        b"POST /speak HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%s"
+        b"Content-Length: %d\r\n\r\n%s" % (extra, len(body), body)
+    )
+
+
+def test_a_speech_request_is_read_and_answered_by_the_front() -> None:
+    """
+    A whole POST /speak reaches its handler as a front request (body, fields, no
+    Authorization), and the answer is a chunked HTTP/1.1 response with a Date field,
+    on a connection that stays open for the next request.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(speak(extra=b"Authorization: Bearer s3cret-token-of-length\r\nUser-Agent: t\r\n"))
+    [request] = handler.seen
+    assert isinstance(request, FrontRequest)
+    assert (request.method, request.path, handler.bodies) == (b"POST", b"/speak", [b'{"text":"hi"}'])
+    assert request.getHeader(b"User-Agent") == b"t" and request.getHeader(b"authorization") is None
+    head, _, body = transport.value().partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 200 OK"
+    assert b"Transfer-Encoding: chunked" in lines and b"Content-Type: text/plain" in lines
+    assert any(line.startswith(b"Date: ") for line in lines) and b"Connection: close" not in lines
+    assert body == b"12\r\necho {\"text\":\"hi\"}\r\n0\r\n\r\n"
+    assert not transport.disconnecting
+    transport.clear()
+    front.dataReceived(speak(b"{}"))
+    assert len(handler.seen) == 2 and transport.value().endswith(b"7\r\necho {}\r\n0\r\n\r\n")
+
+
+def test_a_request_arriving_in_pieces_is_answered_once_whole() -> None:
+    """
+    Byte by byte, a request is read once its head and its whole body are in, and
+    answered once.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    raw = speak()
+    for index in range(len(raw)):
+        assert not handler.seen
+        front.dataReceived(raw[index : index + 1])
+    assert handler.bodies == [b'{"text":"hi"}'] and transport.value().count(b"HTTP/1.1 200") == 1
+
+
+def test_pipelined_requests_are_answered_in_order_one_at_a_time() -> None:
+    """
+    A request sent before the answer to the one ahead of it waits its turn: its handler
+    starts only once the first has finished, and the answers leave in order.
+    """
+    handler = Handler()
+    handler.wait = True
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(speak(b"one") + speak(b"two"))
+    assert handler.bodies == [b"one"]
+    handler.waiting[0].callback(b"first")
+    assert handler.bodies == [b"one", b"two"]
+    handler.waiting[1].callback(b"second")
+    answer = transport.value()
+    assert answer.index(b"first") < answer.index(b"second") and answer.count(b"HTTP/1.1 200 OK") == 2
+
+
+def test_reading_pauses_while_a_client_sends_far_ahead() -> None:
+    """
+    While a request is answered, more than a request's worth sent ahead pauses reading
+    from the client; the answer's end resumes it and the waiting request is served.
+    """
+    handler = Handler()
+    handler.wait = True
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(speak(b"one"))
+    ahead = speak(b"x" * 1000)
+    sent = 0
+    while sent <= MAX_HEAD + MAX_BODY:
+        front.dataReceived(ahead)
+        sent += len(ahead)
+    assert transport.producerState == "paused" and len(handler.seen) == 1
+    handler.wait = False
+    handler.waiting[0].callback(b"done")
+    assert transport.producerState == "producing"
+    assert len(handler.seen) == sent // len(ahead) + 1
+
+
+def test_connection_close_is_honoured() -> None:
+    """
+    A client that asks for the connection to close gets its answer marked so, then the
+    connection closes and nothing it sent after is served.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(speak(extra=b"Connection: keep-alive, close\r\n") + speak(b"after"))
+    assert b"\r\nConnection: close\r\n" in transport.value()
+    assert transport.disconnecting and len(handler.seen) == 1
+
+
+def test_an_answer_with_a_length_is_not_chunked() -> None:
+    """
+    A handler that sets Content-Length gets its bytes sent as they are, and finish adds
+    no terminator.
+    """
+
+    async def buffered(request: Any) -> bytes:
+        request.setResponseCode(201)
+        request.setHeader(b"Content-Length", b"4")
+        return b"made"
+
+    front, transport, _, _ = serve(buffered)  # type: ignore[arg-type]
+    front.dataReceived(speak())
+    head, _, body = transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 201 Created\r\n") and b"Transfer-Encoding" not in head
+    assert body == b"made"
+
+
+HANDED_ON = {
+    "another route": b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    "another method": b"GET /speak HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    "a query string": speak().replace(b"/speak", b"/speak?x=1", 1),
+    "HTTP/1.0": speak().replace(b"HTTP/1.1", b"HTTP/1.0", 1),
+    "a chunked body": b"POST /speak HTTP/1.1\r\nHost: l\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    "expect-continue": speak(extra=b"Expect: 100-continue\r\n"),
+    "an upgrade": speak(extra=b"Upgrade: h2c\r\nConnection: Upgrade\r\n"),
+    "a folded field": speak(extra=b"X-A: one\r\n two\r\n"),
+    "a bare LF": speak(extra=b"X-A: one\nX-B: two\r\n"),
+    "a NUL in a value": speak(extra=b"X-A: o\x00ne\r\n"),
+    "space before the colon": speak(extra=b"X-A : one\r\n"),
+    "two lengths": speak(extra=b"Content-Length: 13\r\n"),
+    "a signed length": speak().replace(b"Content-Length: 13", b"Content-Length: +13"),
+    "a leading empty line": b"\r\n" + speak(),
+    "a body over the front's size": speak(b"x" * (MAX_BODY + 1)),
+    "a head over the front's size": speak(extra=b"X-Long: " + b"a" * MAX_HEAD + b"\r\n"),
+}
+
+
+@pytest.mark.parametrize("raw", list(HANDED_ON.values()), ids=list(HANDED_ON))
+def test_requests_the_front_does_not_read_go_to_twisted_web(raw: bytes) -> None:
+    """
+    Anything outside the narrow form the front reads goes, with every byte read so far,
+    to twisted.web, which answers it (a direct route's handler then sees twisted.web's
+    own request) or, for a line over its own limit, closes the connection.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(raw)
+    assert front._web is not None
+    assert not any(isinstance(request, FrontRequest) for request in handler.seen)
+    assert all(isinstance(request, CoreRequest) for request in handler.seen)
+    assert transport.value().startswith(b"HTTP/1.") or transport.disconnecting
+
+
+def test_a_handed_on_connection_stays_with_twisted_web() -> None:
+    """
+    A kept-alive connection answered first by the front and then handed on carries its
+    later speech requests through twisted.web, in order, answered alike.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(speak(b"one"))
+    front.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    front.dataReceived(speak(b"two"))
+    assert [type(request) for request in handler.seen] == [FrontRequest, CoreRequest]
+    answer = transport.value()
+    assert answer.index(b"echo one") < answer.index(b"routed GET /health") < answer.index(b"echo two")
+    front.connectionLost(Failure(ConnectionLost()))
+    assert front._web is not None and front._web.requests == []
+
+
+def test_a_client_that_hangs_up_cancels_its_handler() -> None:
+    """
+    The connection's loss fails the request's notifyFinish, which cancels the handler
+    where it waits; nothing more is written.
+    """
+    handler = Handler()
+    handler.wait = True
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(speak())
+    finished = handler.seen[0].notifyFinish()
+    lost: list[Failure] = []
+    finished.addErrback(lost.append)
+    front.connectionLost(Failure(ConnectionLost()))
+    assert handler.cancelled == 1 and lost and lost[0].check(ConnectionLost)
+    assert transport.value() == b""
+    with pytest.raises(RuntimeError):
+        handler.seen[0].finish()
+
+
+@implementer(IPushProducer)
+class Producer:
+    def __init__(self) -> None:
+        self.paused = 0
+        self.stopped = 0
+
+    def pauseProducing(self) -> None:
+        self.paused += 1
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        self.stopped += 1
+
+
+def test_a_full_socket_pauses_the_registered_producer() -> None:
+    """
+    A producer registered on a front request is the client socket's own: bytes the
+    kernel will not take queue in Twisted's buffer, and past its size pause the
+    producer; unregistering frees the socket for the next request.
+    """
+    socket = FakeSocket(room=0)
+    front, _, _, _ = serve(Handler(), transport=socket)
+    request = FrontRequest(front, b"POST", b"/speak", {}, b"", False)
+    producer = Producer()
+    request.registerProducer(producer, True)
+    assert socket.producer is producer
+    request.write(b"a" * (socket.bufferSize + 1))
+    assert producer.paused == 1 and socket.queued() > socket.bufferSize
+    request.unregisterProducer()
+    assert socket.producer is None and request.producer is None
+
+
+def test_idle_connections_close_after_the_sites_timeout() -> None:
+    """
+    A connection idle for the site's timeout is closed; one answering a request is not,
+    and its idle time counts from its last answer's end.
+    """
+    front, transport, _, reactor = serve(Handler(), timeout=10)
+    reactor.advance(9)
+    assert not transport.disconnecting
+    reactor.advance(2)
+    assert transport.disconnecting
+    handler = Handler()
+    handler.wait = True
+    front, transport, _, reactor = serve(handler, timeout=10)
+    reactor.advance(5)
+    front.dataReceived(speak())
+    reactor.advance(6)
+    assert not transport.disconnecting
+    reactor.advance(6)
+    handler.waiting[0].callback(b"done")  # at 17 s: idle from here
+    reactor.advance(9)
+    assert not transport.disconnecting
+    reactor.advance(2)
+    assert transport.disconnecting
+
+
+def test_access_lines_for_front_requests_never_show_the_token() -> None:
+    """
+    Each request the front answers is written to the access log once, in the site's
+    format, with its method, path, status and length, and without Authorization.
+    """
+    lines: list[str] = []
+    front, _, site, _ = serve(Handler(), log=True)
+    site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()  # type: ignore[assignment]
+    site._logDateTime = "[29/Nov/2026:00:00:00 +0000]"
+    front.dataReceived(speak(extra=b"Authorization: Bearer s3cret-token-of-length\r\nUser-Agent: curl\r\n"))
+    [line] = lines
+    assert '"POST /speak HTTP/1.1" 200 18 "-" "curl"' in line and "s3cret" not in line
+
+
+def test_tcp_connections_send_small_writes_at_once() -> None:
+    """
+    On TCP the front turns Nagle's delay off, as twisted.web does, so a head and a
+    first chunk are not held back waiting for an acknowledgement.
+    """
+
+    @implementer(ITCPTransport)
+    class TCP(StringTransport):
+        nodelay = False
+
+        def setTcpNoDelay(self, enabled: bool) -> None:
+            self.nodelay = enabled
+
+    front, transport, _, _ = serve(Handler(), transport=TCP())
+    assert transport.nodelay is True
+
+
+def test_front_requests_keep_twisted_webs_rules_at_their_edges() -> None:
+    """
+    Writing after finish and finishing twice are errors, as in twisted.web; a status
+    without a known phrase still has one, and a line break in a header value cannot
+    end the field.
+    """
+    front, transport, _, _ = serve(Handler())
+    request = FrontRequest(front, b"POST", b"/speak", {}, b"", False)
+    front._request = request
+    request.setResponseCode(599)
+    request.setHeader(b"X-A", b"one\r\nX-Injected: two")
+    request.finish()
+    assert transport.value().startswith(b"HTTP/1.1 599 Unknown Status\r\n")
+    assert b"X-A: one X-Injected: two\r\n" in transport.value() and b"Content-Length: 0\r\n" in transport.value()
+    with pytest.raises(RuntimeError):
+        request.write(b"more")
+    with pytest.raises(RuntimeError):
+        request.finish()
+    with pytest.raises(TypeError):
+        request.setResponseCode("200")  # type: ignore[arg-type]
