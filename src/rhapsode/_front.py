@@ -66,6 +66,12 @@ def _http_date(seconds: float) -> bytes:
     return value
 
 
+def _chunk(data: bytes) -> bytes:
+    # Joined, not %-formatted: formatting copies a large piece of audio twice, and is
+    # some thirty times slower for a 128 KiB one.
+    return b"".join((b"%x\r\n" % len(data), data, b"\r\n"))
+
+
 def read_fields(lines: list[bytes]) -> tuple[dict[bytes, bytes], int, bool] | None:
     """
     The header lines of a request the front can take: its fields by lower-cased name
@@ -176,14 +182,14 @@ class FrontRequest:
             if not data:
                 return
             self.sentLength += len(data)
-            send_now(self.channel.transport, b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+            send_now(self.channel.transport, _chunk(data) if self.chunked else data)
             return
         # The head and the first bytes leave in one send.
         self.startedWriting = True
         head = self._head()
         if data:
             self.sentLength += len(data)
-            head += b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+            head = b"".join((head, b"%x\r\n" % len(data), data, b"\r\n") if self.chunked else (head, data))
         send_now(self.channel.transport, head)
 
     def finish(self) -> None:
