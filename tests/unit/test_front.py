@@ -380,3 +380,56 @@ def test_front_requests_keep_twisted_webs_rules_at_their_edges() -> None:
         request.finish()
     with pytest.raises(TypeError):
         request.setResponseCode("200")  # type: ignore[arg-type]
+
+
+def decoded(answer: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """
+    A response's status line, its fields (lower-cased; Date and Server left out, as
+    they differ by design) and its body with any chunking undone.
+    """
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    fields = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        if name.lower() not in (b"date", b"server"):
+            fields[name.lower()] = value.strip()
+    if fields.get(b"transfer-encoding") != b"chunked":
+        return status, fields, rest
+    body = b""
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if not size:
+            return status, fields, body
+        body, rest = body + rest[:size], rest[size + 2 :]
+
+
+SAME_EITHER_WAY = {
+    "plain": speak(),
+    "field names in any case": speak().replace(b"Content-Length", b"CONTENT-length").replace(b"Host", b"hOST"),
+    "space and tabs around values": speak().replace(b"Content-Length: 13", b"Content-Length:\t 13 \t"),
+    "no space after the colon": speak().replace(b"Content-Type: ", b"Content-Type:"),
+    "fields in another order": b"POST /speak HTTP/1.1\r\nContent-Length: 13\r\nX-Z: 1\r\nHost: h\r\n\r\n" + b'{"text":"hi"}',
+    "no body": b"POST /speak HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    "an empty value": speak(extra=b"X-Empty:\r\n"),
+    "a binary body": speak(bytes(range(256))),
+}
+
+
+@pytest.mark.parametrize("raw", list(SAME_EITHER_WAY.values()), ids=list(SAME_EITHER_WAY))
+def test_the_front_answers_as_twisted_web_would(raw: bytes) -> None:
+    """
+    The same request read by the front and by twisted.web reaches the handler with the
+    same body and gets the same status, fields (Date and Server aside) and body back.
+    """
+    answers = []
+    for through_web in (False, True):
+        handler = Handler()
+        front, transport, site, _ = serve(handler)
+        if through_web:
+            front._hand_on()
+        front.dataReceived(raw)
+        assert isinstance(handler.seen[0], CoreRequest if through_web else FrontRequest)
+        answers.append((handler.bodies, decoded(transport.value())))
+    assert answers[0] == answers[1]
