@@ -23,7 +23,6 @@ from zope.interface import implementer
 from rhapsode_worker._errors import BadRequest, SpeechError, as_speech_error
 from rhapsode_worker._http import DirectSite, EagerRequest
 
-from ._front import Front
 from ._guard import check_management
 
 #: A voice upload above this is refused (protocol.md section 7): generous for any clip.
@@ -234,10 +233,10 @@ class CoreSite(DirectSite):
     A site whose requests can reach the core before their handlers run.  C{direct}
     routes skip Klein and C{access_log} is as for L{DirectSite}.
 
-    Each connection starts at the front door (L{rhapsode._front.Front}), which answers
-    the direct routes itself and hands any other request, with the rest of its
-    connection, to a twisted.web channel made by L{web_channel} whose requests are
-    L{CoreRequest}s: guarded, stripped and streamed at their headers as above.
+    Each connection starts at the front door (L{rhapsode_worker._front.Front}), which
+    answers the direct routes itself and hands any other request, with the rest of its
+    connection, to a twisted.web channel whose requests are L{CoreRequest}s: guarded,
+    stripped and streamed at their headers as above.
     """
 
     requestFactory = CoreRequest
@@ -253,13 +252,4 @@ class CoreSite(DirectSite):
         super().__init__(resource, direct, access_log, reactor=reactor)
         self.core = core
         self.displayTracebacks = False
-
-    def buildProtocol(self, addr: Any) -> Any:
-        return Front(self)
-
-    def web_channel(self) -> Any:
-        """
-        A twisted.web channel of this site, for a connection the front hands on.
-        """
-        return super().buildProtocol(None)
 

@@ -297,7 +297,8 @@ class DirectSite(server.Site):
     A site that hands the requests named in C{direct} (method and exact path) straight
     to their resource, and routes the rest through its root as usual.
 
-    Its connections are plain HTTP/1.1 channels that send as they write
+    Its connections begin at the front door (L{buildProtocol}); those handed to
+    twisted.web are plain HTTP/1.1 channels that send as they write
     (L{EagerChannel}): twisted.web's default wraps each in a proxy that would switch to
     HTTP/2 after a TLS negotiation, and these sites never speak TLS, so the proxy was
     only a layer on every call (measured: 2-8 % of the core's CPU per request).  Without C{access_log} (a log level above info) no access
@@ -324,6 +325,24 @@ class DirectSite(server.Site):
     def log(self, request: Any) -> None:
         if self.access_log:
             super().log(request)
+
+    def buildProtocol(self, addr: Any) -> Any:
+        """
+        Each connection starts at the front door (L{rhapsode_worker._front.Front}), which
+        answers the direct routes itself and hands any other request, with the rest of
+        its connection, to a channel from L{web_channel}.
+        """
+        # Imported here: the front is built on this module's channel and helpers.
+        from ._front import Front
+
+        return Front(self)
+
+    def web_channel(self) -> Any:
+        """
+        A twisted.web channel of this site (an L{EagerChannel} making this site's
+        requests), for a connection the front hands on.
+        """
+        return super().buildProtocol(None)
 
     def getResourceFor(self, request: Any) -> Any:
         target = self.direct.get((request.method, request.path))

@@ -325,7 +325,9 @@ class WorkerApp:
         """
         # POST /speak, on the path of every utterance, skips Klein's routing.
         speak = HandlerResource(self.speak, self.log)
-        site = DirectSite(self.app.resource(), {(b"POST", b"/speak"): speak}, access_log=access_log)
+        site = DirectSite(
+            self.app.resource(), {(b"POST", b"/speak"): speak}, access_log=access_log, reactor=self.reactor
+        )
         site.requestFactory = _BoundedRequest
         site.displayTracebacks = False
         return site

@@ -89,16 +89,19 @@ def test_only_the_exact_method_and_path_go_direct() -> None:
 
 def test_connections_are_plain_http11_channels() -> None:
     """
-    The site's connections are HTTP/1.1 channels themselves, not twisted.web's proxy
-    that waits for a TLS negotiation these sites never have; they still know their site.
+    The site's connections start at the front door, and those it hands on become
+    HTTP/1.1 channels themselves, not twisted.web's proxy that waits for a TLS
+    negotiation these sites never have; they still know their site.
     """
     from twisted.internet.address import IPv4Address
     from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
+    from rhapsode_worker._front import Front
     from rhapsode_worker._http import EagerChannel
 
     site = DirectSite(Resource())
-    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+    assert type(site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))) is Front
+    channel = site.web_channel()
     assert type(channel) is EagerChannel and isinstance(channel, HTTPChannel)
     assert not isinstance(channel, _GenericHTTPChannelProtocol)
     assert channel.site is site  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """
-The public port's front door (rhapsode._front): a speech request read and answered
+The front door of both processes' ports (rhapsode_worker._front): a speech request read and answered
 without twisted.web, one at a time per connection, with the client's socket as the
 producer's consumer; every request it does not read strictly handed, with the rest of
 its connection, to twisted.web, which answers it as before.
@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-from rhapsode._front import MAX_BODY, MAX_HEAD, Front, FrontRequest
+from rhapsode_worker._front import MAX_BODY, MAX_HEAD, Front, FrontRequest
 from rhapsode._gate import CoreRequest, CoreSite
 from rhapsode_worker._http import HandlerResource
 
@@ -433,3 +433,28 @@ def test_the_front_answers_as_twisted_web_would(raw: bytes) -> None:
         assert isinstance(handler.seen[0], CoreRequest if through_web else FrontRequest)
         answers.append((handler.bodies, decoded(transport.value())))
     assert answers[0] == answers[1]
+
+
+def test_a_sites_connection_tracker_sees_front_connections_open_and_close() -> None:
+    """
+    Where a site keeps its open connections (the worker's, for a drain), a front
+    connection is told to it as it opens and as it closes, handed on or not, so a drain
+    can close every one and know when they have gone.
+    """
+    from rhapsode_worker._runtime import _Connections
+
+    for hand_on in (False, True):
+        handler = Handler()
+        reactor = MemoryReactorClock()
+        site = CoreSite(Routed(), FakeCore(), {(b"POST", b"/speak"): HandlerResource(handler, Logger())}, reactor=reactor)
+        site.connections = _Connections()
+        front = site.buildProtocol(None)
+        transport = StringTransport()
+        front.makeConnection(transport)
+        assert site.connections.open == {front}
+        if hand_on:
+            front.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        closed = site.connections.close_all()
+        assert transport.disconnecting and not closed.called
+        front.connectionLost(Failure(ConnectionLost()))
+        assert site.connections.open == set() and closed.called

@@ -1,13 +1,13 @@
 """
-The public port's front door (protocol.md sections 6 and 7): C{POST /speak} read and
-answered without twisted.web's request machinery, every other request handed to
-twisted.web for the rest of its connection.
+The front door of both processes' HTTP ports (protocol.md sections 1, 6 and 7): the
+direct routes (C{POST /speak}) read and answered without twisted.web's request
+machinery, every other request handed to twisted.web for the rest of its connection.
 
-Every utterance comes through here.  On this path twisted.web spent more of the core's
-own time than the route itself: it reads a request line by line, builds a request
-object with two header objects and a dozen fields, and formats its response head
-through them again (in the core's in-memory run, C{bench/core_path.py}, about a third
-of the Python per request).  The front reads only the narrow form a speech client
+Every utterance comes through here, at the core and again at its worker.  On this path
+twisted.web spent more time than the route itself: it reads a request line by line,
+builds a request object with two header objects and a dozen fields, and formats its
+response head through them again (in the core's in-memory run, C{bench/core_path.py},
+about a third of the Python per request).  The front reads only the narrow form a speech client
 sends: HTTP/1.1, a method and exact path the site answers directly, header lines that
 are strictly well formed, and a body framed by Content-Length and small enough to hold.
 Anything else (another route, a query string, a chunked or expect-continue body, an
@@ -33,7 +33,7 @@ from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, datetimeToString
 
-from rhapsode_worker._http import EagerChannel, HandlerResource, send_now
+from ._http import EagerChannel, HandlerResource, send_now
 
 __all__ = ["Front", "FrontRequest", "MAX_BODY", "MAX_HEAD"]
 
@@ -244,8 +244,9 @@ class Front(Protocol):
     request at a time (a pipelined one waits its turn, and reading pauses once more than
     a request's worth is waiting); anything else hands the connection to twisted.web.
 
-    C{site} is the core's site: its C{direct} routes, its access log, its C{reactor} and
-    C{timeOut} (an idle connection is closed after it), and C{web_channel()} for the
+    C{site} is a L{DirectSite}: its C{direct} routes, its access log, its C{reactor} and
+    C{timeOut} (an idle connection is closed after it), its C{connections} (told as the
+    connection opens and closes, where the site has them), and C{web_channel()} for the
     twisted.web channel that takes over a connection.
     """
 
@@ -273,6 +274,9 @@ class Front(Protocol):
     # -- the connection -------------------------------------------------------------------
 
     def connectionMade(self) -> None:
+        tracker = self._site.connections
+        if tracker is not None:
+            tracker.opened(self)
         if ITCPTransport.providedBy(self.transport):
             # As twisted.web does: small writes (a head, a first chunk) go at once.
             self.transport.setTcpNoDelay(True)
@@ -301,11 +305,14 @@ class Front(Protocol):
         self._stop_timer()
         if self._web is not None:
             self._web.connectionLost(reason)
-            return
-        request, self._request = self._request, None
-        self._buffer = b""
-        if request is not None and not request.finished:
-            request.connection_lost(reason)
+        else:
+            request, self._request = self._request, None
+            self._buffer = b""
+            if request is not None and not request.finished:
+                request.connection_lost(reason)
+        tracker = self._site.connections
+        if tracker is not None:
+            tracker.closed(self)
 
     def dataReceived(self, data: bytes) -> None:
         if self._web is not None:
