@@ -1,19 +1,24 @@
 """
 The front door of both processes' HTTP ports (protocol.md sections 1, 6 and 7): the
 direct routes (C{POST /speak}) read and answered without twisted.web's request
-machinery, every other request handed to twisted.web for the rest of its connection.
+machinery, every other request answered by twisted.web.
 
 Every utterance comes through here, at the core and again at its worker.  On this path
 twisted.web spent more time than the route itself: it reads a request line by line,
 builds a request object with two header objects and a dozen fields, and formats its
 response head through them again (in the core's in-memory run, C{bench/core_path.py},
-about a third of the Python per request).  The front reads only the narrow form a speech client
-sends: HTTP/1.1, a method and exact path the site answers directly, header lines that
-are strictly well formed, and a body framed by Content-Length and small enough to hold.
-Anything else (another route, a query string, a chunked or expect-continue body, an
-HTTP/1.0 client, a folded or malformed header line, a body over 64 KiB) goes to
-twisted.web with the bytes the front had read, and twisted.web serves that connection
-to its end: every request the front does not take is handled exactly as before.
+about a third of the Python per request).
+
+The front reads requests in one narrow form: HTTP/1.1, header lines that are strictly
+well formed, and a body framed by Content-Length and small enough to hold (64 KiB).  One
+for a direct route it answers itself.  One for any other route (a health read, a
+capabilities fetch, a query string) it lends, alone, to a twisted.web channel, which
+answers it and gives the connection back: the core's pooled connections to a worker
+begin with such reads, and would otherwise never reach the front again.  A request in
+any other form (a chunked or expect-continue body, an HTTP/1.0 client, a folded or
+malformed header line, a larger body such as a voice upload) hands the connection,
+with the bytes read so far, to twisted.web for good.  Every request the front does not
+answer is handled by twisted.web exactly as before.
 
 The handler is the same L{HandlerResource} either way.  It sees a L{FrontRequest}, which
 does the part of C{IRequest} the direct routes use, with twisted.web's names so the
@@ -28,10 +33,11 @@ from io import BytesIO
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import ITCPTransport
+from twisted.internet.interfaces import IPushProducer, ITCPTransport
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, datetimeToString
+from zope.interface import implementer
 
 from ._http import EagerChannel, HandlerResource, send_now
 
@@ -93,8 +99,6 @@ def read_fields(lines: list[bytes]) -> tuple[dict[bytes, bytes], int, bool] | No
             if length >= 0 or not value.isdigit() or len(value) > 9:
                 return None
             length = int(value)
-            if length > MAX_BODY:
-                return None
         elif name == b"connection":
             close = close or b"close" in [token.strip() for token in value.lower().split(b",")]
         elif name == b"authorization":
@@ -107,8 +111,9 @@ class FrontRequest:
     """
     One request the front read, as its handler sees it: the body in C{content}, the
     response written with C{setResponseCode}, C{setHeader}, C{write} and C{finish}
-    (chunked unless a Content-Length was set), a push producer registered straight on
-    the client's socket, and C{notifyFinish} failing if the client goes first.
+    (chunked unless a Content-Length was set), a push producer paused and resumed with
+    the client's socket (by the front, the socket's own producer), and C{notifyFinish}
+    failing if the client goes first.
     """
 
     clientproto = b"HTTP/1.1"
@@ -214,22 +219,21 @@ class FrontRequest:
         self.channel.request_done(self)
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
+        if not streaming:
+            raise TypeError("the front relays push producers only")
         if self.producer is not None:
             raise ValueError(f"registering producer {producer} before previous one ({self.producer}) was unregistered")
         self.producer = producer
         if self._disconnected:
             producer.stopProducing()
             return
-        # A streaming producer on the client's socket: a full socket pauses it.
-        self.channel.transport.registerProducer(producer, streaming)  # type: ignore[union-attr]
+        self.channel.producing(producer)
 
     def unregisterProducer(self) -> None:
         if self.producer is None:
             return
         self.producer = None
-        transport = self.channel.transport
-        if transport is not None and not self._disconnected:
-            transport.unregisterProducer()  # type: ignore[attr-defined]
+        self.channel.producing(None)
 
     def connection_lost(self, reason: Failure) -> None:
         self._disconnected = True
@@ -238,27 +242,43 @@ class FrontRequest:
             finished.errback(reason)
 
 
+@implementer(IPushProducer)
 class Front(Protocol):
     """
-    One client connection to the public port: direct routes read and answered here, one
-    request at a time (a pipelined one waits its turn, and reading pauses once more than
-    a request's worth is waiting); anything else hands the connection to twisted.web.
+    One client connection: requests read here one at a time.  A direct route's is
+    answered here; any other request in the same strict form is lent to a twisted.web
+    channel, which answers it and gives the connection back; a request in any other form
+    hands the connection to twisted.web for good.  A request sent ahead of its turn
+    waits, and reading pauses once more than a request's worth is waiting.
+
+    The front is its socket's push producer, as twisted.web's channel is: a socket whose
+    send buffer is full pauses the answer's producer and stops reading further requests
+    until the client has taken its bytes.
 
     C{site} is a L{DirectSite}: its C{direct} routes, its access log, its C{reactor} and
     C{timeOut} (an idle connection is closed after it), its C{connections} (told as the
-    connection opens and closes, where the site has them), and C{web_channel()} for the
-    twisted.web channel that takes over a connection.
+    connection opens and closes, where the site has them), and C{web_channel()} for a
+    twisted.web channel of its own.
     """
 
     def __init__(self, site: Any) -> None:
         self._site = site
         self._buffer = b""
         self._request: FrontRequest | None = None
+        #: The answer's producer, paused while the socket is full.
+        self._producer: Any = None
+        #: A twisted.web channel answering one request, or holding the connection for good.
+        self._lent: EagerChannel | None = None
         self._web: EagerChannel | None = None
         self._serving = False
-        self._paused = False
+        #: Why reading is paused: a request's worth waiting, or a full send buffer.
+        self._ahead = False
+        self._blocked = False
         self._timer: Any = None
         self._idle_since = 0.0
+        self._host: Any = None
+        #: Body bytes the lent channel is still to be given.
+        self._owed = 0
 
     def seconds(self) -> float:
         now: float = self._site.reactor.seconds()
@@ -277,9 +297,11 @@ class Front(Protocol):
         tracker = self._site.connections
         if tracker is not None:
             tracker.opened(self)
-        if ITCPTransport.providedBy(self.transport):
+        transport = self.transport
+        if ITCPTransport.providedBy(transport):
             # As twisted.web does: small writes (a head, a first chunk) go at once.
-            self.transport.setTcpNoDelay(True)
+            transport.setTcpNoDelay(True)
+        transport.registerProducer(self, True)  # type: ignore[union-attr]
         timeout = getattr(self._site, "timeOut", None)
         if timeout:
             self._idle_since = self.seconds()
@@ -288,7 +310,8 @@ class Front(Protocol):
     def _check_idle(self) -> None:
         # Armed once per connection and moved on lazily: a request costs no timer call.
         timeout = self._site.timeOut
-        left = timeout if self._request is not None else self._idle_since + timeout - self.seconds()
+        busy = self._request is not None or self._lent is not None
+        left = timeout if busy else self._idle_since + timeout - self.seconds()
         if left > 0:
             self._timer = self._site.reactor.callLater(left, self._check_idle)
             return
@@ -303,8 +326,9 @@ class Front(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._stop_timer()
-        if self._web is not None:
-            self._web.connectionLost(reason)
+        channel = self._web or self._lent
+        if channel is not None:
+            channel.connectionLost(reason)
         else:
             request, self._request = self._request, None
             self._buffer = b""
@@ -319,12 +343,50 @@ class Front(Protocol):
             self._web.dataReceived(data)
             return
         self._buffer = self._buffer + data if self._buffer else data
-        if self._request is None:
+        if self._request is None and self._lent is None:
             self._serve()
-        elif len(self._buffer) > MAX_HEAD + MAX_BODY and not self._paused:
+            return
+        if self._owed:
+            self._feed()
+        if len(self._buffer) > MAX_HEAD + MAX_BODY and not self._ahead:
             # A client that sends ahead this much waits for its answer before more is read.
-            self._paused = True
-            self.transport.pauseProducing()  # type: ignore[union-attr]
+            self._ahead = True
+            self._reading()
+
+    # -- flow -------------------------------------------------------------------------------
+
+    def _reading(self) -> None:
+        transport: Any = self.transport
+        if self._ahead or self._blocked:
+            transport.pauseProducing()
+        else:
+            transport.resumeProducing()
+
+    def producing(self, producer: Any) -> None:
+        """
+        The current answer's push producer (None once it is done): paused while the
+        socket is full, stopped if the connection goes.
+        """
+        self._producer = producer
+        if producer is not None and self._blocked:
+            producer.pauseProducing()
+
+    def pauseProducing(self) -> None:
+        self._blocked = True
+        if self._producer is not None:
+            self._producer.pauseProducing()
+        self._reading()
+
+    def resumeProducing(self) -> None:
+        self._blocked = False
+        if self._producer is not None:
+            self._producer.resumeProducing()
+        self._reading()
+
+    def stopProducing(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.stopProducing()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -333,44 +395,46 @@ class Front(Protocol):
             return  # a request that finished at once: the loop below goes on
         self._serving = True
         try:
-            while self._buffer and self._request is None and self._web is None and self.connected:
+            while (
+                self._buffer and self._request is None and self._lent is None and self._web is None
+                and not self.transport.disconnecting  # type: ignore[union-attr]
+            ):
                 if not self._next():
                     break
         finally:
             self._serving = False
 
-    def _route(self, line: bytes) -> HandlerResource | None:
-        parts = line.split(b" ")
-        if len(parts) != 3 or parts[2] != b"HTTP/1.1":
-            return None
-        target = self._site.direct.get((parts[0], parts[1]))
-        return target if isinstance(target, HandlerResource) else None
-
     def _next(self) -> bool:
         """
         Start the request at the head of the buffer; False when more bytes are needed
-        first, or the connection has gone to twisted.web.
+        first, or the connection has gone to twisted.web for good.
         """
         buffer = self._buffer
         end = buffer.find(b"\r\n\r\n")
         if end < 0:
             line_end = buffer.find(b"\r\n")
-            if len(buffer) > MAX_HEAD or (line_end >= 0 and self._route(buffer[:line_end]) is None):
+            if len(buffer) > MAX_HEAD or (line_end >= 0 and not buffer[:line_end].endswith(b" HTTP/1.1")):
                 self._hand_on()
             return False
         lines = buffer[:end].split(b"\r\n")
-        resource = self._route(lines[0]) if end <= MAX_HEAD else None
-        read = read_fields(lines[1:]) if resource is not None else None
-        if resource is None or read is None:
+        line = lines[0].split(b" ")
+        read = read_fields(lines[1:]) if end <= MAX_HEAD and len(line) == 3 and line[2] == b"HTTP/1.1" else None
+        if read is None:
             self._hand_on()
             return False
         fields, length, close = read
         start = end + 4
+        resource = self._site.direct.get((line[0], line[1]))
+        if not isinstance(resource, HandlerResource) or length > MAX_BODY:
+            # Lent at its head, so that what twisted.web's requests do at the headers (the
+            # management guard, an upload streamed to its worker) happens before the body.
+            self._buffer = buffer[start:]
+            self._lend(buffer[:start], length)
+            return True
         if len(buffer) - start < length:
             return False  # the body is still coming
-        method, path, _ = lines[0].split(b" ")
-        request = FrontRequest(self, method, path, fields, buffer[start : start + length], close)
         self._buffer = buffer[start + length :]
+        request = FrontRequest(self, line[0], line[1], fields, buffer[start : start + length], close)
         self._request = request
         resource.render(request)  # type: ignore[arg-type]
         return True
@@ -383,27 +447,95 @@ class Front(Protocol):
         if request is not self._request:
             return
         self._request = None
+        self._producer = None
         self._site.log(request)
         if request.close:
             self._buffer = b""
             self.transport.loseConnection()  # type: ignore[union-attr]
             return
+        self._next_turn()
+
+    def _next_turn(self) -> None:
         if self._timer is not None:
             self._idle_since = self.seconds()
-        if self._paused:
-            self._paused = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
+        if self._ahead:
+            self._ahead = False
+            self._reading()
         if self._buffer:
             self._serve()
 
+    # -- twisted.web ------------------------------------------------------------------------
+
+    def _channel(self) -> EagerChannel:
+        # The channel becomes the socket's producer, as a twisted.web channel always is.
+        transport: Any = self.transport
+        transport.unregisterProducer()
+        channel: EagerChannel = self._site.web_channel()
+        # twisted.web asks each request's channel for the local address: a connection's
+        # never changes, so one getsockname serves every channel it is lent to.
+        if self._host is None:
+            self._host = transport.getHost()
+        channel._host = self._host
+        channel.makeConnection(transport)
+        return channel
+
+    def _lend(self, head: bytes, length: int) -> None:
+        """
+        Give twisted.web the connection for one request: its C{head} now, then the
+        C{length} bytes of its body as they come.
+        """
+        channel = self._channel()
+        channel.lender = self
+        self._lent = channel
+        self._owed = length
+        channel.dataReceived(head)
+        self._feed()
+
+    def _feed(self) -> None:
+        # The lent request's body and nothing past it: the bytes after are the front's.
+        while self._owed and self._buffer and self._lent is not None:
+            buffer = self._buffer
+            if len(buffer) <= self._owed:
+                piece, self._buffer = buffer, b""
+            else:
+                piece, self._buffer = buffer[: self._owed], buffer[self._owed :]
+            self._owed -= len(piece)
+            self._lent.dataReceived(piece)
+
+    def returned(self, channel: EagerChannel) -> None:
+        """
+        A lent channel has answered its request: take the connection back, unless the
+        channel is closing it.
+        """
+        transport: Any = self.transport
+        if channel is not self._lent or not channel.persistent or transport.disconnecting:
+            return
+        if self._owed:
+            # Answered before its body was in: the body's bytes are still twisted.web's
+            # to read, so the connection stays with it.
+            self._web, self._lent = channel, None
+            channel.lender = None
+            buffer, self._buffer = self._buffer, b""
+            self._owed = 0
+            if buffer:
+                channel.dataReceived(buffer)
+            return
+        self._lent = None
+        channel.lender = None
+        channel.setTimeout(None)
+        # The channel's socket, and whether its answer filled it, become the front's again.
+        transport.unregisterProducer()
+        transport.registerProducer(self, True)
+        self._blocked = bool(getattr(transport, "producerPaused", False))
+        self._reading()
+        self._next_turn()
+
     def _hand_on(self) -> None:
         """
-        Give the connection to twisted.web with what has been read of it.
+        Give the connection to twisted.web for good, with what has been read of it.
         """
         self._stop_timer()
-        channel = self._site.web_channel()
-        self._web = channel
         buffer, self._buffer = self._buffer, b""
-        channel.makeConnection(self.transport)
+        self._web = self._channel()
         if buffer:
-            channel.dataReceived(buffer)
+            self._web.dataReceived(buffer)

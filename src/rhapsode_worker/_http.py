@@ -11,7 +11,6 @@ import json
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
@@ -184,24 +183,21 @@ class EagerChannel(http.HTTPChannel):
 
     Between L{hold} and L{release} writes are gathered and then leave in one send: a
     response's headers and its first bytes, which twisted.web writes separately, reach
-    the client together (see L{EagerRequest}).  A channel tells its site's
-    C{connections}, where it has one, as it opens and closes.
+    the client together (see L{EagerRequest}).  Every channel is made for a front
+    door (L{rhapsode_worker._front.Front}), which tells its site's C{connections} of
+    the connection as it opens and closes.
     """
 
     _held: list[bytes] | None = None
     _host: Any = None
+    #: The front door that lent this channel its connection for one request, told
+    #: when that request is done (L{rhapsode_worker._front.Front.returned}).
+    lender: Any = None
 
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        tracker = getattr(getattr(self, "site", None), "connections", None)
-        if tracker is not None:
-            tracker.opened(self)
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        super().connectionLost(reason)
-        tracker = getattr(getattr(self, "site", None), "connections", None)
-        if tracker is not None:
-            tracker.closed(self)
+    def requestDone(self, request: Any) -> None:
+        super().requestDone(request)
+        if self.lender is not None:
+            self.lender.returned(self)
 
     def hold(self) -> None:
         if self._held is None:

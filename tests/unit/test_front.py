@@ -198,10 +198,51 @@ def test_an_answer_with_a_length_is_not_chunked() -> None:
     assert body == b"made"
 
 
-HANDED_ON = {
+LENT = {
     "another route": b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
     "another method": b"GET /speak HTTP/1.1\r\nHost: localhost\r\n\r\n",
     "a query string": speak().replace(b"/speak", b"/speak?x=1", 1),
+    "another route with a body": b"POST /engines/tone/dialogue HTTP/1.1\r\nHost: l\r\nContent-Length: 2\r\n\r\n{}",
+    "a speech body over the front's size": speak(b"x" * (MAX_BODY + 1)),
+}
+
+
+@pytest.mark.parametrize("pieces", [1, 4096], ids=["whole", "in 4 KiB pieces"])
+@pytest.mark.parametrize("raw", list(LENT.values()), ids=list(LENT))
+def test_other_routes_are_lent_to_twisted_web_and_the_connection_comes_back(raw: bytes, pieces: int) -> None:
+    """
+    A request in the front's form for a route it does not answer (or with a body over
+    what the front holds) is lent, alone, to a twisted.web channel, which answers it;
+    the connection then comes back, and the speech request sent with it, in the same
+    bytes or in later ones, is read by the front.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    sent = raw + speak(b"after")
+    size = len(sent) if pieces == 1 else pieces
+    for index in range(0, len(sent), size):
+        front.dataReceived(sent[index : index + size])
+    assert front._lent is None and front._web is None
+    assert isinstance(handler.seen[-1], FrontRequest) and handler.bodies[-1] == b"after"
+    assert all(isinstance(request, CoreRequest) for request in handler.seen[:-1])
+    answer = transport.value()
+    assert answer.startswith(b"HTTP/1.1 ") and answer.count(b"HTTP/1.1 ") == 2
+    assert answer.index(b"Server: TwistedWeb") < answer.index(b"echo after")
+    assert transport.producer is front and transport.producerState == "producing"
+
+
+def test_a_lent_request_that_closes_the_connection_keeps_it_closed() -> None:
+    """
+    A lent request whose client asked for the connection to close is answered and the
+    connection closed by twisted.web; the front does not take it back.
+    """
+    handler = Handler()
+    front, transport, _, _ = serve(handler)
+    front.dataReceived(b"GET /health HTTP/1.1\r\nHost: l\r\nConnection: close\r\n\r\n" + speak())
+    assert transport.disconnecting and front._lent is not None and not handler.seen
+
+
+HANDED_ON = {
     "HTTP/1.0": speak().replace(b"HTTP/1.1", b"HTTP/1.0", 1),
     "a chunked body": b"POST /speak HTTP/1.1\r\nHost: l\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
     "expect-continue": speak(extra=b"Expect: 100-continue\r\n"),
@@ -213,7 +254,6 @@ HANDED_ON = {
     "two lengths": speak(extra=b"Content-Length: 13\r\n"),
     "a signed length": speak().replace(b"Content-Length: 13", b"Content-Length: +13"),
     "a leading empty line": b"\r\n" + speak(),
-    "a body over the front's size": speak(b"x" * (MAX_BODY + 1)),
     "a head over the front's size": speak(extra=b"X-Long: " + b"a" * MAX_HEAD + b"\r\n"),
 }
 
@@ -221,8 +261,8 @@ HANDED_ON = {
 @pytest.mark.parametrize("raw", list(HANDED_ON.values()), ids=list(HANDED_ON))
 def test_requests_the_front_does_not_read_go_to_twisted_web(raw: bytes) -> None:
     """
-    Anything outside the narrow form the front reads goes, with every byte read so far,
-    to twisted.web, which answers it (a direct route's handler then sees twisted.web's
+    A request outside the narrow form the front reads hands the connection, with every
+    byte read so far, to twisted.web for good, which answers it (a direct route's handler then sees twisted.web's
     own request) or, for a line over its own limit, closes the connection.
     """
     handler = Handler()
@@ -236,17 +276,18 @@ def test_requests_the_front_does_not_read_go_to_twisted_web(raw: bytes) -> None:
 
 def test_a_handed_on_connection_stays_with_twisted_web() -> None:
     """
-    A kept-alive connection answered first by the front and then handed on carries its
-    later speech requests through twisted.web, in order, answered alike.
+    A kept-alive connection answered first by the front and then handed on for good
+    (a chunked body) carries its later speech requests through twisted.web, in order,
+    answered alike.
     """
     handler = Handler()
     front, transport, _, _ = serve(handler)
     front.dataReceived(speak(b"one"))
-    front.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-    front.dataReceived(speak(b"two"))
-    assert [type(request) for request in handler.seen] == [FrontRequest, CoreRequest]
+    front.dataReceived(b"POST /speak HTTP/1.1\r\nHost: l\r\nTransfer-Encoding: chunked\r\n\r\n3\r\ntwo\r\n0\r\n\r\n")
+    front.dataReceived(speak(b"three"))
+    assert [type(request) for request in handler.seen] == [FrontRequest, CoreRequest, CoreRequest]
     answer = transport.value()
-    assert answer.index(b"echo one") < answer.index(b"routed GET /health") < answer.index(b"echo two")
+    assert answer.index(b"echo one") < answer.index(b"echo two") < answer.index(b"echo three")
     front.connectionLost(Failure(ConnectionLost()))
     assert front._web is not None and front._web.requests == []
 
@@ -274,34 +315,62 @@ def test_a_client_that_hangs_up_cancels_its_handler() -> None:
 class Producer:
     def __init__(self) -> None:
         self.paused = 0
+        self.resumed = 0
         self.stopped = 0
 
     def pauseProducing(self) -> None:
         self.paused += 1
 
     def resumeProducing(self) -> None:
-        pass
+        self.resumed += 1
 
     def stopProducing(self) -> None:
         self.stopped += 1
 
 
-def test_a_full_socket_pauses_the_registered_producer() -> None:
+def test_a_full_socket_pauses_the_producer_and_reading() -> None:
     """
-    A producer registered on a front request is the client socket's own: bytes the
-    kernel will not take queue in Twisted's buffer, and past its size pause the
-    producer; unregistering frees the socket for the next request.
+    The front is its socket's producer: bytes the kernel will not take queue in
+    Twisted's buffer, and past its size pause the answer's producer and stop reading
+    from the client; once the client has taken them both go on.
     """
     socket = FakeSocket(room=0)
     front, _, _, _ = serve(Handler(), transport=socket)
+    socket.startReading()
+    assert socket.producer is front
     request = FrontRequest(front, b"POST", b"/speak", {}, b"", False)
     producer = Producer()
     request.registerProducer(producer, True)
-    assert socket.producer is producer
     request.write(b"a" * (socket.bufferSize + 1))
     assert producer.paused == 1 and socket.queued() > socket.bufferSize
+    assert socket not in socket.memory_reactor.getReaders()
+    socket.room = None
+    socket.doWrite()
+    assert producer.resumed == 1 and socket in socket.memory_reactor.getReaders()
     request.unregisterProducer()
-    assert socket.producer is None and request.producer is None
+    assert socket.producer is front and request.producer is None
+    with pytest.raises(TypeError):
+        request.registerProducer(producer, False)
+
+
+def test_a_lent_answer_that_fills_the_socket_leaves_reading_paused_until_it_drains() -> None:
+    """
+    When a lent request's answer fills the socket, the connection comes back with
+    reading still paused, and reading resumes once the client has taken the bytes.
+    """
+    socket = FakeSocket(room=0)
+    handler = Handler()
+    front, _, site, _ = serve(handler, transport=socket)
+    socket.startReading()
+    site.resource.render = lambda request: b"x" * (socket.bufferSize + 10)  # type: ignore[method-assign]
+    front.dataReceived(b"GET /big HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert front._lent is None and socket.producer is front
+    assert front._blocked and socket not in socket.memory_reactor.getReaders()
+    socket.room = None
+    socket.doWrite()
+    assert not front._blocked and socket in socket.memory_reactor.getReaders()
+    front.dataReceived(speak(b"next"))
+    assert handler.bodies == [b"next"]
 
 
 def test_idle_connections_close_after_the_sites_timeout() -> None:
@@ -453,8 +522,24 @@ def test_a_sites_connection_tracker_sees_front_connections_open_and_close() -> N
         front.makeConnection(transport)
         assert site.connections.open == {front}
         if hand_on:
-            front.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            front.dataReceived(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n")
         closed = site.connections.close_all()
         assert transport.disconnecting and not closed.called
         front.connectionLost(Failure(ConnectionLost()))
         assert site.connections.open == set() and closed.called
+
+
+def test_a_lent_management_request_still_passes_the_guard() -> None:
+    """
+    A management request in the front's form is lent to twisted.web at its head, with
+    its headers untouched, so the guard refuses a remote caller without the token
+    exactly as before, before any of the body has come: a 403 naming the rule, and the
+    connection closed.
+    """
+    handler = Handler()
+    remote = StringTransport(peerAddress=IPv4Address("TCP", "203.0.113.9", 40000))
+    front, transport, _, _ = serve(handler, transport=remote)
+    front.dataReceived(b"POST /engines/tone/unload HTTP/1.1\r\nHost: box\r\nContent-Length: 5000\r\n\r\n")
+    answer = transport.value()
+    assert answer.startswith(b"HTTP/1.1 403 Forbidden") and b"management token" in answer
+    assert transport.disconnecting and not handler.seen

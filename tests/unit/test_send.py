@@ -217,7 +217,7 @@ def test_a_connection_asks_its_address_once() -> None:
 
 def test_a_site_is_told_of_each_connection_and_a_drain_closes_them_all() -> None:
     """
-    A site's channels report themselves as they open and close, so the worker's drain
+    A site's connections (front doors) report themselves as they open and close, so the worker's drain
     can close every open connection gracefully and learn when the last has gone, with
     no protocol wrapper under every write to track them.
     """
