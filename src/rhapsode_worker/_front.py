@@ -316,8 +316,24 @@ class Front(Protocol):
             self._timer = self._site.reactor.callLater(left, self._check_idle)
             return
         self._timer = None
-        if self.transport is not None:
-            self.transport.loseConnection()
+        self.loseConnection()
+
+    def loseConnection(self) -> None:
+        """
+        Close the connection once what is written has gone.  The socket's producer
+        steps aside first: a socket with a push producer paused by its full buffer
+        resumes that producer when the buffer drains, and closes only with none.
+        """
+        transport: Any = self.transport
+        if transport is None or transport.disconnecting:
+            return
+        channel = self._web or self._lent
+        if channel is not None:
+            channel.loseConnection()  # which steps aside in the same way
+            return
+        if transport.producer is self:
+            transport.unregisterProducer()
+        transport.loseConnection()
 
     def _stop_timer(self) -> None:
         timer, self._timer = self._timer, None
@@ -451,7 +467,7 @@ class Front(Protocol):
         self._site.log(request)
         if request.close:
             self._buffer = b""
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self.loseConnection()
             return
         self._next_turn()
 

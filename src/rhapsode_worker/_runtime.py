@@ -176,7 +176,7 @@ class _Connections:
     """
     The worker site's open connections, so a drain can close every one gracefully: a
     response written but still in a send buffer is flushed, not cut off by the process
-    exiting.  The site's channels report themselves (L{EagerChannel}); wrapping each
+    exiting.  The site's connections report themselves (L{rhapsode_worker._front.Front}); wrapping each
     connection in a protocol wrapper to learn the same put a layer of attribute
     look-ups under every write.
     """
@@ -185,11 +185,11 @@ class _Connections:
         self.open: set[Any] = set()
         self._empty: list[Deferred[None]] = []
 
-    def opened(self, channel: Any) -> None:
-        self.open.add(channel)
+    def opened(self, connection: Any) -> None:
+        self.open.add(connection)
 
-    def closed(self, channel: Any) -> None:
-        self.open.discard(channel)
+    def closed(self, connection: Any) -> None:
+        self.open.discard(connection)
         if not self.open:
             waiters, self._empty = self._empty, []
             for d in waiters:
@@ -201,9 +201,11 @@ class _Connections:
             d.callback(None)
             return d
         self._empty.append(d)
-        for channel in list(self.open):
-            if channel.transport is not None:
-                channel.transport.loseConnection()
+        for connection in list(self.open):
+            if connection.transport is not None:
+                # The connection's own close: a socket with a producer registered
+                # would otherwise wait on that producer.
+                connection.loseConnection()
         return d
 
 

@@ -578,3 +578,57 @@ async def test_one_connection_carries_speech_and_other_routes_in_order(core: Cor
     assert int(pcm[3]["x-rhapsode-duration-ms"]) == len(pcm[2]) // 2 * 1000 // RATE
     assert int(again[3]["x-rhapsode-duration-ms"]) == int(pcm[3]["x-rhapsode-duration-ms"])
     assert json.loads(health[2])["status"] == "ok"
+
+
+def read_to_close(address: tuple[str, int] | str, raw: bytes, seconds: float = 30) -> tuple[bytes, int]:
+    """
+    Blocking: send C{raw} to a TCP address or a Unix socket's path, then read until
+    the server closes, waiting at most C{seconds} for any one read; returns the head
+    and the number of bytes after it.
+    """
+    import socket
+
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+    else:
+        sock = socket.create_connection(address)
+    sock.settimeout(seconds)
+    sock.sendall(raw)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        total = len(rest)
+        while True:
+            piece = sock.recv(262144)
+            if not piece:
+                return head, total
+            total += len(piece)
+    finally:
+        sock.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_long_stream_to_a_client_that_asked_to_close_ends_with_the_close(core: Core) -> None:
+    """
+    A stream long enough to fill its socket, to a client that sent Connection: close,
+    ends with the connection closed once the last byte has gone, not left open: through
+    the core, and straight from the worker on its Unix socket (whose small buffer is
+    full whenever the last audio is written, the case that left connections open).
+    """
+    text = " ".join(["A long sentence of speech that fills every socket on its way."] * 60)
+    cases: list[tuple[Any, dict[str, Any]]] = [(core.address, {"engine": "tone", "text": text, "format": "pcm", "seed": 3})]
+    # When the last write fills the socket depends on timing: a few requests make it
+    # all but certain that one does.
+    cases += [(core.worker.socket_path, {"text": text, "format": "pcm", "seed": seed}) for seed in range(1, 7)]
+    for address, payload in cases:
+        body = json.dumps(payload).encode()
+        raw = (
+            b"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        head, size = await deferToThread(read_to_close, address, raw, 10)
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in head
+        assert size > 4 * 1024 * 1024

@@ -543,3 +543,32 @@ def test_a_lent_management_request_still_passes_the_guard() -> None:
     answer = transport.value()
     assert answer.startswith(b"HTTP/1.1 403 Forbidden") and b"management token" in answer
     assert transport.disconnecting and not handler.seen
+
+
+@pytest.mark.parametrize("why", ["client asked", "idle", "drain"])
+def test_a_connection_closed_with_its_socket_full_closes_once_drained(why: str) -> None:
+    """
+    A connection closed while its socket's buffer is full (the answer's end still
+    queued, the front paused as its producer) closes once the client has taken the
+    bytes, however the close came: the client's Connection: close, the idle timeout, or
+    a drain closing every connection.  (With the front still registered, the drained
+    socket would resume it and never close.)
+    """
+    from rhapsode_worker._runtime import _Connections
+
+    socket = FakeSocket(room=0)
+    handler = Handler()
+    handler.wait = True
+    front, _, site, reactor = serve(handler, transport=socket, timeout=10)
+    site.connections = _Connections()
+    site.connections.opened(front)
+    front.dataReceived(speak(extra=b"Connection: close\r\n" if why == "client asked" else b""))
+    handler.waiting[0].callback(b"a" * (socket.bufferSize + 1))
+    assert socket.producerPaused and socket.disconnecting == (why == "client asked")
+    if why == "idle":
+        reactor.advance(11)
+    elif why == "drain":
+        site.connections.close_all()
+    assert socket.disconnecting
+    socket.room = None
+    assert socket.doWrite() is not None  # the connection's end, not a resumed producer
