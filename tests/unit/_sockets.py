@@ -1,6 +1,7 @@
 """
 A socket transport for unit tests: Twisted's own write buffering and producer handling
-(L{FileDescriptor}) over a pretend kernel that takes only as many bytes as it has room.
+(L{FileDescriptor}) over a pretend kernel that takes only as many bytes as it has room;
+and a push producer that counts what was asked of it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,30 @@ from typing import Any
 
 from twisted.internet.abstract import FileDescriptor
 from twisted.internet.address import IPv4Address
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.testing import MemoryReactor
+from zope.interface import implementer
+
+
+@implementer(IPushProducer)
+class Producer:
+    """
+    A push producer that counts how often it was paused, resumed and stopped.
+    """
+
+    def __init__(self) -> None:
+        self.paused = 0
+        self.resumed = 0
+        self.stopped = 0
+
+    def pauseProducing(self) -> None:
+        self.paused += 1
+
+    def resumeProducing(self) -> None:
+        self.resumed += 1
+
+    def stopProducing(self) -> None:
+        self.stopped += 1
 
 
 class FakeSocket(FileDescriptor):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _sockets import FakeSocket
+from _sockets import FakeSocket, Producer
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionLost
-from twisted.internet.interfaces import IPushProducer, ITCPTransport
+from twisted.internet.interfaces import ITCPTransport
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -311,21 +311,6 @@ def test_a_client_that_hangs_up_cancels_its_handler() -> None:
         handler.seen[0].finish()
 
 
-@implementer(IPushProducer)
-class Producer:
-    def __init__(self) -> None:
-        self.paused = 0
-        self.resumed = 0
-        self.stopped = 0
-
-    def pauseProducing(self) -> None:
-        self.paused += 1
-
-    def resumeProducing(self) -> None:
-        self.resumed += 1
-
-    def stopProducing(self) -> None:
-        self.stopped += 1
 
 
 def test_a_full_socket_pauses_the_producer_and_reading() -> None:

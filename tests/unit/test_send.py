@@ -8,31 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from _sockets import FakeSocket
+from _sockets import FakeSocket, Producer
 from twisted.internet.error import ConnectionLost
-from twisted.internet.interfaces import IPushProducer
 from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
-from zope.interface import implementer
 
 from rhapsode_worker._http import DirectSite, send_now
 
 
-@implementer(IPushProducer)
-class Producer:
-    def __init__(self) -> None:
-        self.paused = 0
-        self.resumed = 0
-
-    def pauseProducing(self) -> None:
-        self.paused += 1
-
-    def resumeProducing(self) -> None:
-        self.resumed += 1
-
-    def stopProducing(self) -> None:
-        pass
 
 
 def test_bytes_the_kernel_takes_are_sent_without_polling() -> None:
