@@ -267,8 +267,9 @@ class Front(Protocol):
         self._request: FrontRequest | None = None
         #: The answer's producer, paused while the socket is full.
         self._producer: Any = None
-        #: A twisted.web channel answering one request, or holding the connection for good.
+        #: A twisted.web channel answering one request, lent the connection meanwhile.
         self._lent: EagerChannel | None = None
+        #: A twisted.web channel the connection was handed to for good.
         self._web: EagerChannel | None = None
         self._serving = False
         #: Why reading is paused: a request's worth waiting, or a full send buffer.
