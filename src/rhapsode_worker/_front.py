@@ -29,6 +29,7 @@ front never keeps: C{Authorization}, so no handler or log line can see it (secti
 from __future__ import annotations
 
 import re
+import socket
 from io import BytesIO
 from typing import Any
 
@@ -257,8 +258,9 @@ class Front(Protocol):
 
     C{site} is a L{DirectSite}: its C{direct} routes, its access log, its C{reactor} and
     C{timeOut} (an idle connection is closed after it), its C{connections} (told as the
-    connection opens and closes, where the site has them), and C{web_channel()} for a
-    twisted.web channel of its own.
+    connection opens and closes, where the site has them), its C{send_buffer} (the send
+    buffer a Unix socket asks for, where set), and C{web_channel()} for a twisted.web
+    channel of its own.
     """
 
     def __init__(self, site: Any) -> None:
@@ -303,6 +305,13 @@ class Front(Protocol):
             # As twisted.web does: small writes (a head, a first chunk) go at once.
             transport.setTcpNoDelay(True)
         transport.registerProducer(self, True)  # type: ignore[union-attr]
+        size = self._site.send_buffer
+        sock = getattr(transport, "socket", None)
+        if size and sock is not None and sock.family == socket.AF_UNIX:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            except OSError:
+                pass  # the system's own size, as before
         timeout = getattr(self._site, "timeOut", None)
         if timeout:
             self._idle_since = self.seconds()

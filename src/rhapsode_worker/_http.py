@@ -306,6 +306,9 @@ class DirectSite(server.Site):
     #: Told of each connection as it opens and closes (C{opened(channel)},
     #: C{closed(channel)}), where something must close them all at the end.
     connections: Any = None
+    #: The send buffer each Unix socket connection asks the kernel for (None: the
+    #: system's default), set by the worker (L{rhapsode_worker._server.WorkerApp.site}).
+    send_buffer: int | None = None
 
     def __init__(
         self,

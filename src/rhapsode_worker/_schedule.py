@@ -35,6 +35,16 @@ Step = Callable[[], Iterator[bytes]]
 # so batching never delays first audio.
 _BATCH_BYTES = 256 * 1024
 _BATCH_SECONDS = 0.1
+#: The send buffer a worker's Unix socket asks for: a batch and half another, so a whole
+#: batch can be written while the reader still has the last one's tail.  Linux's default
+#: (208 KiB) holds less than one: each batch went as a partial send, a pause, a wait
+#: for the core to wake and read, and a resume.  Measured with bench/proxy.py's
+#: throughput request (4000 characters of pcm, best of 7, interleaved): through the core
+#: 147-174 -> 194-211 MB/s, straight to the worker 185-205 -> 193-208, so the ratio
+#: 0.79-0.85 -> 1.00-1.01 (256 KiB gave 0.88-0.95, 512 KiB 0.97-0.98).  The cost: a
+#: connection whose reader lags holds up to this much more audio in the kernel (Linux
+#: doubles the figure for its own bookkeeping), synthesised ahead of its listener.
+SEND_BUFFER_BYTES = _BATCH_BYTES * 3 // 2
 # How long a job's first step waits for the reactor to have written its first audio
 # before synthesising on.  An engine that holds the GIL while it computes (pure Python,
 # or Python around its native calls) would otherwise keep the reactor from writing that

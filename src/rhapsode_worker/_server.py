@@ -62,7 +62,7 @@ from ._http import (
     write_trailer,
 )
 from ._model import ModelState
-from ._schedule import Job, Scheduler
+from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
 from ._split import split_text
 from ._vocab import clean_text
 
@@ -330,6 +330,7 @@ class WorkerApp:
         )
         site.requestFactory = _BoundedRequest
         site.displayTracebacks = False
+        site.send_buffer = SEND_BUFFER_BYTES
         return site
 
     def _enter(self) -> None:

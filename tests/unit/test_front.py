@@ -557,3 +557,28 @@ def test_a_connection_closed_with_its_socket_full_closes_once_drained(why: str) 
     assert socket.disconnecting
     socket.room = None
     assert socket.doWrite() is not None  # the connection's end, not a resumed producer
+
+
+def test_a_unix_connection_asks_for_the_sites_send_buffer() -> None:
+    """
+    A site with a send buffer set (the worker's: a batch of audio and half another)
+    has each Unix socket connection ask the kernel for it; a site without one leaves the
+    system's size alone.
+    """
+    import socket
+
+    from rhapsode_worker._schedule import SEND_BUFFER_BYTES
+
+    for size in (SEND_BUFFER_BYTES, None):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        default = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        transport = StringTransport()
+        transport.socket = ours  # type: ignore[attr-defined]
+        reactor = MemoryReactorClock()
+        site = CoreSite(Routed(), FakeCore(), {}, reactor=reactor)
+        site.send_buffer = size
+        site.buildProtocol(None).makeConnection(transport)
+        granted = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert granted >= SEND_BUFFER_BYTES if size else granted == default
+        ours.close()
+        theirs.close()

@@ -336,3 +336,14 @@ def test_the_workers_site_formats_no_access_line_above_info() -> None:
         site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()  # type: ignore[attr-defined]
         site.log(DummyRequest([b"speak"]))  # type: ignore[no-untyped-call]
         assert (len(formatted), lines) == ((1, ["line\n"]) if enabled else (0, []))
+
+
+def test_the_workers_site_asks_for_a_send_buffer_that_holds_a_batch() -> None:
+    """
+    The worker's site has its Unix connections ask for a send buffer larger than one
+    batch of audio, so a batch never has to wait on the reader to be written.
+    """
+    from rhapsode_worker._schedule import _BATCH_BYTES, SEND_BUFFER_BYTES
+
+    app, _ = make_app(PlainEngine())
+    assert app.site().send_buffer == SEND_BUFFER_BYTES and SEND_BUFFER_BYTES > _BATCH_BYTES
