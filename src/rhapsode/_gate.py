@@ -234,9 +234,9 @@ class CoreSite(DirectSite):
     routes skip Klein and C{access_log} is as for L{DirectSite}.
 
     Each connection starts at the front door (L{rhapsode_worker._front.Front}), which
-    answers the direct routes itself and hands any other request, with the rest of its
-    connection, to a twisted.web channel whose requests are L{CoreRequest}s: guarded,
-    stripped and streamed at their headers as above.
+    answers the direct routes itself and gives every other request to a twisted.web
+    channel (lent the connection for that request, or handed it for good) whose requests
+    are L{CoreRequest}s: guarded, stripped and streamed at their headers as above.
     """
 
     requestFactory = CoreRequest

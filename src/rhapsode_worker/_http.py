@@ -293,8 +293,8 @@ class DirectSite(server.Site):
     A site that hands the requests named in C{direct} (method and exact path) straight
     to their resource, and routes the rest through its root as usual.
 
-    Its connections begin at the front door (L{buildProtocol}); those handed to
-    twisted.web are plain HTTP/1.1 channels that send as they write
+    Its connections begin at the front door (L{buildProtocol}); the channels it lends
+    or hands them to are plain HTTP/1.1 channels that send as they write
     (L{EagerChannel}): twisted.web's default wraps each in a proxy that would switch to
     HTTP/2 after a TLS negotiation, and these sites never speak TLS, so the proxy was
     only a layer on every call (measured: 2-8 % of the core's CPU per request).  Without C{access_log} (a log level above info) no access
@@ -328,8 +328,8 @@ class DirectSite(server.Site):
     def buildProtocol(self, addr: Any) -> Any:
         """
         Each connection starts at the front door (L{rhapsode_worker._front.Front}), which
-        answers the direct routes itself and hands any other request, with the rest of
-        its connection, to a channel from L{web_channel}.
+        answers the direct routes itself and gives every other request to a channel from
+        L{web_channel}, lent the connection for that request or handed it for good.
         """
         # Imported here: the front is built on this module's channel and helpers.
         from ._front import Front
@@ -339,7 +339,7 @@ class DirectSite(server.Site):
     def web_channel(self) -> Any:
         """
         A twisted.web channel of this site (an L{EagerChannel} making this site's
-        requests), for a connection the front hands on.
+        requests), for a connection the front lends or hands on.
         """
         return super().buildProtocol(None)
 
