@@ -26,11 +26,11 @@ from twisted.internet.abstract import FileDescriptor
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock
 
-from rhapsode._app import CoreApp
+from rhapsode._router import CoreApp
 from rhapsode._config import Config
 from rhapsode._registry import EngineHandle, Registry
-from rhapsode._residency import ConfigSettings
-from rhapsode._workers import WorkerClient
+from rhapsode._config import ConfigSettings
+from rhapsode._upstream.pool import WorkerClient
 
 CAPABILITIES = {
     "contract": 1,

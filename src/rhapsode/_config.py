@@ -23,9 +23,12 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from zope.interface import implementer
+
 from rhapsode_worker.contract import VOICE_ID_PATTERN
 
 from ._guard import origin_key
+from ._residency import IResidencySettings
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
@@ -383,3 +386,26 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
     return parse_config(raw, where.parent)
+
+
+@implementer(IResidencySettings)
+class ConfigSettings:
+    """
+    Residency settings read from whatever config C{current} answers at the time.
+    """
+
+    def __init__(self, current: Callable[[], Config]) -> None:
+        self._current = current
+
+    def max_resident_models(self) -> int:
+        return self._current().residency.max_resident_models
+
+    def eviction_wait_seconds(self) -> float:
+        return self._current().residency.eviction_wait_seconds
+
+    def keep_alive_seconds(self) -> int:
+        return self._current().residency.keep_alive_seconds
+
+    def engine_keep_alive_seconds(self, engine: str) -> int | None:
+        config = self._current().engines.get(engine)
+        return None if config is None else config.keep_alive_seconds

@@ -14,9 +14,9 @@ from typing import Any, Mapping, Protocol
 
 from twisted.internet.defer import Deferred, succeed
 
-from rhapsode_worker._errors import ModelUnavailable, UnknownEngine
+from rhapsode_worker.errors import ModelUnavailable, UnknownEngine
 
-from ._workers import WorkerClient
+from ._upstream import WorkerClient
 
 
 class Supervised(Protocol):

@@ -27,11 +27,9 @@ from twisted.internet.defer import Deferred, DeferredLock
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import Interface, implementer
+from zope.interface import Interface
 
-from rhapsode_worker._errors import BadRequest, Conflict, ModelUnavailable, SpeechError
-
-from ._config import Config
+from rhapsode_worker.errors import BadRequest, Conflict, ModelUnavailable, SpeechError
 
 _T = TypeVar("_T")
 
@@ -64,29 +62,6 @@ class IResidencySettings(Interface):
         """
         The engine's own keep-alive, or C{None} where it has none of its own.
         """
-
-
-@implementer(IResidencySettings)
-class ConfigSettings:
-    """
-    Residency settings read from whatever config C{current} answers at the time.
-    """
-
-    def __init__(self, current: Callable[[], Config]) -> None:
-        self._current = current
-
-    def max_resident_models(self) -> int:
-        return self._current().residency.max_resident_models
-
-    def eviction_wait_seconds(self) -> float:
-        return self._current().residency.eviction_wait_seconds
-
-    def keep_alive_seconds(self) -> int:
-        return self._current().residency.keep_alive_seconds
-
-    def engine_keep_alive_seconds(self, engine: str) -> int | None:
-        config = self._current().engines.get(engine)
-        return None if config is None else config.keep_alive_seconds
 
 
 def iso_utc(seconds: float) -> str:

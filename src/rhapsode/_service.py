@@ -26,13 +26,13 @@ from twisted.python.failure import Failure
 
 from rhapsode_worker.contract import CONTRACT_VERSIONS
 
-from ._app import CoreApp
 from ._catalog import read_catalog
-from ._config import Config
+from ._config import Config, ConfigSettings
 from ._registry import EngineHandle, Registry
-from ._residency import ConfigSettings
+from ._router import CoreApp
+from ._residency import Residency
 from ._supervisor import WorkerSupervisor
-from ._workers import WorkerClient
+from ._upstream import WorkerClient
 
 #: Bursts of clients must not be refused at the door: the default of 50 refused most of
 #: 500 simultaneous connections on these machines.
@@ -128,15 +128,21 @@ class RhapsodeService(service.Service):
                 catalog = read_catalog(engine.module, python)
                 handles[engine_id] = EngineHandle(engine_id, client, supervisor, catalog)
             self._clients.append(client)
-        self.registry = Registry(handles)
+        registry = self.registry = Registry(handles)
+        residency = Residency(
+            clock=reactor,
+            # Read when used, so a settings API can change them live.
+            settings=ConfigSettings(lambda: self.config),
+            terminate=lambda engine: registry.get(engine).terminate(),
+            unload=lambda engine: registry.get(engine).unload(),
+        )
         self.app = CoreApp(
-            self.registry,
+            registry,
             reactor=reactor,
             contract_version=CONTRACT,
             management_token=self.config.management.token,
             management_origins=self.config.management.origins,
-            # Read when used, so a settings API can change them live.
-            settings=ConfigSettings(lambda: self.config),
+            residency=residency,
         )
         return self.app
 

@@ -32,7 +32,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
 
-from rhapsode_worker import ModelUnavailable
+from rhapsode_worker.errors import ModelUnavailable
 
 # The child makes itself a process-group leader and then becomes the worker (same pid),
 # because spawnProcess has no pre-exec hook.

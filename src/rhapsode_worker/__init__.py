@@ -1,13 +1,16 @@
 """
 The Rhapsode worker SDK: write one class, call L{serve}, and the SDK speaks the protocol.
+
+This module is the engine author's face.  The SDK also owns what the core and the
+workers share, each a public module of its own: the error taxonomy (L{errors}), the
+vocabulary (L{vocab}), the contract (L{contract}: L{schemas}, L{validation},
+L{openapi}) and the HTTP helpers both processes serve with (L{web}, L{site}).
 """
 
 from typing import Mapping, NoReturn
 
 from ._arrays import FloatArray, read_npy, read_pt, read_voicepack
 from ._engine import (
-    ALL_CUES,
-    ALL_DELIVERIES,
     DialogueRequest,
     Dial,
     Engine,
@@ -20,8 +23,7 @@ from ._engine import (
     Variant,
     Voice,
 )
-from ._vocab import clean_text
-from ._errors import (
+from .errors import (
     BadRequest,
     Conflict,
     Forbidden,
@@ -34,6 +36,7 @@ from ._errors import (
     UnknownVoice,
     Unsupported,
 )
+from .vocab import ALL_CUES, ALL_DELIVERIES, clean_text
 
 __version__ = "0.1.0"
 

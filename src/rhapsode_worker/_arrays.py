@@ -21,7 +21,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ._errors import BadRequest, Unsupported
+from .errors import BadRequest, Unsupported
 
 
 @dataclass(frozen=True)

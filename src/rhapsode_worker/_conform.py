@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from . import contract
-from ._engine import ALL_CUES
-from ._errors import ERROR_TABLE, SpeechError
+from .vocab import ALL_CUES
+from .errors import ERROR_TABLE, SpeechError
 
 #: Seconds one probe may take, from its first request to its last byte: generous, since
 #: the first request of a run may load a model.

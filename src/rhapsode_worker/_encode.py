@@ -35,8 +35,8 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from ._engine import NativeFormat
-from ._errors import Internal, Unsupported
-from .contract import MEDIA_TYPES
+from .errors import Internal, Unsupported
+from .schemas import MEDIA_TYPES
 
 FORMATS: tuple[str, ...] = tuple(MEDIA_TYPES)
 

@@ -20,23 +20,8 @@ from typing import Iterator, Mapping, Sequence
 
 from zope.interface import Attribute, Interface, implementer
 
-from ._errors import Unsupported
-
-#: The closed vocabulary of cues (protocol.md section 5), in the spec's order.
-ALL_CUES: tuple[str, ...] = (
-    "laugh",
-    "chuckle",
-    "sigh",
-    "gasp",
-    "cough",
-    "clear throat",
-    "sniff",
-    "groan",
-)
-
-#: The two deliveries; deliberately no word for "ordinary".
-ALL_DELIVERIES: tuple[str, ...] = ("hushed", "frantic")
-
+from .errors import Unsupported
+from .vocab import ALL_CUES, ALL_DELIVERIES
 
 @dataclass(frozen=True)
 class Dial:

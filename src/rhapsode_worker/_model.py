@@ -19,7 +19,7 @@ from twisted.python.threadpool import ThreadPool
 
 from . import _memory
 from ._engine import IEngine
-from ._errors import SpeechError, as_speech_error
+from .errors import SpeechError, as_speech_error
 
 UNLOADED = "unloaded"
 LOADING = "loading"

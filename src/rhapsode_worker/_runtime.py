@@ -40,8 +40,8 @@ from ._encode import available_formats, find_ffmpeg
 from ._engine import IEngine
 from ._model import ModelState
 from ._schedule import Scheduler
-from ._server import WorkerApp
-from .contract import CONTRACT_VERSIONS
+from ._routes import WorkerApp
+from .schemas import CONTRACT_VERSIONS
 
 BACKLOG = 2048
 _EXIT_REFUSED = 3
@@ -176,9 +176,9 @@ class _Connections:
     """
     The worker site's open connections, so a drain can close every one gracefully: a
     response written but still in a send buffer is flushed, not cut off by the process
-    exiting.  The site's connections report themselves (L{rhapsode_worker._front.Front}); wrapping each
-    connection in a protocol wrapper to learn the same put a layer of attribute
-    look-ups under every write.
+    exiting.  The site's connections report themselves (L{rhapsode_worker.site.EagerChannel});
+    wrapping each connection in a protocol wrapper to learn the same put a layer of
+    attribute look-ups under every write.
     """
 
     def __init__(self) -> None:

@@ -35,8 +35,8 @@ from rhapsode.client import (
     UnknownEngine,
     UnknownVoice,
 )
-from rhapsode_worker._errors import ERROR_TABLE
-from rhapsode_worker._server import _parse_multipart
+from rhapsode_worker.errors import ERROR_TABLE
+from rhapsode_worker._routes import _parse_multipart
 from rhapsode_worker.contract import ENGINE_LIST, PUBLIC_HEALTH, VOICE, validate
 from test_core_proxy import Core, start_core, wav_clip
 

@@ -19,10 +19,10 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.threads import deferToThread
 
 from _worker import Worker, spawn_worker
-from rhapsode._app import CoreApp
-from rhapsode._proxy import FLOOR_BYTES
+from rhapsode._router import CoreApp
+from rhapsode._relay import FLOOR_BYTES
 from rhapsode._registry import EngineHandle, Registry
-from rhapsode._workers import WorkerClient
+from rhapsode._upstream.pool import WorkerClient
 
 RATE = 24000
 

@@ -13,7 +13,7 @@ import struct
 import pytest
 
 from rhapsode_worker import _conform as c
-from rhapsode_worker._server import _parse_multipart
+from rhapsode_worker._routes import _parse_multipart
 
 BODY = (
     b"5\r\nhello\r\n"

@@ -6,6 +6,7 @@ YAML emitter and the generated worker OpenAPI document.
 from __future__ import annotations
 
 import ast
+import importlib
 import copy
 import subprocess
 import sys
@@ -16,8 +17,8 @@ import pytest
 import yaml
 
 import rhapsode_worker
-from rhapsode_worker import contract
-from rhapsode_worker._errors import ERROR_TABLE, BadRequest, Unsupported
+from rhapsode_worker import contract, schemas, validation
+from rhapsode_worker.errors import ERROR_TABLE, BadRequest, Unsupported
 from rhapsode_worker._yaml import dump_yaml
 from rhapsode_worker.contract import (
     CAPABILITIES,
@@ -325,9 +326,9 @@ def test_shapes_use_only_enforced_keywords() -> None:
     """
     No shape, nested or not, uses a keyword the validator would refuse.
     """
-    for name, shape in contract._COMPONENTS.items():
+    for name, shape in schemas._COMPONENTS.items():
         for node in _schema_nodes(shape):
-            assert set(node) <= contract._KEYWORDS, (name, node)
+            assert set(node) <= validation._KEYWORDS, (name, node)
 
 
 @pytest.mark.parametrize(
@@ -809,24 +810,28 @@ def test_health_and_voice_shapes() -> None:
 
 def test_contract_module_imports_stay_light() -> None:
     """
-    The contract module imports only the standard library and the SDK's own shapes,
-    errors and YAML writer, and importing it loads no Twisted, Klein, treq or Automat,
-    because the core imports it.
+    The contract's modules (its face, the shapes, the validator, the OpenAPI builder)
+    and the taxonomy and vocabulary they use import only the standard library and each
+    other, and importing them loads no Twisted, Klein, treq or Automat, because the core
+    imports them.
     """
-    tree = ast.parse(Path(contract.__file__).read_text(encoding="utf-8"))
-    local = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            local.add(node.module)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            local.add(node.module)
-        elif isinstance(node, ast.Import):
-            local.update(alias.name for alias in node.names)
-    allowed = set(sys.stdlib_module_names) | {"_engine", "_errors", "_yaml", "rhapsode_worker"}
-    assert {name.split(".")[0] for name in local} <= allowed
+    light = {"contract", "schemas", "validation", "openapi", "errors", "vocab", "_yaml"}
+    for name in sorted(light):
+        module = importlib.import_module(f"rhapsode_worker.{name}")
+        tree = ast.parse(Path(str(module.__file__)).read_text(encoding="utf-8"))
+        local = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                local.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                local.add(node.module)
+            elif isinstance(node, ast.Import):
+                local.update(alias.name for alias in node.names)
+        allowed = set(sys.stdlib_module_names) | light | {"rhapsode_worker"}
+        assert {name.split(".")[0] for name in local} <= allowed, name
 
     probe = (
-        "import sys, rhapsode_worker.contract; "
+        "import sys, rhapsode_worker.contract, rhapsode_worker.errors, rhapsode_worker.vocab; "
         "print(sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('twisted', 'klein', 'treq', 'automat')))"
     )

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import rhapsode_worker
-from rhapsode_worker._errors import BadRequest
+from rhapsode_worker.errors import BadRequest
 from rhapsode_worker.contract import (
     CAPABILITIES,
     ENGINE_LIST,

@@ -1,5 +1,5 @@
 """
-The route that skips the router (rhapsode_worker._http): a handler's answer is written
+The route that skips the router (rhapsode_worker.site): a handler's answer is written
 and the request finished, a client that hangs up cancels the handler, and the site
 hands only the exact method and path to it.
 """
@@ -15,7 +15,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode_worker._http import DirectSite, HandlerResource
+from rhapsode_worker.site import DirectSite, HandlerResource
 
 
 def test_the_handlers_answer_is_written_and_the_request_finished() -> None:
@@ -89,19 +89,17 @@ def test_only_the_exact_method_and_path_go_direct() -> None:
 
 def test_connections_are_plain_http11_channels() -> None:
     """
-    The site's connections start at the front door, and those it hands on become
-    HTTP/1.1 channels themselves, not twisted.web's proxy that waits for a TLS
-    negotiation these sites never have; they still know their site.
+    The site's connections are twisted.web HTTP/1.1 channels themselves, not
+    twisted.web's proxy that waits for a TLS negotiation these sites never have; they
+    still know their site.
     """
     from twisted.internet.address import IPv4Address
     from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
-    from rhapsode_worker._front import Front
-    from rhapsode_worker._http import EagerChannel
+    from rhapsode_worker.site import EagerChannel
 
     site = DirectSite(Resource())
-    assert type(site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))) is Front
-    channel = site.web_channel()
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
     assert type(channel) is EagerChannel and isinstance(channel, HTTPChannel)
     assert not isinstance(channel, _GenericHTTPChannelProtocol)
     assert channel.site is site  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ from rhapsode_worker._encode import (
     wav_header,
 )
 from rhapsode_worker._engine import NativeFormat
-from rhapsode_worker._errors import Unsupported
+from rhapsode_worker.errors import Unsupported
 
 MONO_24K = NativeFormat(sample_rate=24000, channels=1)
 STEREO_22K = NativeFormat(sample_rate=22050, channels=2)

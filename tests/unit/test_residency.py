@@ -18,15 +18,14 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rhapsode._config import parse_config
+from rhapsode._config import ConfigSettings, parse_config
 from rhapsode._residency import (
-    ConfigSettings,
     IResidencySettings,
     Lease,
     Residency,
     iso_utc,
 )
-from rhapsode_worker._errors import BadRequest, Conflict, ModelUnavailable
+from rhapsode_worker.errors import BadRequest, Conflict, ModelUnavailable
 
 #: 2026-09-20T11:04:02.118Z, the moment protocol.md section 3's example was taken.
 EXAMPLE_MOMENT = 1789902242.118

@@ -14,7 +14,7 @@ from twisted.internet.defer import succeed
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode._app import CoreApp
+from rhapsode._router import CoreApp
 from rhapsode._registry import EngineHandle, Registry
 from rhapsode_worker import contract
 

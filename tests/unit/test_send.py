@@ -14,9 +14,35 @@ from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from rhapsode_worker._http import DirectSite, send_now
+from rhapsode_worker.site import QUEUE_ATTRIBUTES, DirectSite, send_now
 
 
+def test_a_real_socket_transport_has_what_send_now_reads() -> None:
+    """
+    Twisted's own TCP and Unix socket transports still carry every attribute send_now
+    reads to know nothing is queued (Twisted has no public way to ask); a release that
+    renamed one would otherwise make every write silently fall back to the slow path.
+    """
+    import socket
+
+    from twisted.internet import tcp, unix
+    from twisted.internet.protocol import Protocol
+    from twisted.internet.testing import MemoryReactor
+
+    for family, kind in ((socket.AF_INET, tcp.Server), (socket.AF_UNIX, unix.Server)):
+        left, right = socket.socketpair(family if family == socket.AF_UNIX else socket.AF_UNIX)
+        try:
+            address: Any = ("127.0.0.1", 1) if kind is tcp.Server else "sock"
+            transport = kind(left, Protocol(), address, None, 1, MemoryReactor())  # type: ignore[arg-type]
+            missing = [name for name in QUEUE_ATTRIBUTES if not hasattr(transport, name)]
+            assert missing == [], kind
+            sent: list[bytes] = []
+            transport.writeSomeData = lambda data: sent.append(bytes(data)) or len(data)  # type: ignore[method-assign]
+            send_now(transport, b"straight to the kernel")
+            assert sent == [b"straight to the kernel"]
+        finally:
+            left.close()
+            right.close()
 
 
 def test_bytes_the_kernel_takes_are_sent_without_polling() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from rhapsode_worker import ALL_CUES, BadRequest
 from rhapsode_worker._blend import parse_blend
-from rhapsode_worker._vocab import clean_text
+from rhapsode_worker.vocab import clean_text
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,11 @@
 """
-The standard vocabulary in text (protocol.md section 5): keeping the cues a variant
-claims, and removing every other bracketed tag and the engine's own private syntax,
-closing the space each removal leaves.
+The standard vocabulary (protocol.md section 5): the closed sets of cues and deliveries,
+and, in text, keeping the cues a variant claims and removing every other bracketed tag
+and the engine's own private syntax, closing the space each removal leaves.
 
 Shared by the SDK (which cleans every request before an adapter sees it) and the core
-(which strips before dispatch), so both apply one rule.
+(which strips before dispatch), so both apply one rule.  Public, and standard library
+only, because the core imports it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,23 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
-from ._engine import ALL_CUES
+__all__ = ["ALL_CUES", "ALL_DELIVERIES", "canonical_cue", "clean_text"]
+
+#: The closed vocabulary of cues (protocol.md section 5), in the spec's order.
+ALL_CUES: tuple[str, ...] = (
+    "laugh",
+    "chuckle",
+    "sigh",
+    "gasp",
+    "cough",
+    "clear throat",
+    "sniff",
+    "groan",
+)
+
+#: The two deliveries; deliberately no word for "ordinary".
+ALL_DELIVERIES: tuple[str, ...] = ("hushed", "frantic")
+
 
 # A bracketed tag: short, one line, no nested brackets.  Anything that looks like one is
 # either a cue the variant claims or something no reader should say out loud.

@@ -28,7 +28,7 @@ from rhapsode_worker import (
 from rhapsode_worker._model import ModelState
 from rhapsode_worker._runtime import ContractRefused, Spawn, SpawnError, negotiate
 from rhapsode_worker._schedule import Scheduler
-from rhapsode_worker._server import WorkerApp
+from rhapsode_worker._routes import WorkerApp
 
 
 class PlainEngine(Engine):
@@ -284,29 +284,24 @@ def test_spawn_environment_parsed() -> None:
 
 def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
     """
-    On the worker's own site, read by its front door or by twisted.web, a streamed
-    answer's headers and first audio reach the socket in one send as they are written,
-    and each later piece in one more; a buffered answer writes nothing until it is
-    complete.
+    On the worker's own site a streamed answer's headers and first audio reach the
+    socket in one send as they are written, and each later piece in one more; a
+    buffered answer writes nothing until it is complete.
     """
     from _sockets import FakeSocket
     from twisted.internet.address import IPv4Address
 
-    from rhapsode_worker._front import FrontRequest
+    from rhapsode_worker._routes import _AudioResponse, _BoundedRequest
     from rhapsode_worker._schedule import Job
-    from rhapsode_worker._server import _AudioResponse, _BoundedRequest
 
     app, _ = make_app(PlainEngine())
-    for stream, front in ((True, True), (False, True), (True, False), (False, False)):
+    for stream in (True, False):
         sock = FakeSocket()
         site = app.site(access_log=False)
-        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1)) if front else site.web_channel()
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
         channel.makeConnection(sock)
-        if front:
-            request: Any = FrontRequest(channel, b"POST", b"/speak", {}, b"", False)
-        else:
-            request = _BoundedRequest(channel)
-            request.method, request.clientproto, request.uri = b"POST", b"HTTP/1.1", b"/speak"
+        request: Any = _BoundedRequest(channel)
+        request.method, request.clientproto, request.uri = b"POST", b"HTTP/1.1", b"/speak"
         answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))  # type: ignore[arg-type]
         answer.pcm(b"\x01\x00" * 100)
         answer.pcm(b"\x02\x00" * 100)

@@ -2,12 +2,30 @@
 The error taxonomy of protocol.md section 6, as exceptions an adapter may raise.
 
 Each class fixes the code, the HTTP status and whether a caller should retry; the
-table is the single source both the SDK and the contract module read.
+table is the single source both the SDK and the contract module read.  Public, and
+standard library only: the core and its client raise and read the same classes.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = [
+    "ERROR_TABLE",
+    "BadRequest",
+    "Conflict",
+    "Forbidden",
+    "Internal",
+    "ModelUnavailable",
+    "OutOfMemory",
+    "Overloaded",
+    "SpeechError",
+    "UnknownEngine",
+    "UnknownVoice",
+    "Unsupported",
+    "as_speech_error",
+    "error_from_envelope",
+]
 
 # code -> (HTTP status, retryable, meaning).  Order is the spec's; new codes go at the end.
 ERROR_TABLE: dict[str, tuple[int, bool, str]] = {

@@ -1,11 +1,12 @@
 """
-The public API (protocol.md sections 4, 6 and 7): a Klein app that routes to workers and
-streams their audio through.
+The router: the public API (protocol.md sections 3, 4, 6, 7 and 9) as a Klein app over
+the registry of engines.
 
 It holds no engine knowledge.  It validates the public shapes, resolves the effective
 variant from the variants it remembers (never from C{current}), strips cues the variant
-does not claim and drops deliveries it does not perform, forwards without
-C{keepAliveSeconds}, and relays the body with backpressure wired producer to consumer.
+does not claim and drops deliveries it does not perform, and hands what is left, without
+C{keepAliveSeconds}, to the speech relay (L{rhapsode._relay}).  What happens before a
+handler runs, at the headers, is admission's (L{rhapsode._admission}).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from typing import Any, Awaitable, Callable, Sequence
 
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
@@ -22,63 +23,24 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from rhapsode_worker import contract
-from rhapsode_worker._errors import (
-    BadRequest,
-    Forbidden,
-    Internal,
-    SpeechError,
-)
-from rhapsode_worker._http import (
-    DURATION_HEADER,
-    HandlerResource,
-    InFlight,
-    abort_connection,
-    answer_failure,
-    json_response,
-    no_route,
-    read_json,
-    write_trailer,
-)
-from rhapsode_worker._vocab import clean_text
+from rhapsode_worker.errors import BadRequest, Forbidden, Internal
+from rhapsode_worker.site import HandlerResource
+from rhapsode_worker.vocab import clean_text
+from rhapsode_worker.web import InFlight, answer_failure, json_response, no_route, read_json
 
 from . import __version__
-from ._config import Config
-from ._gate import CoreRequest, CoreSite
-from ._proxy import FLOOR_BYTES, collect, relay
+from ._admission import CoreRequest, CoreSite
+from ._config import Config, ConfigSettings
 from ._registry import EngineHandle, Registry
-from ._residency import ConfigSettings, IResidencySettings, Residency
-from ._workers import BytesProducer
+from ._relay import ERROR_LIMIT, SpeechRelay
+from ._residency import IResidencySettings, Residency
+from ._upstream import collect
 
-#: A buffered body is at most a request's ceiling of audio; this bounds a runaway one.
-_BUFFERED_LIMIT = 512 * 1024 * 1024
-_ERROR_LIMIT = 64 * 1024
 _JSON_LIMIT = 1024 * 1024
 
 
 def _body(request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
     return read_json(request, schema, _JSON_LIMIT)
-
-
-def _duration_ms(fmt: str, native: dict[str, Any], byte_count: int) -> int | None:
-    """
-    What a streamed body's bytes say about its length, where the format lets the core
-    count (pcm, and wav past its 44-byte header); None for compressed formats.
-    """
-    frame = 2 * int(native.get("channels", 1))
-    rate = int(native.get("sampleRate", 0))
-    if not rate:
-        return None
-    if fmt == "pcm":
-        return (byte_count // frame) * 1000 // rate
-    if fmt == "wav":
-        return (max(byte_count - 44, 0) // frame) * 1000 // rate
-    return None
-
-
-#: Without settings of its own, an app reads the defaults (built once: a Config works
-#: out its default paths when made).
-_DEFAULT_CONFIG = Config()
-_DEFAULT_SETTINGS = ConfigSettings(lambda: _DEFAULT_CONFIG)
 
 
 class CoreApp:
@@ -98,28 +60,33 @@ class CoreApp:
         management_token: str | None = None,
         management_origins: Sequence[str] = (),
         settings: IResidencySettings | None = None,
+        residency: Residency | None = None,
     ) -> None:
+        """
+        @param residency: the residency manager (the service builds it); without one,
+            a manager over C{registry} reading C{settings}, or the defaults.
+        """
         self.registry = registry
-        self.residency = Residency(
-            clock=reactor,
-            settings=settings or _DEFAULT_SETTINGS,
-            terminate=lambda engine: registry.get(engine).terminate(),
-            unload=lambda engine: registry.get(engine).unload(),
-        )
+        if residency is None:
+            residency = Residency(
+                clock=reactor,
+                settings=settings or ConfigSettings(Config),
+                terminate=lambda engine: registry.get(engine).terminate(),
+                unload=lambda engine: registry.get(engine).unload(),
+            )
+        self.residency = residency
+        self.speech = SpeechRelay(residency)
         self.reactor = reactor
         self.contract_version = contract_version
         self.management_token = management_token
         self.management_origins = tuple(management_origins)
         self.requests = InFlight()
-        self._background: set[Deferred[None]] = set()
-        self._measuring: set[str] = set()
 
     def close(self) -> None:
         """
         Shutting down: stop keep-alive timers and any measurement still in flight.
         """
-        for task in list(self._background):
-            task.cancel()
+        self.speech.close()
         self.residency.close()
 
     def resource(self) -> Any:
@@ -264,13 +231,13 @@ class CoreApp:
             try:
                 client = await engine.ready()
                 response = await client.request(b"GET", f"/voices/{voice_id}/preview")
-                return await self._buffered(request, response, None)
+                return await self.speech.buffered(request, response)
             finally:
                 lease.release()
 
         return await self._answer(request, handle)
 
-    # -- managing voices (guarded at the headers, see _gate) ------------------------------
+    # -- managing voices (guarded at the headers, see _admission) ------------------------------
 
     async def start_upload(self, engine_id: str, request: CoreRequest) -> Any:
         """
@@ -290,7 +257,7 @@ class CoreApp:
 
     @staticmethod
     def _require_guard(request: IRequest) -> None:
-        # The guard runs at the headers (_gate); a management route reached any other
+        # The guard runs at the headers (_admission); a management route reached any other
         # way refuses rather than runs unguarded.
         if not getattr(request, "guarded", False):
             raise Forbidden("management route reached without passing the management guard")
@@ -301,9 +268,9 @@ class CoreApp:
             self._require_guard(request)
             upstream = getattr(request, "upstream", None)
             if upstream is None:
-                raise Internal("voice uploads need the core's own site (rhapsode._gate.CoreSite)")
+                raise Internal("voice uploads need the core's own site (rhapsode._admission.CoreSite)")
             response = await upstream
-            raw = await collect(response, _ERROR_LIMIT)
+            raw = await collect(response, ERROR_LIMIT)
             return self._voice_answer(request, engine_id, response.code, json.loads(raw))
 
         return await self._answer(request, handle)
@@ -343,7 +310,7 @@ class CoreApp:
             forward["text"] = clean_text(body["text"], performs["cues"])
             if forward.get("delivery") not in performs["deliveries"]:
                 forward.pop("delivery", None)
-            return await self._dispatch(
+            return await self.speech.dispatch(
                 request, finished, engine, "/speak", forward, caps, body.get("keepAliveSeconds")
             )
 
@@ -364,7 +331,7 @@ class CoreApp:
                 {"speaker": t["speaker"], "text": clean_text(t["text"], performs["cues"])}
                 for t in body["turns"]
             ]
-            return await self._dispatch(
+            return await self.speech.dispatch(
                 request, finished, engine, "/dialogue", forward, caps, body.get("keepAliveSeconds")
             )
 
@@ -386,126 +353,3 @@ class CoreApp:
         forward = {k: v for k, v in body.items() if k not in ("engine", "keepAliveSeconds")}
         forward["variant"] = variant
         return forward
-
-    async def _dispatch(
-        self,
-        request: IRequest,
-        finished: Any,
-        engine: EngineHandle,
-        path: str,
-        forward: dict[str, Any],
-        caps: dict[str, Any],
-        keep_alive: int | None,
-    ) -> Any:
-        """
-        Take a lease on the model for as long as the answer streams, then speak.
-        """
-        variant = forward["variant"]
-        lease = await self.residency.acquire(engine.id, variant, keep_alive)
-        try:
-            client = await engine.ready()
-            pending = client.request(
-                b"POST", path, BytesProducer(json.dumps(forward).encode()),
-                {b"Content-Type": [b"application/json"]},
-            )
-            # A client that hangs up before the worker answers cancels the upstream request.
-            finished.addErrback(lambda _: pending.cancel())
-            response = await pending
-            if response.code != 200:
-                return await self._relay_error(request, response)
-            if not self.residency.state(engine.id).get("measured", True) and engine.id not in self._measuring:
-                # Once per load: a worker that could not measure it is not asked again.
-                self._measuring.add(engine.id)
-                task = Deferred.fromCoroutine(self._measure(engine, variant))
-                self._background.add(task)
-
-                def measured(_: object) -> None:
-                    self._background.discard(task)
-                    self._measuring.discard(engine.id)
-
-                task.addBoth(measured)
-            fmt = forward.get("format", "wav")
-            if not forward.get("stream", True):
-                return await self._buffered(request, response, fmt)
-            return await self._streamed(request, finished, response, fmt, caps)
-        finally:
-            lease.release()
-
-    async def _measure(self, engine: EngineHandle, variant: str) -> None:
-        """
-        Record what the load cost, from the worker's own measurement; best effort, off
-        the request's path.
-        """
-        try:
-            code, health = await engine.client.json(b"GET", "/health")
-        except (Exception, CancelledError):
-            return
-        if code == 200 and isinstance(health, dict) and health.get("variant") == variant:
-            # Recorded even when absent: the worker had nothing to say about this load.
-            self.residency.record_size(engine.id, variant, health.get("modelBytes"))
-
-    async def _relay_error(self, request: IRequest, response: Any) -> bytes:
-        raw = await collect(response, _ERROR_LIMIT)
-        try:
-            envelope = json.loads(raw)
-            contract.validate(contract.ERROR, envelope)
-        except (ValueError, SpeechError):
-            raise Internal(f"worker answered {response.code} without an error envelope") from None
-        request.setResponseCode(response.code)
-        request.setHeader(b"Content-Type", b"application/json")
-        return raw
-
-    async def _buffered(self, request: IRequest, response: Any, fmt: str | None) -> bytes:
-        if response.code != 200:
-            return await self._relay_error(request, response)
-        body = await collect(response, _BUFFERED_LIMIT)
-        if len(body) < FLOOR_BYTES:
-            # Not audio, whatever the status said; the headers have not gone, so say so.
-            raise Internal(f"the worker answered 200 with {len(body)} bytes, which is not audio")
-        headers = response.headers
-        request.setResponseCode(200)
-        for name in (b"Content-Type", DURATION_HEADER):
-            value = headers.getRawHeaders(name)
-            if value:
-                request.setHeader(name, value[0])
-        request.setHeader(b"Content-Length", b"%d" % len(body))
-        return body
-
-    async def _streamed(
-        self, request: IRequest, finished: Any, response: Any, fmt: str, caps: dict[str, Any]
-    ) -> Any:
-        request.setResponseCode(200)
-        content_type = response.headers.getRawHeaders(b"Content-Type")
-        if content_type:
-            request.setHeader(b"Content-Type", content_type[0])
-        request.setHeader(b"Trailer", DURATION_HEADER)
-        try:
-            stream = await relay(response, request)
-        except Exception:
-            abort_connection(request)
-            await _settled(finished)
-            return None
-        received = stream.received
-        if received < FLOOR_BYTES:
-            # Too late for an envelope: the status is on the wire.  An abort is the only
-            # way left to say this was not audio.
-            self.log.warn("aborting a {n}-byte stream: under the floor", n=received)
-            abort_connection(request)
-            await _settled(finished)
-            return None
-        # The worker's own trailer is authoritative (it counted the PCM); where it cannot
-        # be read, pcm and wav can still be counted from the bytes.
-        told = stream.trailers.get(DURATION_HEADER.lower(), b"")
-        duration = int(told) if told.isdigit() else _duration_ms(fmt, caps.get("nativeFormat", {}), received)
-        write_trailer(request, duration)
-        return None
-
-
-async def _settled(finished: Any) -> None:
-    """
-    Wait for the client connection's end to land before Klein looks at the request.
-    """
-    try:
-        await finished
-    except Exception:
-        pass

@@ -1,6 +1,6 @@
 """
 HTTP to one worker, over its Unix socket or a remote URL: the same protocol either way
-(protocol.md section 1), through kept-alive connections of its own HTTP/1.1 client (L{rhapsode._wire}).
+(protocol.md section 1), through kept-alive connections of its own HTTP/1.1 client (L{rhapsode._upstream.wire}).
 
 Bodies are never buffered here: callers get the response and choose to stream it
 (C{deliverBody}) or collect a bounded one.
@@ -19,10 +19,10 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_worker._errors import ModelUnavailable, SpeechError
+from rhapsode_worker.errors import ModelUnavailable, SpeechError
 
-from ._proxy import collect
-from ._wire import Connection, WorkerResponse, encode_request
+from .body import collect
+from .wire import Connection, WorkerResponse, encode_request
 
 _JSON_LIMIT = 4 * 1024 * 1024
 #: Idle connections kept per worker; more are closed when they come back.

@@ -1,6 +1,6 @@
 """
-The core's HTTP/1.1 client for worker connections (rhapsode._wire and the pool in
-rhapsode._workers), on StringTransport: framing, trailers, flow control, cancellation,
+The core's HTTP/1.1 client for worker connections (rhapsode._upstream.wire and the pool in
+rhapsode._upstream.pool), on StringTransport: framing, trailers, flow control, cancellation,
 failures mid-body and connection reuse.
 """
 
@@ -19,9 +19,9 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.iweb import UNKNOWN_LENGTH
 
-from rhapsode._wire import Connection, ProtocolError, encode_request
-from rhapsode._workers import BytesProducer, WorkerClient
-from rhapsode_worker._errors import ModelUnavailable
+from rhapsode._upstream.wire import Connection, ProtocolError, encode_request
+from rhapsode._upstream.pool import BytesProducer, WorkerClient
+from rhapsode_worker.errors import ModelUnavailable
 
 
 class Reader(Protocol):
@@ -588,7 +588,7 @@ def test_reads_from_a_worker_are_about_twice_twisteds_default() -> None:
     """
     from twisted.internet.abstract import FileDescriptor
 
-    from rhapsode._wire import READ_SIZE
+    from rhapsode._upstream.wire import READ_SIZE
 
     transport = SocketLikeTransport()
     Connection(lambda c: None, lambda c: None).makeConnection(transport)

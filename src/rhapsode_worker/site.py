@@ -1,132 +1,36 @@
 """
-The HTTP habits the worker and the core share (protocol.md section 6): JSON answers and
-error envelopes, JSON bodies read within a limit, failures mapped onto the taxonomy
-before headers and turned into an abort after them, and the duration trailer that
-twisted.web has no API for; and the hot route that skips the router.
+The HTTP server both processes listen with: twisted.web parses every request, and these
+small subclasses make it fast where twisted.web allows.
+
+Responses go to the socket as they are written (L{send_now}), a response's headers and
+first bytes leave in one send (L{EagerRequest}), the route on the path of every
+utterance skips the router (L{HandlerResource}, L{DirectSite}), and a site is told of
+each connection as it opens and closes so that a drain can close them all.
 """
 
 from __future__ import annotations
 
-import json
+import socket
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 
-from . import contract
-from ._errors import BadRequest, SpeechError, as_speech_error
-
-DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
+__all__ = ["DirectSite", "EagerChannel", "EagerRequest", "HandlerResource", "send_now"]
 
 
-def json_response(request: IRequest, status: int, body: Any) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"Content-Type", b"application/json")
-    return json.dumps(body).encode("utf-8")
-
-
-def error_response(request: IRequest, error: SpeechError) -> bytes:
-    return json_response(request, error.status, error.envelope())
-
-
-def read_json(request: IRequest, schema: dict[str, Any], limit: int) -> dict[str, Any]:
-    """
-    The request's JSON body checked against C{schema}; no body is an empty object (so
-    POST /load with nothing loads the default).
-    """
-    request.content.seek(0)
-    raw = request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise BadRequest(f"body is over {limit} bytes", field="body")
-    return contract.parse_json_body(raw if raw.strip() else b"{}", schema)
-
-
-def abort_connection(request: IRequest) -> None:
-    """
-    End a response whose headers have gone without finishing it: the client sees a
-    truncated body, never a clean short one.
-    """
-    transport = transport_of(request)
-    if transport is None:
-        return
-    abort = getattr(transport, "abortConnection", None)
-    (abort or transport.loseConnection)()
-
-
-def answer_failure(request: IRequest, exc: Exception, log: Logger) -> bytes | None:
-    """
-    What to do with a failure: an error envelope while no header has gone, an aborted
-    connection after.  Only an adapter's or the core's own bug is logged as one.
-    """
-    error = as_speech_error(exc)
-    if error.code == "internal":
-        log.failure("request failed", Failure(exc))
-    if getattr(request, "startedWriting", False):
-        abort_connection(request)
-        return None
-    return error_response(request, error)
-
-
-def no_route(request: IRequest) -> bytes:
-    method = request.method.decode("ascii", "replace")
-    path = request.path.decode("utf-8", "replace")
-    return error_response(request, BadRequest(f"no route {method} {path}", field="path"))
-
-
-def write_trailer(request: IRequest, duration_ms: int | None) -> None:
-    """
-    End a chunked body with the duration trailer (nothing to do for a body that is not
-    chunked, e.g. to an HTTP/1.0 client).  The caller then finishes the request, which
-    writes no terminator of its own once C{chunked} is off.
-    """
-    if not getattr(request, "chunked", False):
-        return
-    request.chunked = 0  # type: ignore[attr-defined]
-    trailer = b"" if duration_ms is None else b"%s: %d\r\n" % (DURATION_HEADER, duration_ms)
-    request.channel.write(b"0\r\n" + trailer + b"\r\n")  # type: ignore[attr-defined]
-
-
-class InFlight:
-    """
-    How many requests are being answered, and who is waiting for that to reach zero
-    (a drain, a graceful shutdown).
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._waiters: list[Deferred[None]] = []
-
-    def enter(self) -> None:
-        self.count += 1
-
-    def leave(self) -> None:
-        self.count -= 1
-        if not self.count:
-            waiters, self._waiters = self._waiters, []
-            for d in waiters:
-                d.callback(None)
-
-    def when_idle(self) -> "Deferred[None]":
-        """
-        Fires once no request is being answered (at once if none is).
-        """
-        d: Deferred[None] = Deferred()
-        if self.count:
-            self._waiters.append(d)
-        else:
-            d.callback(None)
-        return d
-
-
-def transport_of(request: Any) -> Any:
-    """
-    The connection a twisted.web request came on, or None (a test double may have none).
-    """
-    return getattr(getattr(request, "channel", None), "transport", None)
+#: What L{send_now} reads of a Twisted socket transport to know nothing is queued.
+#: Twisted has no public way to ask (twisted/twisted#5303, "Default transport
+#: implementation doesn't write out bytes immediately", open since 2011); a unit test
+#: checks that a real socket transport still has every one of them, so an upgrade that
+#: renames one fails the suite rather than quietly costing a turn of the loop per write.
+QUEUE_ATTRIBUTES = ("connected", "disconnecting", "_writeDisconnected", "producerPaused",
+                    "dataBuffer", "offset", "_tempDataBuffer")
 
 
 def _nothing_queued(transport: Any) -> bool:
@@ -183,21 +87,36 @@ class EagerChannel(http.HTTPChannel):
 
     Between L{hold} and L{release} writes are gathered and then leave in one send: a
     response's headers and its first bytes, which twisted.web writes separately, reach
-    the client together (see L{EagerRequest}).  Every channel is made for a front
-    door (L{rhapsode_worker._front.Front}), which tells its site's C{connections} of
-    the connection as it opens and closes.
+    the client together (see L{EagerRequest}).  It tells its site's C{connections} of
+    itself as it opens and closes, and asks for the site's C{send_buffer} on a Unix
+    socket.
     """
 
     _held: list[bytes] | None = None
     _host: Any = None
-    #: The front door that lent this channel its connection for one request, told
-    #: when that request is done (L{rhapsode_worker._front.Front.returned}).
-    lender: Any = None
+    #: Set by the site that built this channel (twisted.web's Site.buildProtocol).
+    site: Any = None
 
-    def requestDone(self, request: Any) -> None:
-        super().requestDone(request)
-        if self.lender is not None:
-            self.lender.returned(self)
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        site = self.site
+        tracker = getattr(site, "connections", None)
+        if tracker is not None:
+            tracker.opened(self)
+        size = getattr(site, "send_buffer", None)
+        handle = getattr(self.transport, "getHandle", None)
+        sock = handle() if handle is not None else None
+        if size and isinstance(sock, socket.socket) and sock.family == socket.AF_UNIX:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            except OSError:
+                pass  # the system's own size, as before
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        super().connectionLost(reason)
+        tracker = getattr(self.site, "connections", None)
+        if tracker is not None:
+            tracker.closed(self)
 
     def hold(self) -> None:
         if self._held is None:
@@ -274,14 +193,21 @@ class HandlerResource(resource.Resource):
 
     def render(self, request: IRequest) -> Any:
         answer: Deferred[bytes | None] = Deferred.fromCoroutine(self._handler(request))  # type: ignore[arg-type]
-        request.notifyFinish().addErrback(lambda _: answer.cancel())  # type: ignore[attr-defined]
-        answer.addCallbacks(lambda body: _finish(request, body), lambda f: f.trap(CancelledError))
+        gone: list[bool] = []
+
+        def hung_up(_: object) -> None:
+            gone.append(True)
+            answer.cancel()
+
+        request.notifyFinish().addErrback(hung_up)  # type: ignore[attr-defined]
+        answer.addCallbacks(lambda body: _finish(request, body, gone), lambda f: f.trap(CancelledError))
         answer.addErrback(lambda f: self._log.failure("answering {path}", f, path=getattr(request, "path", b"")))
         return server.NOT_DONE_YET
 
 
-def _finish(request: Any, body: bytes | None) -> None:
-    if request.finished or getattr(request, "_disconnected", False):
+def _finish(request: Any, body: bytes | None, gone: list[bool]) -> None:
+    # A request whose connection has gone is never written to or finished.
+    if request.finished or gone:
         return
     if body:
         request.write(body)
@@ -293,12 +219,13 @@ class DirectSite(server.Site):
     A site that hands the requests named in C{direct} (method and exact path) straight
     to their resource, and routes the rest through its root as usual.
 
-    Its connections begin at the front door (L{buildProtocol}); the channels it lends
-    or hands them to are plain HTTP/1.1 channels that send as they write
-    (L{EagerChannel}): twisted.web's default wraps each in a proxy that would switch to
-    HTTP/2 after a TLS negotiation, and these sites never speak TLS, so the proxy was
-    only a layer on every call (measured: 2-8 % of the core's CPU per request).  Without C{access_log} (a log level above info) no access
-    line is even formatted: twisted.web formats one per request whatever the level.
+    Its connections are plain HTTP/1.1 channels that send as they write
+    (L{EagerChannel}).  twisted.web's default wraps each in a proxy that would switch
+    to HTTP/2 after a TLS negotiation; these sites never speak TLS, so the proxy was
+    only a layer on every call.
+
+    Without C{access_log} (a log level above info) no access line is even formatted:
+    twisted.web formats one per request whatever the level.
     """
 
     protocol = EagerChannel  # type: ignore[assignment]
@@ -307,7 +234,7 @@ class DirectSite(server.Site):
     #: C{closed(channel)}), where something must close them all at the end.
     connections: Any = None
     #: The send buffer each Unix socket connection asks the kernel for (None: the
-    #: system's default), set by the worker (L{rhapsode_worker._server.WorkerApp.site}).
+    #: system's default), set by the worker.
     send_buffer: int | None = None
 
     def __init__(
@@ -324,24 +251,6 @@ class DirectSite(server.Site):
     def log(self, request: Any) -> None:
         if self.access_log:
             super().log(request)
-
-    def buildProtocol(self, addr: Any) -> Any:
-        """
-        Each connection starts at the front door (L{rhapsode_worker._front.Front}), which
-        answers the direct routes itself and gives every other request to a channel from
-        L{web_channel}, lent the connection for that request or handed it for good.
-        """
-        # Imported here: the front is built on this module's channel and helpers.
-        from ._front import Front
-
-        return Front(self)
-
-    def web_channel(self) -> Any:
-        """
-        A twisted.web channel of this site (an L{EagerChannel} making this site's
-        requests), for a connection the front lends or hands on.
-        """
-        return super().buildProtocol(None)
 
     def getResourceFor(self, request: Any) -> Any:
         target = self.direct.get((request.method, request.path))

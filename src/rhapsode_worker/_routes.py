@@ -40,18 +40,20 @@ from ._engine import (
     Voice,
     overrides,
 )
-from ._errors import (
+from .errors import (
     BadRequest,
     Overloaded,
     SpeechError,
     UnknownVoice,
     Unsupported,
 )
-from ._http import (
+from ._model import ModelState
+from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
+from ._split import split_text
+from .site import DirectSite, EagerRequest, HandlerResource
+from .vocab import clean_text
+from .web import (
     DURATION_HEADER,
-    DirectSite,
-    EagerRequest,
-    HandlerResource,
     InFlight,
     abort_connection,
     answer_failure,
@@ -61,10 +63,6 @@ from ._http import (
     read_json,
     write_trailer,
 )
-from ._model import ModelState
-from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
-from ._split import split_text
-from ._vocab import clean_text
 
 #: A body above this is refused before it is read: a voice upload's cap (protocol.md
 #: section 7), and the most any route reads.

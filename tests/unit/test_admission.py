@@ -10,7 +10,7 @@ from typing import Any
 from twisted.internet.address import IPv4Address
 from twisted.web.test.requesthelper import DummyChannel
 
-from rhapsode._gate import CoreRequest, is_management
+from rhapsode._admission import CoreRequest, is_management
 
 
 class FakeCore:
@@ -104,7 +104,7 @@ def test_speak_goes_straight_to_its_resource_and_the_rest_to_klein() -> None:
     """
     from twisted.web.resource import Resource
 
-    from rhapsode._gate import CoreSite
+    from rhapsode._admission import CoreSite
 
     routed, speak = Resource(), Resource()
     routed.isLeaf = True  # type: ignore[misc]
@@ -129,7 +129,7 @@ def test_access_lines_are_not_even_formatted_when_not_logged() -> None:
     """
     from twisted.web.resource import Resource
 
-    from rhapsode._gate import CoreSite
+    from rhapsode._admission import CoreSite
 
     for enabled in (False, True):
         site = CoreSite(Resource(), FakeCore(), access_log=enabled)

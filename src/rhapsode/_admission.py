@@ -20,8 +20,8 @@ from twisted.web import server
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_worker._errors import BadRequest, SpeechError, as_speech_error
-from rhapsode_worker._http import DirectSite, EagerRequest
+from rhapsode_worker.errors import BadRequest, SpeechError, as_speech_error
+from rhapsode_worker.site import DirectSite, EagerRequest
 
 from ._guard import check_management
 
@@ -233,10 +233,8 @@ class CoreSite(DirectSite):
     A site whose requests can reach the core before their handlers run.  C{direct}
     routes skip Klein and C{access_log} is as for L{DirectSite}.
 
-    Each connection starts at the front door (L{rhapsode_worker._front.Front}), which
-    answers the direct routes itself and gives every other request to a twisted.web
-    channel (lent the connection for that request, or handed it for good) whose requests
-    are L{CoreRequest}s: guarded, stripped and streamed at their headers as above.
+    Its requests are L{CoreRequest}s: guarded, stripped and streamed at their headers as
+    above.
     """
 
     requestFactory = CoreRequest

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode_worker._http import write_trailer
+from rhapsode_worker.web import write_trailer
 
 
 def test_core_trailer_ends_a_chunked_body() -> None:

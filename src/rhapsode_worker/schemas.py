@@ -1,0 +1,533 @@
+"""
+The request and response shapes of Rhapsode (protocol.md sections 3 to 9), one copy of
+each, as JSON Schema (the 2020-12 subset OpenAPI 3.1 uses) held in plain dicts.
+
+The public request shapes extend the worker's rather than repeating them.  The SDK and
+the core check bodies against these with L{rhapsode_worker.validation}, and
+L{rhapsode_worker.openapi} builds both OpenAPI documents from the same dicts, so what is
+documented is what is enforced.  Standard library only: the core imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .errors import ERROR_TABLE
+from .vocab import ALL_CUES, ALL_DELIVERIES
+
+Schema = dict[str, Any]
+
+#: The worker protocol contracts this SDK speaks (protocol.md section 9).
+CONTRACT_VERSIONS: tuple[int, ...] = (1,)
+
+#: Audio formats a request may ask for, and the Content-Type each is answered with.
+MEDIA_TYPES: dict[str, str] = {
+    "wav": "audio/wav",
+    "mp3": "audio/mpeg",
+    "opus": "audio/opus",
+    "flac": "audio/flac",
+    "pcm": "audio/L16",
+}
+
+#: A voice id (protocol.md section 7): letters, digits, - and _, starting with a letter
+#: or digit, at most 64 characters.  Anything else could name a path or a pattern.
+VOICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+
+_REF_PREFIX = "#/components/schemas/"
+
+
+# Builders.  A shape that extends another shares its property schemas; nothing mutates
+# them, and worker_openapi hands out deep copies.
+
+
+def _typed(type_: str | list[str], description: str, keywords: dict[str, Any]) -> Schema:
+    schema: Schema = {"type": type_}
+    if description:
+        schema["description"] = description
+    schema.update(keywords)
+    return schema
+
+
+def _string(description: str = "", **keywords: Any) -> Schema:
+    return _typed("string", description, keywords)
+
+
+def _integer(description: str = "", **keywords: Any) -> Schema:
+    return _typed("integer", description, keywords)
+
+
+def _number(description: str = "", **keywords: Any) -> Schema:
+    return _typed("number", description, keywords)
+
+
+def _boolean(description: str = "", **keywords: Any) -> Schema:
+    return _typed("boolean", description, keywords)
+
+
+def _enum(values: Sequence[str], description: str = "") -> Schema:
+    return _typed("string", description, {"enum": list(values)})
+
+
+def _array(items: Schema, description: str = "", **keywords: Any) -> Schema:
+    return _typed("array", description, {"items": items, **keywords})
+
+
+def _map(values: Schema, description: str = "", **keywords: Any) -> Schema:
+    return _typed("object", description, {"additionalProperties": values, **keywords})
+
+
+def _object(
+    properties: dict[str, Schema],
+    required: Sequence[str] = (),
+    *,
+    closed: bool = False,
+    description: str = "",
+) -> Schema:
+    """
+    An object with named properties.  C{closed} refuses unknown keys, which every request
+    shape does (protocol.md section 6); responses stay open, because section 9 lets a
+    newer worker add fields an older reader must ignore.
+    """
+    schema = _typed("object", description, {"properties": properties})
+    if required:
+        schema["required"] = list(required)
+    if closed:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def _extend(
+    base: Schema,
+    properties: dict[str, Schema],
+    required: Sequence[str] = (),
+    *,
+    description: str,
+) -> Schema:
+    extended = dict(base, description=description)
+    extended["properties"] = {**base["properties"], **properties}
+    if required:
+        extended["required"] = [*base.get("required", ()), *required]
+    return extended
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": _REF_PREFIX + name}
+
+
+# The fields /speak and /dialogue share, built once per shape.
+
+
+def _variant_field() -> Schema:
+    return _string("Absent means whatever is loaded, or the engine's default if nothing is.")
+
+
+def _format_field() -> Schema:
+    return _enum(
+        tuple(MEDIA_TYPES),
+        "From capabilities.formats. The response's Content-Type is authoritative.",
+    )
+
+
+def _language_field() -> Schema:
+    return _string(
+        "One of the effective variant's languages; absent means the first it lists."
+    )
+
+
+def _params_field() -> Schema:
+    return _map(
+        _number(),
+        "Dial values, against the effective variant's dials. Unknown keys are refused.",
+    )
+
+
+def _seed_field() -> Schema:
+    return _integer("Reproducibility, for variants whose seeding says so.")
+
+
+def _stream_field() -> Schema:
+    return _boolean(
+        "true streams chunked; false buffers and sets Content-Length and the duration header.",
+        default=True,
+    )
+
+
+def _keep_alive_field() -> Schema:
+    return _integer(
+        "Seconds to keep the model this request loads once it is done: -1 until the room "
+        "is needed, 0 frees it at once. Request, then engine, then server. Never sent to "
+        "a worker.",
+        minimum=-1,
+    )
+
+
+SPEAK_REQUEST: Schema = _object(
+    {
+        "text": _string(
+            "What to say. Cues are written [laugh]; the core strips those the variant does "
+            "not claim.",
+            minLength=1,
+        ),
+        "voice": _string("Engine-scoped id from GET /voices; absent means the engine default."),
+        "variant": _variant_field(),
+        "format": _format_field(),
+        "language": _language_field(),
+        "delivery": _enum(
+            ALL_DELIVERIES, "How the whole line is read; absent is the voice's ordinary reading."
+        ),
+        "params": _params_field(),
+        "seed": _seed_field(),
+        "stream": _stream_field(),
+    },
+    required=["text"],
+    closed=True,
+    description="POST /speak on a worker.",
+)
+
+PUBLIC_SPEAK_REQUEST: Schema = _extend(
+    SPEAK_REQUEST,
+    {"engine": _string("Engine id, from GET /engines."), "keepAliveSeconds": _keep_alive_field()},
+    required=["engine"],
+    description="POST /speak on the public API.",
+)
+
+DIALOGUE_REQUEST: Schema = _object(
+    {
+        "turns": _array(
+            _object(
+                {
+                    "speaker": _string("A label the request makes up.", minLength=1),
+                    "text": _string("This turn's words, cues written [laugh]."),
+                },
+                required=["speaker", "text"],
+                closed=True,
+            ),
+            "The conversation, in order. Its texts share one maxCharacters budget.",
+            minItems=1,
+        ),
+        "voices": _map(
+            _string(),
+            "Speaker label to voice id; a speaker absent from it is read in a voice the "
+            "model picks. A label no turn uses is bad_request.",
+        ),
+        "variant": _variant_field(),
+        "format": _format_field(),
+        "language": _language_field(),
+        "params": _params_field(),
+        "seed": _seed_field(),
+        "stream": _stream_field(),
+    },
+    required=["turns"],
+    closed=True,
+    description="POST /dialogue on a worker. There is no delivery: a dialogue has more "
+    "than one reader.",
+)
+
+PUBLIC_DIALOGUE_REQUEST: Schema = _extend(
+    DIALOGUE_REQUEST,
+    {"keepAliveSeconds": _keep_alive_field()},
+    description="POST /engines/{engine}/dialogue on the public API.",
+)
+
+LOAD_REQUEST: Schema = _object(
+    {"variant": _string("The variant to load; absent means the engine's default.")},
+    closed=True,
+)
+
+FETCH_REQUEST: Schema = _object(
+    {"variant": _string("The variant whose weights to download; absent means the default.")},
+    closed=True,
+)
+
+ERROR: Schema = _object(
+    {
+        "error": _object(
+            {
+                "code": _enum(tuple(ERROR_TABLE)),
+                "message": _string(),
+                "retryable": _boolean(
+                    "Whether the same request may succeed later: the server, not the "
+                    "request, was the problem."
+                ),
+                "field": _string("The request field the failure is about, as a dotted path."),
+            },
+            required=["code", "message", "retryable"],
+        )
+    },
+    required=["error"],
+    description="Every error, from a worker or the core (protocol.md section 6).",
+)
+
+HEALTH: Schema = _object(
+    {
+        "process": _string(const="up"),
+        "model": _enum(("unloaded", "loading", "loaded", "unloading")),
+        "variant": _string("The variant loaded or loading; absent otherwise."),
+        "engine": _string(),
+        "contract": _integer(minimum=1),
+        "device": _string('Where the model runs, e.g. "cpu" or "cuda:0".'),
+        "draining": _boolean("true once a SIGTERM or /terminate arrived: new work is refused."),
+        "modelBytes": _integer(
+            "Device memory the loaded model took, measured across its load; absent where "
+            "nothing measured it, never 0.",
+            minimum=1,
+        ),
+        "vramBytes": _integer("What the device holds in all; absent where unmeasured.", minimum=1),
+    },
+    required=["process", "model", "engine", "contract", "device", "draining"],
+    description="GET /health: process and model state. Never loads, never blocks.",
+)
+
+DIAL: Schema = _object(
+    {"min": _number(), "max": _number(), "default": _number()},
+    required=["min", "max", "default"],
+)
+
+VARIANT_CAPS: Schema = _object(
+    {
+        "cues": _array(_enum(ALL_CUES), "The cues this variant performs; the rest are stripped."),
+        "deliveries": _array(_enum(ALL_DELIVERIES)),
+        "dials": _map(_ref("Dial"), "Numbers this variant really varies, by name."),
+        "languages": _array(_string(), "The first is the default.", minItems=1),
+        "maxCharacters": _integer("The most text one request may carry.", minimum=1),
+        "segmentation": _object(
+            {
+                "supported": _boolean("false: text over maxCharacters is refused, not split."),
+                "segmentCharacters": _integer("What one generation gets.", minimum=1),
+                "firstSegmentCharacters": _integer(
+                    "A shorter first segment, for a quicker first byte.", minimum=1
+                ),
+                "jointSilenceMs": _integer("Silence between segments.", minimum=0),
+            },
+            required=["supported"],
+        ),
+        "cloning": _object(
+            {
+                "supported": _boolean(),
+                "formats": _array(_string(), "File types a reference may be."),
+                "referenceSeconds": _array(
+                    _number(),
+                    "Shortest and longest usable reference.",
+                    prefixItems=[_number(), _number()],
+                    minItems=2,
+                    maxItems=2,
+                ),
+            },
+            required=["supported"],
+        ),
+        "blending": _object({"supported": _boolean()}, required=["supported"]),
+        "dialogue": _object(
+            {"maxSpeakers": _integer(minimum=1)},
+            required=["maxSpeakers"],
+            description="Present only where the variant answers POST /dialogue.",
+        ),
+        "streaming": _object(
+            {"supported": _boolean(), "granularity": _string()},
+            required=["supported", "granularity"],
+        ),
+        "seeding": _object({"reproducible": _boolean()}, required=["reproducible"]),
+    },
+    required=[
+        "cues",
+        "deliveries",
+        "dials",
+        "languages",
+        "maxCharacters",
+        "segmentation",
+        "streaming",
+    ],
+    # cloning, blending and seeding are optional: contract 1 shipped without them, and a
+    # reader that finds one absent does not know (section 4), so an older worker is valid.
+    description="What one variant performs (protocol.md section 4).",
+)
+
+NATIVE_FORMAT: Schema = _object(
+    {
+        "encoding": _string(const="pcm_s16le"),
+        "sampleRate": _integer(minimum=1),
+        "channels": _integer(minimum=1),
+    },
+    required=["encoding", "sampleRate", "channels"],
+)
+
+CURRENT_VARIANT_CAPS: Schema = _extend(
+    VARIANT_CAPS,
+    {"variant": _string(), "nativeFormat": _ref("NativeFormat")},
+    required=["variant", "nativeFormat"],
+    description="The loaded variant: what it performs, its name and its PCM.",
+)
+
+# One shape for an engine's licences, wherever they are reported (protocol.md section 4).
+LICENSE: Schema = _object(
+    {
+        "code": _string("The most restrictive licence among what the worker process runs."),
+        "weights": _typed(["string", "null"], "null for an engine with no weights.", {}),
+        "weightsCommercialUse": _typed(["boolean", "null"], "", {}),
+        "notes": _string("Which dependency is responsible for code."),
+    },
+    required=["code", "weights", "weightsCommercialUse", "notes"],
+)
+
+CAPABILITIES: Schema = _object(
+    {
+        "contract": _integer("The contract this worker answers at.", minimum=1),
+        "engine": _object(
+            {
+                "id": _string(),
+                "displayName": _string(),
+                "adapterVersion": _string(),
+                "upstreamVersion": _string(),
+            },
+            required=["id", "displayName", "adapterVersion"],
+        ),
+        "license": LICENSE,
+        "device": _object(
+            {"type": _string(), "name": _string(), "vramBytes": _integer(minimum=1)},
+            required=["type"],
+        ),
+        "defaultVariant": _string(),
+        "current": _ref("CurrentVariantCaps"),
+        "variants": _map(
+            _ref("VariantCaps"),
+            "Every variant this worker can load on this machine.",
+            minProperties=1,
+        ),
+        "formats": _array(_enum(tuple(MEDIA_TYPES))),
+        "nativeFormat": _ref("NativeFormat"),
+    },
+    required=[
+        "contract",
+        "engine",
+        "license",
+        "device",
+        "defaultVariant",
+        "variants",
+        "formats",
+        "nativeFormat",
+    ],
+    description="GET /capabilities. current is absent while nothing is loaded.",
+)
+
+VOICE: Schema = _object(
+    {
+        "id": _string(pattern=VOICE_ID_PATTERN),
+        "label": _string(),
+        "spec": _string("Opaque; changes whenever the rendering would. Never parse it."),
+        "description": _string(),
+        "tags": _array(_string()),
+        "previewUrl": _string("Follow it; never build one."),
+        "builtin": _boolean(),
+    },
+    required=["id", "label", "spec", "tags", "previewUrl", "builtin"],
+)
+
+VOICE_LIST: Schema = _array(_ref("Voice"))
+
+VOICE_CREATE: Schema = _object(
+    {
+        "id": _string(
+            "Replaces the voice of that id where there is one.", pattern=VOICE_ID_PATTERN
+        ),
+        "label": _string(),
+        "reference": _string(
+            "A file of a type current.cloning.formats lists.",
+            contentMediaType="application/octet-stream",
+        ),
+        "blend": _string("name(weight)+name(weight), each weight optional and 1 when absent."),
+        "transcript": _string(
+            "The words the reference speaks; an engine that does not read it ignores it."
+        ),
+    },
+    required=["id"],
+    closed=True,
+    description="POST /voices (multipart/form-data). Exactly one of reference or blend; "
+    "both or neither is bad_request.",
+)
+
+VOICE_DELETED: Schema = _object({"deleted": _string()}, required=["deleted"])
+
+TERMINATE_RESPONSE: Schema = _object(
+    {"terminating": _boolean(const=True)}, required=["terminating"]
+)
+
+FETCH_RESPONSE: Schema = _object(
+    {"variant": _string(), "fetched": _boolean()}, required=["variant", "fetched"]
+)
+
+# The core's own answers, in the public API only.
+
+ENGINE_STATE: Schema = _object(
+    {
+        "process": _enum(
+            ("down", "starting", "up", "draining", "failed", "remote"),
+            "The engine's process; remote is a worker at a URL this server does not run.",
+        ),
+        "model": _enum(("unloaded", "loaded")),
+        "variant": _string("The variant on the device; absent while unloaded."),
+        "pid": _integer("The process id, while there is a process.", minimum=1),
+        "restarts": _integer(
+            "Restarts after crashes, counted against the restart limit.", minimum=0
+        ),
+        "lastError": _string("Why the process last failed to start or exited unasked."),
+    },
+    required=["process", "model"],
+    description="One engine as this server sees it. Reading it starts nothing and loads "
+    "nothing.",
+)
+
+ENGINE_SUMMARY: Schema = _object(
+    {
+        "id": _string("The engine id every engine-scoped route and /speak name."),
+        "displayName": _string(),
+        "license": LICENSE,
+        "defaultVariant": _string(),
+        **ENGINE_STATE["properties"],
+    },
+    required=["id", *ENGINE_STATE["required"]],
+    description="One entry of GET /engines. displayName, license and defaultVariant are "
+    "absent until the engine has first been asked for its capabilities.",
+)
+
+ENGINE_LIST: Schema = _array(_ref("EngineSummary"))
+
+PUBLIC_HEALTH: Schema = _object(
+    {
+        "status": _string(const="ok"),
+        "version": _string(
+            "This server's package version, for display; never compare it, read contract."
+        ),
+        "contract": _integer(
+            "The contract this server speaks (protocol.md section 9).", minimum=1
+        ),
+        "engines": _map(_ref("EngineState"), "Every configured engine, by id."),
+    },
+    required=["status", "version", "contract", "engines"],
+    description="GET /health. Never starts, loads or waits on an engine.",
+)
+
+# Every named shape; a generated document holds those its paths reach.
+_COMPONENTS: dict[str, Schema] = {
+    "SpeakRequest": SPEAK_REQUEST,
+    "PublicSpeakRequest": PUBLIC_SPEAK_REQUEST,
+    "DialogueRequest": DIALOGUE_REQUEST,
+    "PublicDialogueRequest": PUBLIC_DIALOGUE_REQUEST,
+    "LoadRequest": LOAD_REQUEST,
+    "FetchRequest": FETCH_REQUEST,
+    "Error": ERROR,
+    "Health": HEALTH,
+    "Dial": DIAL,
+    "VariantCaps": VARIANT_CAPS,
+    "CurrentVariantCaps": CURRENT_VARIANT_CAPS,
+    "NativeFormat": NATIVE_FORMAT,
+    "Capabilities": CAPABILITIES,
+    "Voice": VOICE,
+    "VoiceList": VOICE_LIST,
+    "VoiceCreate": VOICE_CREATE,
+    "VoiceDeleted": VOICE_DELETED,
+    "TerminateResponse": TERMINATE_RESPONSE,
+    "FetchResponse": FETCH_RESPONSE,
+    "EngineState": ENGINE_STATE,
+    "EngineSummary": ENGINE_SUMMARY,
+    "EngineList": ENGINE_LIST,
+    "PublicHealth": PUBLIC_HEALTH,
+}

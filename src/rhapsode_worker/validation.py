@@ -1,0 +1,285 @@
+"""
+Checking a request against its shape (L{rhapsode_worker.schemas}): a small JSON Schema
+validator whose refusals are C{bad_request} envelopes naming the field, the JSON body
+reader that refuses what JSON does not allow, and the voice id rule.
+
+Written here rather than taken from C{jsonschema} because each refusal must name the
+field in the taxonomy's words, and because the core imports it and should pull in
+nothing but the standard library.  It enforces exactly the keywords the shapes use and
+refuses a schema with any other, since a half-enforced shape is worse than an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from typing import Any, Callable
+
+from .errors import BadRequest
+from .schemas import _COMPONENTS, _REF_PREFIX, VOICE_ID_PATTERN, Schema
+
+# Validation.
+
+# What the validator enforces; any other keyword in a schema is a mistake it refuses to
+# pass over silently, since a half-enforced shape is worse than an error.
+_VALIDATION_KEYWORDS = frozenset(
+    {
+        "$ref",
+        "type",
+        "enum",
+        "const",
+        "properties",
+        "required",
+        "additionalProperties",
+        "minProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "maximum",
+    }
+)
+_ANNOTATIONS = frozenset({"description", "default", "contentMediaType"})
+_KEYWORDS = _VALIDATION_KEYWORDS | _ANNOTATIONS
+
+
+def _is_number(value: object) -> bool:
+    # bool is an int to Python and never a number to JSON; NaN and the infinities are
+    # not JSON at all.
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "string": ("a string", lambda v: isinstance(v, str)),
+    # 3.0 is refused too: a seed that arrives as a float is a client bug worth naming.
+    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", _is_number),
+    "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "array": ("an array", lambda v: isinstance(v, list)),
+    "null": ("null", lambda v: v is None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _regex(pattern: str) -> re.Pattern[str]:
+    """
+    Compile a JSON Schema pattern with ECMA-262's meaning where Python's differs.
+
+    ECMA's C{$} matches only at the very end, Python's also before a final newline (which
+    would let C{"a\\n"} through an anchored pattern), so an unescaped C{$} outside a
+    character class becomes C{\\Z}; and C{\\d}, C{\\w} are ASCII-only, as in ECMA.
+    """
+    out: list[str] = []
+    escaped = in_class = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "$":
+            out.append(r"\Z")
+            continue
+        out.append(ch)
+    return re.compile("".join(out), re.ASCII)
+
+
+def _name(path: str) -> str:
+    return f'"{path}"' if path else "the body"
+
+
+def _fail(path: str, problem: str) -> BadRequest:
+    return BadRequest(f"{_name(path)} {problem}", field=path or None)
+
+
+def _show(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _child(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _resolve(ref: str) -> Schema:
+    if not ref.startswith(_REF_PREFIX) or ref[len(_REF_PREFIX) :] not in _COMPONENTS:
+        raise ValueError(f"unresolvable $ref {ref!r}")
+    return _COMPONENTS[ref[len(_REF_PREFIX) :]]
+
+
+#: Schemas already checked for keywords, by id, each with its type test and the message
+#: that names its types (the schema is held, so its id stays its own).  Schemas are
+#: constants here: one is never changed after it has been used.
+_VETTED: dict[int, tuple[Schema, Callable[[object], bool] | None, str]] = {}
+
+
+def _vet(schema: Schema) -> tuple[Schema, Callable[[object], bool] | None, str]:
+    unknown = schema.keys() - _KEYWORDS
+    if unknown:
+        raise ValueError(f"schema keywords not supported: {sorted(unknown)}")
+    accepts: Callable[[object], bool] | None = None
+    message = ""
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        tests = [_TYPES[t][1] for t in types]
+        accepts = tests[0] if len(tests) == 1 else (lambda v: any(test(v) for test in tests))
+        message = "must be " + " or ".join(_TYPES[t][0] for t in types)
+    vetted = (schema, accepts, message)
+    if len(_VETTED) < 4096:  # the contract's own schemas, and a bounded few more
+        _VETTED[id(schema)] = vetted
+    return vetted
+
+
+def validate(schema: Schema, value: object, *, path: str = "") -> None:
+    """
+    Check C{value} against C{schema}, raising for the first violation found.
+
+    The order is fixed, so a body with several faults always names the same one: the
+    value's type, then enum and const, then for an object its unknown keys, its missing
+    required keys, its size, and each property in the schema's order, then the values
+    under C{additionalProperties}; for an array its length, then each item in order.
+
+    @param path: where C{value} sits in the body, e.g. C{"turns[2]"}; C{""} is the body.
+    @raise BadRequest: naming the offending field as a dotted path (C{"params.speed"},
+        C{"turns[2].speaker"}) in both its message and its C{field}.
+    @raise ValueError: if C{schema} uses a keyword this validator does not enforce.
+    """
+    vetted = _VETTED.get(id(schema))
+    if vetted is None or vetted[0] is not schema:
+        vetted = _vet(schema)
+    if "$ref" in schema:
+        validate(_resolve(schema["$ref"]), value, path=path)
+        return
+
+    accepts = vetted[1]
+    if accepts is not None and not accepts(value):
+        raise _fail(path, vetted[2])
+    if "enum" in schema and value not in schema["enum"]:
+        raise _fail(path, "must be one of " + ", ".join(_show(v) for v in schema["enum"]))
+    if "const" in schema and value != schema["const"]:
+        raise _fail(path, f"must be {json.dumps(schema['const'])}")
+
+    if isinstance(value, str):
+        _check_string(schema, value, path)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_number(schema, value, path)
+    elif isinstance(value, dict):
+        _check_object(schema, value, path)
+    elif isinstance(value, list):
+        _check_array(schema, value, path)
+
+
+def _check_string(schema: Schema, value: str, path: str) -> None:
+    if "minLength" in schema and len(value) < schema["minLength"]:
+        if schema["minLength"] == 1:
+            raise _fail(path, "must not be empty")
+        raise _fail(path, f"must be at least {_plural(schema['minLength'], 'character')}")
+    if "maxLength" in schema and len(value) > schema["maxLength"]:
+        raise _fail(path, f"must be at most {_plural(schema['maxLength'], 'character')}")
+    if "pattern" in schema and not _regex(schema["pattern"]).search(value):
+        raise _fail(path, f"must match {schema['pattern']}")
+
+
+def _check_number(schema: Schema, value: float, path: str) -> None:
+    if "minimum" in schema and value < schema["minimum"]:
+        raise _fail(path, f"must be at least {schema['minimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise _fail(path, f"must be at most {schema['maximum']}")
+
+
+def _check_object(schema: Schema, value: dict[str, Any], path: str) -> None:
+    properties: dict[str, Schema] = schema.get("properties", {})
+    additional = schema.get("additionalProperties", True)
+    if additional is False:
+        for key in value:
+            if key not in properties:
+                child = _child(path, key)
+                raise BadRequest(f'unknown field "{child}"', field=child)
+    for key in schema.get("required", ()):
+        if key not in value:
+            raise _fail(_child(path, key), "is required")
+    if "minProperties" in schema and len(value) < schema["minProperties"]:
+        if schema["minProperties"] == 1:
+            raise _fail(path, "must not be empty")
+        raise _fail(path, f"must have at least {_plural(schema['minProperties'], 'entry')}")
+    for key, subschema in properties.items():
+        if key in value:
+            validate(subschema, value[key], path=_child(path, key))
+    if isinstance(additional, dict):
+        for key, item in value.items():
+            if key not in properties:
+                validate(additional, item, path=_child(path, key))
+
+
+def _check_array(schema: Schema, value: list[Any], path: str) -> None:
+    if "minItems" in schema and len(value) < schema["minItems"]:
+        if schema["minItems"] == 1:
+            raise _fail(path, "must not be empty")
+        raise _fail(path, f"must have at least {_plural(schema['minItems'], 'item')}")
+    if "maxItems" in schema and len(value) > schema["maxItems"]:
+        raise _fail(path, f"must have at most {_plural(schema['maxItems'], 'item')}")
+    prefix: list[Schema] = schema.get("prefixItems", [])
+    for index, item in enumerate(value):
+        subschema = prefix[index] if index < len(prefix) else schema.get("items")
+        if subschema is not None:
+            validate(subschema, item, path=f"{path}[{index}]")
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+#: One decoder for every body (json.loads with options builds a decoder per call).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def parse_json_body(raw: bytes, schema: Schema) -> dict[str, Any]:
+    """
+    Decode a UTF-8 JSON request body, require an object, and validate it.
+
+    @raise BadRequest: for anything that is not valid JSON (NaN and Infinity included),
+        a body that is not an object, or the first violation of C{schema}.
+    """
+    try:
+        value = _DECODER.decode(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BadRequest("body is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise BadRequest("body must be a JSON object")
+    validate(schema, value)
+    return value
+
+
+def check_voice_id(value: object, field: str = "id") -> str:
+    """
+    Return C{value} if it is a voice id (protocol.md section 7), else refuse it.
+
+    Checked before an adapter sees an id, because an adapter makes a file of it: before
+    the rule, C{../../x} wrote outside the voice directory and C{*} matched a voice.
+
+    @raise BadRequest: naming C{field}.
+    """
+    if not isinstance(value, str):
+        raise BadRequest(f'"{field}" must be a string', field=field)
+    if not _regex(VOICE_ID_PATTERN).search(value):
+        raise BadRequest(
+            f'"{field}" must be letters, digits, - and _, starting with a letter or digit, '
+            f"at most 64 characters",
+            field=field,
+        )
+    return value

@@ -1,0 +1,140 @@
+"""
+The HTTP habits the worker and the core share (protocol.md section 6): JSON answers and
+error envelopes, JSON bodies read within a limit, failures mapped onto the taxonomy
+before headers and turned into an abort after them, and the duration trailer that
+twisted.web has no API for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+
+from .errors import BadRequest, SpeechError, as_speech_error
+from .validation import parse_json_body
+
+__all__ = [
+    "DURATION_HEADER",
+    "InFlight",
+    "abort_connection",
+    "answer_failure",
+    "error_response",
+    "json_response",
+    "no_route",
+    "read_json",
+    "transport_of",
+    "write_trailer",
+]
+
+DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
+
+
+def json_response(request: IRequest, status: int, body: Any) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", b"application/json")
+    return json.dumps(body).encode("utf-8")
+
+
+def error_response(request: IRequest, error: SpeechError) -> bytes:
+    return json_response(request, error.status, error.envelope())
+
+
+def read_json(request: IRequest, schema: dict[str, Any], limit: int) -> dict[str, Any]:
+    """
+    The request's JSON body checked against C{schema}; no body is an empty object (so
+    POST /load with nothing loads the default).
+    """
+    request.content.seek(0)
+    raw = request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise BadRequest(f"body is over {limit} bytes", field="body")
+    return parse_json_body(raw if raw.strip() else b"{}", schema)
+
+
+def abort_connection(request: IRequest) -> None:
+    """
+    End a response whose headers have gone without finishing it: the client sees a
+    truncated body, never a clean short one.
+    """
+    transport = transport_of(request)
+    if transport is None:
+        return
+    abort = getattr(transport, "abortConnection", None)
+    (abort or transport.loseConnection)()
+
+
+def answer_failure(request: IRequest, exc: Exception, log: Logger) -> bytes | None:
+    """
+    What to do with a failure: an error envelope while no header has gone, an aborted
+    connection after.  Only an adapter's or the core's own bug is logged as one.
+    """
+    error = as_speech_error(exc)
+    if error.code == "internal":
+        log.failure("request failed", Failure(exc))
+    if getattr(request, "startedWriting", False):
+        abort_connection(request)
+        return None
+    return error_response(request, error)
+
+
+def no_route(request: IRequest) -> bytes:
+    method = request.method.decode("ascii", "replace")
+    path = request.path.decode("utf-8", "replace")
+    return error_response(request, BadRequest(f"no route {method} {path}", field="path"))
+
+
+def write_trailer(request: IRequest, duration_ms: int | None) -> None:
+    """
+    End a chunked body with the duration trailer (nothing to do for a body that is not
+    chunked, e.g. to an HTTP/1.0 client).  The caller then finishes the request, which
+    writes no terminator of its own once C{chunked} is off.
+    """
+    if not getattr(request, "chunked", False):
+        return
+    request.chunked = 0  # type: ignore[attr-defined]
+    trailer = b"" if duration_ms is None else b"%s: %d\r\n" % (DURATION_HEADER, duration_ms)
+    request.channel.write(b"0\r\n" + trailer + b"\r\n")  # type: ignore[attr-defined]
+
+
+class InFlight:
+    """
+    How many requests are being answered, and who is waiting for that to reach zero
+    (a drain, a graceful shutdown).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._waiters: list[Deferred[None]] = []
+
+    def enter(self) -> None:
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            waiters, self._waiters = self._waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def when_idle(self) -> "Deferred[None]":
+        """
+        Fires once no request is being answered (at once if none is).
+        """
+        d: Deferred[None] = Deferred()
+        if self.count:
+            self._waiters.append(d)
+        else:
+            d.callback(None)
+        return d
+
+
+def transport_of(request: Any) -> Any:
+    """
+    The connection a twisted.web request came on, or None (a test double may have none).
+    """
+    return getattr(getattr(request, "channel", None), "transport", None)
