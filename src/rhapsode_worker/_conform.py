@@ -986,11 +986,13 @@ def check_refused_formats(ctx: Context) -> list[Result]:
         refused(response, 422, "unsupported", "format", names=missing[0])
 
     def unknown() -> None:
-        refused(ctx.speak(text=BASE_TEXT, format="aac", stream=False), 400, "bad_request", "format")
+        # Outside the contract's five is unsupported too (section 6): a format this
+        # worker does not do, like any other, not a malformed request.
+        refused(ctx.speak(text=BASE_TEXT, format="aac", stream=False), 422, "unsupported", "format", names="aac")
 
     return [
         ctx.probe("an undeclared format is unsupported, naming it", undeclared),
-        ctx.probe('an unknown format is bad_request naming "format"', unknown),
+        ctx.probe('a format outside the contract is unsupported, naming it', unknown),
     ]
 
 

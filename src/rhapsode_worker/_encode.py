@@ -23,14 +23,14 @@ import tempfile
 import struct
 import subprocess
 from functools import lru_cache
-from typing import Protocol, cast
+from typing import Any, Callable, Protocol, cast
 
 import imageio_ffmpeg
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import IConsumer, IProducer, IPushProducer, IReactorProcess
 from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.threads import deferToThread
+from twisted.internet.threads import deferToThreadPool
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -384,8 +384,11 @@ class _FfmpegFileEncoder(_FfmpegEncoder):
     The file is read back off the reactor thread once ffmpeg exits, and always removed.
     """
 
-    def __init__(self, argv: list[str], path: str, sink: IConsumer, reactor: IReactorProcess) -> None:
+    def __init__(
+        self, argv: list[str], path: str, sink: IConsumer, reactor: IReactorProcess, blocking: "Blocking"
+    ) -> None:
         self._path = path
+        self._blocking = blocking
         super().__init__(argv + [path], sink, reactor)
 
     def _stop(self) -> None:
@@ -415,7 +418,7 @@ class _FfmpegFileEncoder(_FfmpegEncoder):
             if self._state is not _State.ABORTED:
                 self._conclude(_State.DONE, Failure(EncoderFailed("output unreadable", str(failure.value))))
 
-        deferToThread(read_back).addCallbacks(deliver, failed)
+        self._blocking(read_back).addCallbacks(deliver, failed)
 
 
 def _discard(path: str) -> None:
@@ -450,6 +453,17 @@ def _ffmpeg_argv(ffmpeg: str, fmt: str, native: NativeFormat, streaming: bool) -
     return argv
 
 
+#: Runs a blocking call off the reactor thread: C{blocking(f, *args)} fires with its result.
+Blocking = Callable[..., "Deferred[Any]"]
+
+
+def _pool_of(reactor: Any) -> Blocking:
+    """
+    Blocking calls on C{reactor}'s own thread pool, looked up when one is made.
+    """
+    return lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
+
+
 def make_encoder(
     fmt: str,
     native: NativeFormat,
@@ -458,11 +472,14 @@ def make_encoder(
     reactor: IReactorProcess,
     ffmpeg: str | None,
     streaming: bool,
+    blocking: Blocking | None = None,
 ) -> Encoder:
     """
     An encoder from C{native} PCM to C{fmt}, writing to C{sink}.  For an ffmpeg format the child
     starts now and the encoder registers itself as the sink's producer; C{streaming} asks ffmpeg
     to flush every packet (and Ogg to cut 20 ms pages) so the first bytes leave early.
+    C{blocking} runs the file work of a buffered MP3 off the reactor thread (by default on
+    C{reactor}'s own thread pool).
 
     @raise Unsupported: C{fmt} is not one this machine can produce.
     """
@@ -478,5 +495,5 @@ def make_encoder(
     if fmt == "mp3" and not streaming:
         handle, path = tempfile.mkstemp(prefix="rhapsode-", suffix=".mp3")
         os.close(handle)
-        return _FfmpegFileEncoder(argv + ["-y"], path, sink, reactor)
+        return _FfmpegFileEncoder(argv + ["-y"], path, sink, reactor, blocking or _pool_of(reactor))
     return _FfmpegEncoder(argv + ["pipe:1"], sink, reactor)

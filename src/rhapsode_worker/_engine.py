@@ -70,13 +70,14 @@ class License:
     The licences of what the worker process runs and of the weights it loads (section 4).
 
     C{code} is the most restrictive licence among everything the worker loads, and
-    C{notes} names the dependency responsible.  C{weights} is C{None} for an engine with
-    no weights, and so is C{weights_commercial_use}.
+    C{notes} names the dependency responsible.  C{weights} is always a licence: an
+    engine with no weights names the licence of the data it speaks from (a formant
+    engine's voice data, an arithmetic engine's own tables), and says so in C{notes}.
     """
 
     code: str
-    weights: str | None = None
-    weights_commercial_use: bool | None = None
+    weights: str
+    weights_commercial_use: bool
     notes: str = ""
 
 
@@ -256,7 +257,7 @@ class Engine:
 
     id: str = ""
     display_name: str = ""
-    license: License = License(code="UNKNOWN")
+    license: License = License(code="UNKNOWN", weights="UNKNOWN", weights_commercial_use=False)
     native_format: NativeFormat = NativeFormat(sample_rate=24000)
     default_variant: str = "default"
     adapter_version: str = "0.1.0"

@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -28,7 +27,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from . import _memory, contract
 from ._blend import parse_blend
-from ._encode import content_type, make_encoder
+from ._encode import Blocking, content_type, make_encoder
 from ._engine import (
     Dial,
     DialogueRequest,
@@ -187,6 +186,7 @@ class _AudioResponse:
             reactor=self._worker.reactor,
             ffmpeg=self._worker.ffmpeg,
             streaming=self._stream,
+            blocking=self._worker.blocking,
         )
         self._encoder.registerProducer(self._job, True)
 
@@ -299,9 +299,15 @@ class WorkerApp:
         ffmpeg: str | None,
         contract_version: int,
         on_terminate: Callable[[], None],
+        blocking: Blocking,
     ) -> None:
+        """
+        @param blocking: runs a blocking call (voice files, a fetch, an upload's parsing)
+            off the reactor thread; the runtime gives it a thread pool of its own.
+        """
         self.engine = engine
         self.reactor = reactor
+        self.blocking = blocking
         self.scheduler = scheduler
         self.model = model
         self.formats = tuple(formats)
@@ -477,7 +483,7 @@ class WorkerApp:
             variant = self._variant(body.get("variant") or self.engine.default_variant)
             if not overrides(self.engine, "fetch"):
                 raise Unsupported("this engine has nothing to fetch", field="variant")
-            await deferToThread(self.engine.fetch, variant)
+            await self.blocking(self.engine.fetch, variant)
             return json_response(request, 200, {"variant": variant, "fetched": True})
 
         return await self._guarded(request, handle)
@@ -498,7 +504,7 @@ class WorkerApp:
         return doc
 
     async def _voices_by_id(self) -> dict[str, Voice]:
-        voices = await deferToThread(self.engine.voices)
+        voices = await self.blocking(self.engine.voices)
         return {v.id: v for v in voices}
 
     async def _check_voice(self, voice_id: str, field: str) -> None:
@@ -509,7 +515,7 @@ class WorkerApp:
     @app.route("/voices", methods=["GET"])
     async def _voices(self, request: IRequest) -> Any:
         async def handle() -> bytes:
-            voices = await deferToThread(self.engine.voices)
+            voices = await self.blocking(self.engine.voices)
             return json_response(request, 200, [self._voice_doc(v) for v in voices])
 
         return await self._guarded(request, handle)
@@ -521,7 +527,7 @@ class WorkerApp:
             if not ctype.lower().startswith(b"multipart/form-data"):
                 raise BadRequest("a voice is created from multipart/form-data", field="body")
             request.content.seek(0)
-            fields = await deferToThread(_parse_multipart, ctype, request.content.read())
+            fields = await self.blocking(_parse_multipart, ctype, request.content.read())
             unknown = sorted(set(fields) - {"id", "label", "reference", "blend", "transcript"})
             if unknown:
                 raise BadRequest(f'unknown field "{unknown[0]}"', field=unknown[0])
@@ -549,7 +555,7 @@ class WorkerApp:
         for name, _ in components:
             if name not in known:
                 raise UnknownVoice(f'no voice "{name}" to blend', field="blend")
-        return await deferToThread(self.engine.blend_voice, voice_id, label, components)
+        return await self.blocking(self.engine.blend_voice, voice_id, label, components)
 
     async def _clone(
         self, voice_id: str, label: str, filename: str | None, data: bytes, transcript: str | None
@@ -566,13 +572,13 @@ class WorkerApp:
         if not data:
             raise BadRequest("reference is empty", field="reference")
         reference = Reference(filename=filename or "", extension=extension, data=data, transcript=transcript)
-        return await deferToThread(self.engine.create_voice, voice_id, label, reference)
+        return await self.blocking(self.engine.create_voice, voice_id, label, reference)
 
     @app.route("/voices/<string:voice_id>", methods=["DELETE"])
     async def _delete_voice(self, request: IRequest, voice_id: str) -> Any:
         async def handle() -> bytes:
             await self._check_voice(voice_id, "id")
-            await deferToThread(self.engine.delete_voice, voice_id)
+            await self.blocking(self.engine.delete_voice, voice_id)
             return json_response(request, 200, {"deleted": voice_id})
 
         return await self._guarded(request, handle)

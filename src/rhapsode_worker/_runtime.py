@@ -18,12 +18,14 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Mapping, NoReturn
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall, react
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
@@ -47,6 +49,7 @@ BACKLOG = 2048
 _EXIT_REFUSED = 3
 _EXIT_MISCONFIGURED = 2
 _PARENT_POLL_SECONDS = 1.0
+_FILE_THREADS = 4
 
 log = Logger(namespace="rhapsode_worker")
 
@@ -257,6 +260,11 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = T
     pool = ThreadPool(minthreads=0, maxthreads=max(1, engine.concurrency), name="synthesis")
     pool.start()
     reactor.addSystemEventTrigger("during", "shutdown", pool.stop)
+    # Voice files, fetches and uploads' parsing: never on the reactor thread, and never
+    # queued behind a synthesis.
+    files = ThreadPool(minthreads=0, maxthreads=_FILE_THREADS, name="files")
+    files.start()
+    reactor.addSystemEventTrigger("during", "shutdown", files.stop)
     model = ModelState(engine, reactor, pool)
     scheduler = Scheduler(reactor, pool, model, engine.concurrency)
     ffmpeg = find_ffmpeg()
@@ -288,6 +296,7 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = T
         ffmpeg=ffmpeg,
         contract_version=spawn.contract,
         on_terminate=drain,
+        blocking=partial(deferToThreadPool, reactor, files),
     )
     connections = _Connections()
     site = worker.site(access_log=access_log)
@@ -319,7 +328,9 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = T
             log.warn("parent process {pid} is gone; exiting", pid=parent)
             os._exit(1)
 
-    LoopingCall(watch_parent).start(_PARENT_POLL_SECONDS, now=False)
+    watcher = LoopingCall(watch_parent)
+    watcher.clock = reactor
+    watcher.start(_PARENT_POLL_SECONDS, now=False)
     log.info(
         "serving {engine} on {listen} (contract {contract}, formats {formats})",
         engine=spawn.engine,

@@ -33,6 +33,23 @@ MEDIA_TYPES: dict[str, str] = {
 #: or digit, at most 64 characters.  Anything else could name a path or a pattern.
 VOICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 
+#: A language tag as BCP 47 writes one (language, then subtags), compared without case.
+LANGUAGE_PATTERN = r"^[A-Za-z]{2,8}(-[A-Za-z0-9]{1,8})*$"
+
+#: The upper bounds on what a request may carry, each checked before any work is done.
+#: Text: the most any variant's maxCharacters may be (each variant's own ceiling is
+#: checked after); an engine's own is usually near 4096.
+MAX_TEXT_CHARACTERS = 100_000
+#: keepAliveSeconds: a week.  -1 already means "until the room is needed".
+MAX_KEEP_ALIVE_SECONDS = 7 * 24 * 3600
+#: A seed: what every engine's generator can take (numpy's is 32-bit).
+MAX_SEED = 2**32 - 1
+#: Names: a variant, a speaker label, a dial.
+MAX_NAME_CHARACTERS = 64
+#: Dials one request may set, and turns and speakers one dialogue may carry.
+MAX_PARAMS = 32
+MAX_TURNS = 256
+
 _REF_PREFIX = "#/components/schemas/"
 
 
@@ -118,19 +135,31 @@ def _ref(name: str) -> Schema:
 
 
 def _variant_field() -> Schema:
-    return _string("Absent means whatever is loaded, or the engine's default if nothing is.")
+    return _string(
+        "Absent means whatever is loaded, or the engine's default if nothing is. An "
+        "unknown variant is unsupported.",
+        minLength=1,
+        maxLength=MAX_NAME_CHARACTERS,
+    )
 
 
 def _format_field() -> Schema:
-    return _enum(
-        tuple(MEDIA_TYPES),
-        "From capabilities.formats. The response's Content-Type is authoritative.",
+    # A string rather than an enum: a format outside the five is unsupported (422),
+    # as one the engine does not produce is, not a malformed request (400).
+    return _string(
+        "One of capabilities.formats (wav, mp3, opus, flac, pcm); any other is "
+        "unsupported. The response's Content-Type is authoritative.",
+        minLength=1,
+        maxLength=16,
     )
 
 
 def _language_field() -> Schema:
     return _string(
-        "One of the effective variant's languages; absent means the first it lists."
+        "A BCP 47 tag, compared without case, among the effective variant's languages; "
+        "absent means the first it lists. A variant with one language ignores it.",
+        pattern=LANGUAGE_PATTERN,
+        maxLength=35,
     )
 
 
@@ -138,11 +167,14 @@ def _params_field() -> Schema:
     return _map(
         _number(),
         "Dial values, against the effective variant's dials. Unknown keys are refused.",
+        maxProperties=MAX_PARAMS,
     )
 
 
 def _seed_field() -> Schema:
-    return _integer("Reproducibility, for variants whose seeding says so.")
+    return _integer(
+        "Reproducibility, for variants whose seeding says so.", minimum=0, maximum=MAX_SEED
+    )
 
 
 def _stream_field() -> Schema:
@@ -155,9 +187,10 @@ def _stream_field() -> Schema:
 def _keep_alive_field() -> Schema:
     return _integer(
         "Seconds to keep the model this request loads once it is done: -1 until the room "
-        "is needed, 0 frees it at once. Request, then engine, then server. Never sent to "
-        "a worker.",
+        "is needed, 0 frees it at once, at most a week. Request, then engine, then "
+        "server. Never sent to a worker.",
         minimum=-1,
+        maximum=MAX_KEEP_ALIVE_SECONDS,
     )
 
 
@@ -165,10 +198,14 @@ SPEAK_REQUEST: Schema = _object(
     {
         "text": _string(
             "What to say. Cues are written [laugh]; the core strips those the variant does "
-            "not claim.",
+            "not claim. At most the variant's maxCharacters.",
             minLength=1,
+            maxLength=MAX_TEXT_CHARACTERS,
         ),
-        "voice": _string("Engine-scoped id from GET /voices; absent means the engine default."),
+        "voice": _string(
+            "Engine-scoped id from GET /voices; absent means the engine default.",
+            maxLength=MAX_NAME_CHARACTERS,
+        ),
         "variant": _variant_field(),
         "format": _format_field(),
         "language": _language_field(),
@@ -196,19 +233,25 @@ DIALOGUE_REQUEST: Schema = _object(
         "turns": _array(
             _object(
                 {
-                    "speaker": _string("A label the request makes up.", minLength=1),
-                    "text": _string("This turn's words, cues written [laugh]."),
+                    "speaker": _string(
+                        "A label the request makes up.", minLength=1, maxLength=MAX_NAME_CHARACTERS
+                    ),
+                    "text": _string(
+                        "This turn's words, cues written [laugh].", maxLength=MAX_TEXT_CHARACTERS
+                    ),
                 },
                 required=["speaker", "text"],
                 closed=True,
             ),
             "The conversation, in order. Its texts share one maxCharacters budget.",
             minItems=1,
+            maxItems=MAX_TURNS,
         ),
         "voices": _map(
-            _string(),
+            _string(maxLength=MAX_NAME_CHARACTERS),
             "Speaker label to voice id; a speaker absent from it is read in a voice the "
             "model picks. A label no turn uses is bad_request.",
+            maxProperties=MAX_TURNS,
         ),
         "variant": _variant_field(),
         "format": _format_field(),
@@ -230,12 +273,22 @@ PUBLIC_DIALOGUE_REQUEST: Schema = _extend(
 )
 
 LOAD_REQUEST: Schema = _object(
-    {"variant": _string("The variant to load; absent means the engine's default.")},
+    {
+        "variant": _string(
+            "The variant to load; absent means the engine's default.",
+            maxLength=MAX_NAME_CHARACTERS,
+        )
+    },
     closed=True,
 )
 
 FETCH_REQUEST: Schema = _object(
-    {"variant": _string("The variant whose weights to download; absent means the default.")},
+    {
+        "variant": _string(
+            "The variant whose weights to download; absent means the default.",
+            maxLength=MAX_NAME_CHARACTERS,
+        )
+    },
     closed=True,
 )
 
@@ -361,9 +414,12 @@ CURRENT_VARIANT_CAPS: Schema = _extend(
 LICENSE: Schema = _object(
     {
         "code": _string("The most restrictive licence among what the worker process runs."),
-        "weights": _typed(["string", "null"], "null for an engine with no weights.", {}),
-        "weightsCommercialUse": _typed(["boolean", "null"], "", {}),
-        "notes": _string("Which dependency is responsible for code."),
+        "weights": _string(
+            "The weights' licence; an engine with no weights names the licence of the data "
+            "it speaks from, and says so in notes."
+        ),
+        "weightsCommercialUse": _boolean("Whether the weights may be used commercially."),
+        "notes": _string("Which dependency is responsible for code, and what weights covers."),
     },
     required=["code", "weights", "weightsCommercialUse", "notes"],
 )

@@ -34,6 +34,7 @@ _VALIDATION_KEYWORDS = frozenset(
         "required",
         "additionalProperties",
         "minProperties",
+        "maxProperties",
         "items",
         "prefixItems",
         "minItems",
@@ -109,11 +110,18 @@ def _show(value: object) -> str:
 
 
 def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun[:-1]}ies" if noun.endswith("y") else f"{count} {noun}s"
 
 
 def _child(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def _clip(key: str) -> str:
+    # A client's key is echoed in a message; a megabyte of one is not.
+    return key if len(key) <= 64 else key[:61] + "..."
 
 
 def _resolve(ref: str) -> Schema:
@@ -208,7 +216,7 @@ def _check_object(schema: Schema, value: dict[str, Any], path: str) -> None:
     if additional is False:
         for key in value:
             if key not in properties:
-                child = _child(path, key)
+                child = _child(path, _clip(key))
                 raise BadRequest(f'unknown field "{child}"', field=child)
     for key in schema.get("required", ()):
         if key not in value:
@@ -217,6 +225,8 @@ def _check_object(schema: Schema, value: dict[str, Any], path: str) -> None:
         if schema["minProperties"] == 1:
             raise _fail(path, "must not be empty")
         raise _fail(path, f"must have at least {_plural(schema['minProperties'], 'entry')}")
+    if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+        raise _fail(path, f"must have at most {_plural(schema['maxProperties'], 'entry')}")
     for key, subschema in properties.items():
         if key in value:
             validate(subschema, value[key], path=_child(path, key))
@@ -261,8 +271,39 @@ def parse_json_body(raw: bytes, schema: Schema) -> dict[str, Any]:
         raise BadRequest("body is not valid JSON") from None
     if not isinstance(value, dict):
         raise BadRequest("body must be a JSON object")
+    if b"\\u" in raw:
+        # Only an escape can carry a lone surrogate: UTF-8 itself cannot encode one.
+        where = _surrogate_at(value, "")
+        if where is not None:
+            raise _fail(where, "holds a lone surrogate (\\ud800 to \\udfff), which is not text")
     validate(schema, value)
     return value
+
+
+def _surrogate_at(value: object, path: str) -> str | None:
+    """
+    The path of the first string (or object key) holding a lone surrogate, else None.
+    """
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            # Named with U+FFFD where the surrogate was, so the answer is itself text.
+            child = _child(path, _SURROGATE.sub("\ufffd", _clip(key)))
+            if _SURROGATE.search(key):
+                return child
+            found = _surrogate_at(item, child)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _surrogate_at(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_voice_id(value: object, field: str = "id") -> str:

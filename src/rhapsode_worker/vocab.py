@@ -11,9 +11,10 @@ only, because the core imports it.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Iterable, Sequence
 
-__all__ = ["ALL_CUES", "ALL_DELIVERIES", "canonical_cue", "clean_text"]
+__all__ = ["ALL_CUES", "ALL_DELIVERIES", "canonical_cue", "clean_text", "is_speakable"]
 
 #: The closed vocabulary of cues (protocol.md section 5), in the spec's order.
 ALL_CUES: tuple[str, ...] = (
@@ -39,6 +40,14 @@ _MARK = "\x00"
 # Characters that hug the word before them, so a removal in front of one leaves no space.
 _CLOSERS = frozenset(".,!?;:)]}\u00bb\"'\u2019\u201d\u2026\u3002\uff01\uff1f\u3001\uff0c")
 _OPENERS = frozenset("([{\u00ab\"'\u2018\u201c")
+# Control characters are never read aloud, and some engines' C libraries act on them.
+# Those that separate like whitespace (CR, VT, FF, the information separators, NEL)
+# become a space; NUL, the removal mark, goes first; the rest are removed like a tag
+# the variant does not claim, after the engine's private patterns (which may begin with
+# one) have had their turn.
+_SPACING: dict[int, str | None] = {code: " " for code in (0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x1F, 0x85)}
+_SPACING[0x00] = None
+_CONTROL = re.compile("[\x01-\x08\x0e-\x1b\x7f-\x84\x86-\x9f]+")
 
 
 def canonical_cue(inner: str) -> str | None:
@@ -74,8 +83,9 @@ def clean_text(
     """
     keep = frozenset(claimed)
     # Removals are marked with NUL (never meaningful in text, so dropped from the input
-    # first) and closed in one pass, so adjacent removals ("a [x] [y] b") make one joint.
-    text = text.replace(_MARK, "")
+    # first, with every other control character) and closed in one pass, so adjacent
+    # removals ("a [x] [y] b") make one joint.
+    text = text.translate(_SPACING)
     spans: list[tuple[int, int, str]] = []
     for pattern in private_patterns:
         regex = re.compile(pattern) if isinstance(pattern, str) else pattern
@@ -83,7 +93,10 @@ def clean_text(
     for m in _BRACKET.finditer(text):
         cue = canonical_cue(m.group(1))
         spans.append((m.start(), m.end(), f"[{cue}]" if cue in keep else _MARK))
-    spans.sort()
+    spans.extend((m.start(), m.end(), _MARK) for m in _CONTROL.finditer(text))
+    # Where two start together the longer wins: a private pattern that begins with a
+    # control character takes the whole command, not just its first character.
+    spans.sort(key=lambda span: (span[0], -span[1]))
     out: list[str] = []
     position = 0
     for start, end, replacement in spans:
@@ -98,3 +111,14 @@ def clean_text(
     for piece in pieces[1:]:
         joined = _join(joined, piece)
     return joined.strip()
+
+
+def is_speakable(text: str) -> bool:
+    """
+    Whether C{text} has anything a reader could say: a letter or a digit of any script.
+
+    Text of nothing but punctuation, symbols, emoji, spaces, zero-width or direction
+    marks has no words to read, and is refused as the client's mistake rather than
+    handed to an engine that may fail on it.
+    """
+    return any(unicodedata.category(ch)[0] in "LN" for ch in text)

@@ -19,7 +19,7 @@ from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant
 class ChattyEngine(Engine):
     id = "chatty"
     display_name = "Chatty"
-    license = License(code="MIT", notes="test adapter")
+    license = License(code="MIT", weights="MIT", weights_commercial_use=True, notes="test adapter")
     native_format = NativeFormat(sample_rate=16000)
     default_variant = "only"
     segment_characters = 40

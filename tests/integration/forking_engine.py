@@ -18,7 +18,7 @@ from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant
 class ForkingEngine(Engine):
     id = "forking"
     display_name = "Forking"
-    license = License(code="MIT", notes="test adapter")
+    license = License(code="MIT", weights="MIT", weights_commercial_use=True, notes="test adapter")
     native_format = NativeFormat(sample_rate=16000)
     default_variant = "only"
 

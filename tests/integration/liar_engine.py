@@ -28,7 +28,7 @@ _CUE = re.compile(r"\s*\[[^\]]*\]")
 class LiarEngine(Engine):
     id = "liar"
     display_name = "Liar"
-    license = License(code="MIT", notes="test adapter")
+    license = License(code="MIT", weights="MIT", weights_commercial_use=True, notes="test adapter")
     native_format = NativeFormat(sample_rate=RATE)
     default_variant = "deaf"
     segment_characters = 80

@@ -111,7 +111,10 @@ async def test_capabilities_agree_with_the_catalog_record(espeak: Worker) -> Non
     assert catalog["distribution"] == setup["metadata"]["name"]
     assert catalog["license"] == caps["license"]
     assert catalog["license"]["code"] == "GPL-3.0-or-later"
-    assert catalog["license"]["weights"] is None and catalog["license"]["weightsCommercialUse"] is None
+    # No weights: it names the licence of the voice data it speaks from, and says so.
+    assert catalog["license"]["weights"] == "GPL-3.0-or-later"
+    assert catalog["license"]["weightsCommercialUse"] is True
+    assert "espeak-ng-data" in catalog["license"]["notes"]
     assert catalog["defaultVariant"] in caps["variants"]
     assert catalog["python"] == setup["options"]["python_requires"]
     assert caps["engine"]["upstreamVersion"] == "1.52.0"

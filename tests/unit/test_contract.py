@@ -103,11 +103,32 @@ REFUSALS = [
     (SPEAK_REQUEST, {"text": "x", "seed": True}, "seed", '"seed" must be an integer'),
     (SPEAK_REQUEST, {"text": "x", "seed": 3.0}, "seed", '"seed" must be an integer'),
     (SPEAK_REQUEST, {"text": "x", "seed": "7"}, "seed", '"seed" must be an integer'),
+    (SPEAK_REQUEST, {"text": "x", "seed": -1}, "seed", '"seed" must be at least 0'),
+    (SPEAK_REQUEST, {"text": "x", "seed": 2**32}, "seed", '"seed" must be at most 4294967295'),
+    (SPEAK_REQUEST, {"text": "x", "format": ""}, "format", '"format" must not be empty'),
     (
         SPEAK_REQUEST,
-        {"text": "x", "format": "ogg"},
-        "format",
-        '"format" must be one of wav, mp3, opus, flac, pcm',
+        {"text": "x" * 100_001},
+        "text",
+        '"text" must be at most 100000 characters',
+    ),
+    (
+        SPEAK_REQUEST,
+        {"text": "x", "language": "en_US"},
+        "language",
+        '"language" must match ^[A-Za-z]{2,8}(-[A-Za-z0-9]{1,8})*$',
+    ),
+    (
+        SPEAK_REQUEST,
+        {"text": "x", "params": {f"d{i}": 1 for i in range(33)}},
+        "params",
+        '"params" must have at most 32 entries',
+    ),
+    (
+        SPEAK_REQUEST,
+        {"text": "x", "variant": "v" * 65},
+        "variant",
+        '"variant" must be at most 64 characters',
     ),
     (
         SPEAK_REQUEST,
@@ -142,6 +163,12 @@ REFUSALS = [
         {"text": "x", "engine": "e", "keepAliveSeconds": -2},
         "keepAliveSeconds",
         '"keepAliveSeconds" must be at least -1',
+    ),
+    (
+        PUBLIC_SPEAK_REQUEST,
+        {"text": "x", "engine": "e", "keepAliveSeconds": 10**18},
+        "keepAliveSeconds",
+        '"keepAliveSeconds" must be at most 604800',
     ),
     (
         PUBLIC_SPEAK_REQUEST,
@@ -343,6 +370,36 @@ def test_parse_json_body_refuses_what_is_not_json(raw: bytes) -> None:
     with pytest.raises(BadRequest) as caught:
         parse_json_body(raw, SPEAK_REQUEST)
     assert caught.value.message == "body is not valid JSON"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b'{"text": "a\\ud800b"}', "text"),
+        (b'{"text": "\\udfff"}', "text"),
+        (b'{"text": "x", "voice": "\\udc00"}', "voice"),
+        (b'{"text": "x", "params": {"\\udc00": 1}}', "params.\ufffd"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_its_field(raw: bytes, field: str) -> None:
+    """
+    JSON can escape half of a surrogate pair, which Python decodes to a string that is
+    not text and cannot be encoded; it is refused at the body as bad_request naming
+    where it was (a key named with U+FFFD in its place), never left to fail later.
+    """
+    with pytest.raises(BadRequest) as caught:
+        parse_json_body(raw, SPEAK_REQUEST)
+    assert caught.value.field == field
+    assert "lone surrogate" in caught.value.message
+    caught.value.message.encode("utf-8")
+
+
+def test_a_surrogate_pair_is_text() -> None:
+    """
+    An escaped pair (an emoji) is one character, and passes.
+    """
+    body = parse_json_body(b'{"text": "hi \\ud83d\\ude00"}', SPEAK_REQUEST)
+    assert body["text"] == "hi \U0001f600"
 
 
 def test_parse_json_body_requires_an_object_and_validates() -> None:
@@ -710,7 +767,7 @@ def _capabilities() -> dict[str, Any]:
     return {
         "contract": 1,
         "engine": {"id": "chatterbox", "displayName": "Chatterbox", "adapterVersion": "0.3.1"},
-        "license": {"code": "MIT", "weights": None, "weightsCommercialUse": None, "notes": ""},
+        "license": {"code": "MIT", "weights": "MIT", "weightsCommercialUse": True, "notes": ""},
         "device": {"type": "cuda", "name": "NVIDIA GeForce RTX 4090", "vramBytes": 25757220864},
         "defaultVariant": "turbo",
         "current": {**copy.deepcopy(turbo), "variant": "turbo", "nativeFormat": dict(native)},

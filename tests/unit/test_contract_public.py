@@ -296,7 +296,7 @@ def test_worker_document_is_unchanged_by_the_public_one() -> None:
     assert "Forbidden" not in worker_openapi("0.1.0")["components"]["responses"]
 
 
-LICENSE = {"code": "MIT", "weights": None, "weightsCommercialUse": None, "notes": "pure Python"}
+LICENSE = {"code": "MIT", "weights": "MIT", "weightsCommercialUse": True, "notes": "pure Python"}
 
 
 def test_engine_shapes_accept_what_the_core_reports() -> None:

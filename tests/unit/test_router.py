@@ -21,7 +21,7 @@ from rhapsode_worker import contract
 CAPABILITIES = {
     "contract": 1,
     "engine": {"id": "tone", "displayName": "Tone", "adapterVersion": "0.1.0"},
-    "license": {"code": "MIT", "weights": None, "weightsCommercialUse": None, "notes": ""},
+    "license": {"code": "MIT", "weights": "MIT", "weightsCommercialUse": True, "notes": ""},
     "device": {"type": "cpu"},
     "defaultVariant": "expressive",
     "variants": {

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 from treq.testing import StubTreq
+from twisted.internet.defer import maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from zope.interface.verify import verifyObject
 
@@ -85,8 +86,22 @@ def make_app(engine: Engine, formats: tuple[str, ...] = ("wav", "pcm")) -> tuple
         ffmpeg=None,
         contract_version=1,
         on_terminate=lambda: None,
+        blocking=run_here,
     )
     return app, StubTreq(app.app.resource())
+
+
+#: What every blocking call ran, in order (the routes' thread pool, made synchronous).
+blocked: list[str] = []
+
+
+def run_here(f: Any, *args: Any, **kwargs: Any) -> Any:
+    """
+    The worker's blocking-call runner, run at once on this thread: a unit test's stand-in
+    for the thread pool the runtime injects.
+    """
+    blocked.append(getattr(f, "__name__", repr(f)))
+    return maybeDeferred(f, *args, **kwargs)
 
 
 def call(stub: StubTreq, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -105,6 +120,21 @@ def test_engines_provide_the_interface() -> None:
     """
     assert verifyObject(IEngine, PlainEngine())
     assert verifyObject(IEngine, RichEngine())
+
+
+def test_voice_routes_run_their_file_work_through_the_injected_runner() -> None:
+    """
+    Listing voices and checking one before a delete call the adapter through the runner
+    the worker was given (in the runtime, a thread pool of its own), never Twisted's
+    global one, so these routes answer on a memory reactor.
+    """
+    _, stub = make_app(PlainEngine())
+    blocked.clear()
+    code, voices = call(stub, "GET", "/voices")
+    assert (code, voices) == (200, [])
+    code, answer = call(stub, "DELETE", "/voices/nobody")
+    assert (code, answer["error"]["code"]) == (404, "unknown_voice")
+    assert blocked == ["voices", "voices"]
 
 
 def test_health_while_unloaded() -> None:
@@ -239,6 +269,7 @@ def test_terminate_answers_then_asks_to_drain() -> None:
         ffmpeg=None,
         contract_version=1,
         on_terminate=lambda: asked.append(True),
+        blocking=run_here,
     )
     code, answer = call(StubTreq(app.app.resource()), "POST", "/terminate")
     assert (code, answer) == (202, {"terminating": True})

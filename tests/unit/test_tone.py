@@ -189,8 +189,10 @@ def test_implements_the_engine_interface(tmp_path: Path) -> None:
     engine = ToneEngine()
     assert verifyObject(IEngine, engine)
     assert (engine.id, engine.display_name) == ("tone", "Tone")
-    assert engine.license.code == "MIT" and engine.license.weights is None
-    assert engine.license.weights_commercial_use is None
+    # No weights: it names the licence of what it speaks from, its own MIT tables.
+    assert engine.license.code == "MIT" and engine.license.weights == "MIT"
+    assert engine.license.weights_commercial_use is True
+    assert "no weights" in engine.license.notes
     assert engine.native_format.sample_rate == RATE and engine.native_format.channels == 1
     assert (engine.adapter_version, engine.upstream_version) == ("0.1.0", None)
     assert engine.max_characters == 4096

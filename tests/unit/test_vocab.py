@@ -8,7 +8,7 @@ import pytest
 
 from rhapsode_worker import ALL_CUES, BadRequest
 from rhapsode_worker._blend import parse_blend
-from rhapsode_worker.vocab import clean_text
+from rhapsode_worker.vocab import clean_text, is_speakable
 
 
 @pytest.mark.parametrize(
@@ -56,6 +56,52 @@ def test_nul_in_input_is_not_a_removal_marker() -> None:
     A NUL in the request is dropped, not mistaken for a removal.
     """
     assert clean_text("a\x00b [x] c", ()) == "ab c"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a\x01\x02b", "ab"),
+        ("line\x07 two", "line two"),
+        ("one\rtwo\x0bthree\x0cfour", "one two three four"),
+        ("keep\ttabs\nand lines", "keep\ttabs\nand lines"),
+        ("c1\x85next \x9bend", "c1 next end"),
+    ],
+)
+def test_control_characters_never_reach_an_engine(text: str, expected: str) -> None:
+    """
+    Control characters are removed like unclaimed tags, and those that separate like
+    whitespace (CR, VT, FF, NEL) become a space; tabs and newlines are kept.
+    """
+    assert clean_text(text, ()) == expected
+
+
+def test_a_private_pattern_starting_with_a_control_character_still_matches_whole() -> None:
+    """
+    An engine's private syntax that begins with a control character (eSpeak's ^A
+    commands) is removed whole, not just its first character.
+    """
+    assert clean_text("Hello \x0120A world", (), [r"\x01[0-9]*[A-Z]?"]) == "Hello world"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\x01\x02", "\u200b\u200c\u200d", "\u200f\u202e\u2066", "\U0001f600\U0001f389", "... !?", " \t\n"],
+)
+def test_text_without_a_letter_or_digit_is_not_speakable(text: str) -> None:
+    """
+    Controls, zero-width and direction marks, emoji and punctuation alone have nothing
+    a reader could say.
+    """
+    assert not is_speakable(clean_text(text, ()))
+
+
+@pytest.mark.parametrize("text", ["a", "7", "\u0663", "\u6f22", "\U0001f600 hi", "\u200bok"])
+def test_any_letter_or_digit_of_any_script_is_speakable(text: str) -> None:
+    """
+    One letter or digit, of any script, is enough.
+    """
+    assert is_speakable(text)
 
 
 def test_blend_recipe_normalised() -> None:

@@ -66,12 +66,13 @@ class EspeakEngine(Engine):
     display_name = "eSpeak NG"
     license = License(
         code="GPL-3.0-or-later",
-        weights=None,
-        weights_commercial_use=None,
+        weights="GPL-3.0-or-later",
+        weights_commercial_use=True,
         notes=(
             "The worker loads libespeak-ng 1.52 and its espeak-ng-data, GPL-3.0-or-later, as "
             "the espeakng-loader wheel ships them (the wheel itself declares no licence). "
-            "Formant synthesis: no weights."
+            "Formant synthesis: no weights; weights names the licence of espeak-ng-data, "
+            "the voice and dictionary data it speaks from."
         ),
     )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)

@@ -126,9 +126,9 @@ class ToneEngine(Engine):
     display_name = "Tone"
     license = License(
         code="MIT",
-        weights=None,
-        weights_commercial_use=None,
-        notes="Arithmetic synthesis; no weights.",
+        weights="MIT",
+        weights_commercial_use=True,
+        notes="Arithmetic synthesis: no weights. It speaks from its own tables, part of this MIT adapter.",
     )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
     default_variant = "expressive"
