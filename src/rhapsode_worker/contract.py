@@ -16,6 +16,13 @@ import sys
 from ._yaml import dump_yaml
 from .openapi import public_openapi, worker_openapi
 from .schemas import (
+    LANGUAGE_PATTERN,
+    MAX_KEEP_ALIVE_SECONDS,
+    MAX_NAME_CHARACTERS,
+    MAX_PARAMS,
+    MAX_SEED,
+    MAX_TEXT_CHARACTERS,
+    MAX_TURNS,
     CAPABILITIES,
     CONTRACT_VERSIONS,
     CURRENT_VARIANT_CAPS,
@@ -35,6 +42,9 @@ from .schemas import (
     PUBLIC_DIALOGUE_REQUEST,
     PUBLIC_HEALTH,
     PUBLIC_SPEAK_REQUEST,
+    RESIDENCY,
+    RESIDENCY_SUMMARY,
+    RESIDENT_MODEL,
     SPEAK_REQUEST,
     Schema,
     TERMINATE_RESPONSE,
@@ -45,9 +55,16 @@ from .schemas import (
     VOICE_ID_PATTERN,
     VOICE_LIST,
 )
-from .validation import check_voice_id, parse_json_body, validate
+from .validation import check_voice_id, choose_language, parse_json_body, validate
 
 __all__ = [
+    "LANGUAGE_PATTERN",
+    "MAX_KEEP_ALIVE_SECONDS",
+    "MAX_NAME_CHARACTERS",
+    "MAX_PARAMS",
+    "MAX_SEED",
+    "MAX_TEXT_CHARACTERS",
+    "MAX_TURNS",
     "CAPABILITIES",
     "CONTRACT_VERSIONS",
     "CURRENT_VARIANT_CAPS",
@@ -67,6 +84,9 @@ __all__ = [
     "PUBLIC_DIALOGUE_REQUEST",
     "PUBLIC_HEALTH",
     "PUBLIC_SPEAK_REQUEST",
+    "RESIDENCY",
+    "RESIDENCY_SUMMARY",
+    "RESIDENT_MODEL",
     "SPEAK_REQUEST",
     "Schema",
     "TERMINATE_RESPONSE",
@@ -77,6 +97,7 @@ __all__ = [
     "VOICE_ID_PATTERN",
     "VOICE_LIST",
     "check_voice_id",
+    "choose_language",
     "main",
     "parse_json_body",
     "public_openapi",

@@ -8,6 +8,7 @@ standard library only: the core and its client raise and read the same classes.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = [
@@ -42,33 +43,60 @@ ERROR_TABLE: dict[str, tuple[int, bool, str]] = {
 }
 
 
+#: Codes whose message tells of the box's own failure rather than the request's.
+_THE_BOXS_OWN = frozenset({"internal", "oom", "model_unavailable"})
+# An absolute path, POSIX or a Windows drive's: two or more components, not part of a
+# URL ("https://host/a/b") or of a relative path ("voices/a/b").
+_ABSOLUTE_PATH = re.compile(
+    r"(?<![\w.~/\\-])(?:/|[A-Za-z]:[\\/])(?:[^\s'\"`,;:()<>\[\]{}|*?\\/]+[\\/])+([^\s'\"`,;:()<>\[\]{}|*?\\/]*)"
+)
+
+
+def _without_paths(text: str) -> str:
+    """
+    C{text} with each absolute path cut to its last component, a file's name.
+    """
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1) or "...", text)
+
+
 class SpeechError(Exception):
     """
     A failure with a place in the taxonomy.
 
     @ivar field: the request field the failure is about, when there is one; it is
         named in the message and carried in the envelope so a client can point at it.
+    @ivar status: the HTTP status, the table's for the code unless the refusal is about
+        the HTTP message itself: a bad_request for an unknown route is 404, a wrong
+        method 405, and a head or body over its limit 408, 413, 414 or 431.
     """
 
     code = "internal"
+    #: Response headers a refusal carries beside its envelope (Allow, Location).
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, *, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self._status = status
 
     @property
     def status(self) -> int:
-        return ERROR_TABLE[self.code][0]
+        return self._status or ERROR_TABLE[self.code][0]
 
     @property
     def retryable(self) -> bool:
         return ERROR_TABLE[self.code][1]
 
     def envelope(self) -> dict[str, Any]:
+        message = self.message
+        if self.code in _THE_BOXS_OWN:
+            # Often an exception's own text: where on the box it happened (interpreter,
+            # socket, virtualenv, voice dir, ffmpeg) is the log's to say, not a client's.
+            message = _without_paths(message)
         body: dict[str, Any] = {
             "code": self.code,
-            "message": self.message,
+            "message": message,
             "retryable": self.retryable,
         }
         if self.field is not None:

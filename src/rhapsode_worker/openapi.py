@@ -150,7 +150,7 @@ def _voice_paths(
             "post": _operation(
                 "createVoice",
                 "Make a voice from a reference or a blend, replacing one of the same id.",
-                (200, _ok("The new voice, as GET /voices lists it.", _json_content("Voice"))),
+                (201, _ok("The new voice, as GET /voices lists it.", _json_content("Voice"))),
                 write_errors,
                 **write_extra,
                 requestBody={
@@ -164,7 +164,7 @@ def _voice_paths(
             "delete": _operation(
                 "deleteVoice",
                 "Remove a created voice.",
-                (200, _ok("The voice is gone.", _json_content("VoiceDeleted"))),
+                (204, {"description": "The voice is gone; no body."}),
                 write_errors,
                 **write_extra,
             ),
@@ -257,7 +257,7 @@ def _worker_paths() -> dict[str, Any]:
             "post": _operation(
                 "fetch",
                 "Download a variant's weights without loading them.",
-                (200, _ok("The weights are on this machine.", _json_content("FetchResponse"))),
+                (204, {"description": "The weights are on this machine; no body."}),
                 (400, 422, 429, 500),
                 requestBody=_json_body("FetchRequest", "Which variant; {} fetches the default."),
             )
@@ -312,6 +312,35 @@ def _public_paths() -> dict[str, Any]:
         "/engines/{engine}/dialogue": {
             "parameters": [_ENGINE_ID],
             "post": _dialogue_operation("PublicDialogueRequest"),
+        },
+        "/residency": {
+            "get": _operation(
+                "getResidency",
+                "Which models are on the device, for how long, and what waits for room; "
+                "read from the core's own state, starting and loading nothing (section 3).",
+                (200, _ok("The models in eviction order, the next to go first.", _json_content("Residency"))),
+            )
+        },
+        "/engines/{engine}/unload": {
+            "parameters": [_ENGINE_ID],
+            "post": _operation(
+                "unloadEngine",
+                "Give the engine's memory back now: terminate its process (the default), or "
+                "unload its model and keep the process. Idempotent; refused while it speaks "
+                "or receives a voice upload.",
+                (200, _ok("The engine's summary, after.", _json_content("EngineSummary"))),
+                (400, 403, 404, 409, 503),
+                description=_MANAGEMENT_NOTE,
+                parameters=[
+                    {
+                        "name": "mode",
+                        "in": "query",
+                        "required": False,
+                        "description": "terminate (the default) or unload.",
+                        "schema": {"type": "string", "enum": ["terminate", "unload"]},
+                    }
+                ],
+            ),
         },
         "/openapi.json": {
             "get": _operation(
@@ -431,9 +460,17 @@ flag, not the status, says whether to try again. stream: false reports every fai
 an envelope; a streamed response that fails after its headers is aborted, never ended \
 short.
 
+Every route refuses, as a bad_request envelope before any body is read: an unknown path \
+with 404, a method the path does not take with 405 and Allow, a request line over 8 KiB \
+with 414, a head over 100 header lines or 16 KiB with 431, a head not complete 10 s \
+after its first byte (server.headTimeoutSeconds) or a body idle past \
+server.idleTimeoutSeconds with 408, and a body over its route's limit with 413 (64 KiB; \
+1 MiB for /speak and dialogue; 25 MB for a voice upload). A speech request past its \
+engine's turns and queue is overloaded, 429 with Retry-After.
+
 A request's Authorization header is stripped before any handler sees the request and \
 is never logged. Management routes (creating and deleting a voice) answer loopback \
-callers, and from anywhere a holder of the management token presenting \
+callers (and unloading an engine), and from anywhere a holder of the management token presenting \
 Authorization: Bearer <token>; a request carrying an Origin is refused unless that \
 origin is this machine's own or listed in management.origins. Everyone else is \
 forbidden. Speaking, listing and previews are open to every caller."""

@@ -515,18 +515,31 @@ FETCH_RESPONSE: Schema = _object(
 ENGINE_STATE: Schema = _object(
     {
         "process": _enum(
-            ("down", "starting", "up", "draining", "failed", "remote"),
-            "The engine's process; remote is a worker at a URL this server does not run.",
+            ("down", "starting", "up", "draining", "failed"),
+            "The engine's worker process. For a worker at a URL this server does not run, "
+            "up or down as its last health check found it.",
         ),
-        "model": _enum(("unloaded", "loaded")),
-        "variant": _string("The variant on the device; absent while unloaded."),
+        "model": _enum(
+            ("unloaded", "loading", "loaded"),
+            "loading from when a request was admitted until the worker first answered it.",
+        ),
+        "variant": _string("The variant on the device, or loading; absent while unloaded."),
+        "leases": _integer("Requests speaking it now.", minimum=0),
         "pid": _integer("The process id, while there is a process.", minimum=1),
         "restarts": _integer(
             "Restarts after crashes, counted against the restart limit.", minimum=0
         ),
-        "lastError": _string("Why the process last failed to start or exited unasked."),
+        "lastError": _string(
+            "Why the process last failed to start, exited unasked or stopped answering. "
+            "Names no path on the box; the worker's own words are in the server's log."
+        ),
+        "remote": _boolean("A worker at a URL: this server does not run its process."),
+        "adapter": _string(
+            "The adapter's own engine id, where the server's id for it differs "
+            "(two engines on one adapter); known once the worker has answered."
+        ),
     },
-    required=["process", "model"],
+    required=["process", "model", "restarts"],
     description="One engine as this server sees it. Reading it starts nothing and loads "
     "nothing.",
 )
@@ -540,24 +553,60 @@ ENGINE_SUMMARY: Schema = _object(
         **ENGINE_STATE["properties"],
     },
     required=["id", *ENGINE_STATE["required"]],
-    description="One entry of GET /engines. displayName, license and defaultVariant are "
-    "absent until the engine has first been asked for its capabilities.",
+    description="One entry of GET /engines and of GET /health. displayName, license and "
+    "defaultVariant come from the engine's catalog record before it first runs, and are "
+    "absent for a remote engine until it has been asked for its capabilities.",
 )
 
 ENGINE_LIST: Schema = _array(_ref("EngineSummary"))
 
+RESIDENCY_SUMMARY: Schema = _object(
+    {
+        "resident": _integer("Models on the device now.", minimum=0),
+        "max": _integer("residency.maxResidentModels.", minimum=1),
+        "waiting": _integer("Requests waiting for room.", minimum=0),
+    },
+    required=["resident", "max", "waiting"],
+    description="GET /residency's counts, without its models.",
+)
+
+RESIDENT_MODEL: Schema = _object(
+    {
+        "engine": _string(),
+        "variant": _string(),
+        "leases": _integer("Requests speaking it; a model with leases is not evicted.", minimum=0),
+        "lastUsedAt": _string("ISO 8601, UTC."),
+        "expiresAt": _string("ISO 8601, UTC; absent while it speaks, or when its keep-alive says never."),
+        "keepAliveSeconds": _integer("The keep-alive in force: request, then engine, then server.", minimum=-1),
+        "sizeBytes": _integer("What the worker measured it taking, where it could.", minimum=1),
+    },
+    required=["engine", "variant", "leases", "lastUsedAt", "keepAliveSeconds"],
+)
+
+RESIDENCY: Schema = _extend(
+    RESIDENCY_SUMMARY,
+    {"models": _array(_ref("ResidentModel"))},
+    required=["models"],
+    description="GET /residency (protocol.md section 3).",
+)
+
 PUBLIC_HEALTH: Schema = _object(
     {
-        "status": _string(const="ok"),
+        "status": _enum(
+            ("ok", "degraded"),
+            "degraded while an engine has failed or stopped answering; the server itself "
+            "answers either way.",
+        ),
         "version": _string(
             "This server's package version, for display; never compare it, read contract."
         ),
         "contract": _integer(
             "The contract this server speaks (protocol.md section 9).", minimum=1
         ),
-        "engines": _map(_ref("EngineState"), "Every configured engine, by id."),
+        "engines": _array(_ref("EngineSummary"), "Every configured engine, in configuration order."),
+        "residency": _ref("ResidencySummary"),
     },
-    required=["status", "version", "contract", "engines"],
+    required=["status", "version", "contract", "engines", "residency"],
     description="GET /health. Never starts, loads or waits on an engine.",
 )
 
@@ -585,5 +634,8 @@ _COMPONENTS: dict[str, Schema] = {
     "EngineState": ENGINE_STATE,
     "EngineSummary": ENGINE_SUMMARY,
     "EngineList": ENGINE_LIST,
+    "ResidencySummary": RESIDENCY_SUMMARY,
+    "ResidentModel": RESIDENT_MODEL,
+    "Residency": RESIDENCY,
     "PublicHealth": PUBLIC_HEALTH,
 }

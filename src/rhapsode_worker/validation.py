@@ -15,9 +15,9 @@ import functools
 import json
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from .errors import BadRequest
+from .errors import BadRequest, Unsupported
 from .schemas import _COMPONENTS, _REF_PREFIX, VOICE_ID_PATTERN, Schema
 
 # Validation.
@@ -324,3 +324,23 @@ def check_voice_id(value: object, field: str = "id") -> str:
             field=field,
         )
     return value
+
+
+def choose_language(requested: str | None, languages: Sequence[str], variant: str) -> str:
+    """
+    The language a request speaks in, spelt as the variant lists it (protocol.md
+    section 6).  Tags compare without case, as BCP 47 says ("fr-FR" is "fr-fr"); a
+    variant that lists one language ignores the field; absent means the first listed.
+
+    @raise Unsupported: a language the variant does not list, naming those it does.
+    """
+    if requested is None or len(languages) == 1:
+        return languages[0]
+    wanted = requested.lower()
+    for language in languages:
+        if language.lower() == wanted:
+            return language
+    raise Unsupported(
+        f'language "{requested[:35]}" is not spoken by variant "{variant}" ({", ".join(languages)})',
+        field="language",
+    )

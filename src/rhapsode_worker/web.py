@@ -8,9 +8,9 @@ twisted.web has no API for.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -22,6 +22,7 @@ __all__ = [
     "DURATION_HEADER",
     "InFlight",
     "abort_connection",
+    "answer",
     "answer_failure",
     "error_response",
     "json_response",
@@ -41,6 +42,16 @@ def json_response(request: IRequest, status: int, body: Any) -> bytes:
 
 
 def error_response(request: IRequest, error: SpeechError) -> bytes:
+    """
+    The envelope of C{error}, with its status and any headers it carries; the access
+    line names its code and message.
+    """
+    for name, value in error.headers:
+        request.setHeader(name, value)
+    try:
+        request.error_reason = f"{error.code}: {error.message}"  # type: ignore[attr-defined]
+    except AttributeError:
+        pass  # a request that keeps no attributes of ours
     return json_response(request, error.status, error.envelope())
 
 
@@ -82,10 +93,50 @@ def answer_failure(request: IRequest, exc: Exception, log: Logger) -> bytes | No
     return error_response(request, error)
 
 
-def no_route(request: IRequest) -> bytes:
+async def answer(
+    request: IRequest,
+    handler: Callable[[], Awaitable[Any]],
+    log: Logger,
+    enter: Callable[[], None] = lambda: None,
+    leave: Callable[[], None] = lambda: None,
+) -> Any:
+    """
+    Run a route's handler: counted in flight between C{enter} (which may refuse, raising
+    a L{SpeechError}) and C{leave}; a failure before any header is the taxonomy's
+    envelope, one after it an aborted connection.  A cancelled handler (its client hung
+    up) stays cancelled.
+    """
+    try:
+        enter()
+    except SpeechError as error:
+        return error_response(request, error)
+    try:
+        return await handler()
+    except CancelledError:
+        raise
+    except Exception as exc:
+        return answer_failure(request, exc, log)
+    finally:
+        leave()
+
+
+def no_route(request: IRequest, failure: Any = None) -> bytes:
+    """
+    The answer to a request the router has no route for: 404, or 405 with C{Allow} for
+    a method the path does not take.  The site refuses both at the head already; this
+    is what the router answers should one reach it some other way.
+    """
     method = request.method.decode("ascii", "replace")
-    path = request.path.decode("utf-8", "replace")
-    return error_response(request, BadRequest(f"no route {method} {path}", field="path"))
+    path = request.path.decode("utf-8", "replace")[:200]
+    allowed = sorted(getattr(getattr(failure, "value", None), "valid_methods", None) or ())
+    if allowed:
+        error = BadRequest(
+            f"{method} is not a method of {path} (allowed: {', '.join(allowed)})", field="method", status=405
+        )
+        error.headers = ((b"Allow", ", ".join(allowed).encode("ascii")),)
+    else:
+        error = BadRequest(f"no route {path}", field="path", status=404)
+    return error_response(request, error)
 
 
 def write_trailer(request: IRequest, duration_ms: int | None) -> None:

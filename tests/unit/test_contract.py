@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import rhapsode_worker
-from rhapsode_worker import contract, schemas, validation
+from rhapsode_worker import schemas, validation
 from rhapsode_worker.errors import ERROR_TABLE, BadRequest, Unsupported
 from rhapsode_worker._yaml import dump_yaml
 from rhapsode_worker.contract import (
@@ -683,9 +683,11 @@ def test_worker_document_routes_use_the_shapes() -> None:
         "audio/wav"
     }
     assert "202" in paths["/terminate"]["post"]["responses"]
-    ok_ref = paths["/voices/{id}"]["delete"]["responses"]["200"]["content"]
-    deleted = _pointer(document, ok_ref["application/json"]["schema"]["$ref"])
-    assert deleted["required"] == ["deleted"]
+    # Created is 201 with the voice; deleted and fetched are 204 with no body.
+    assert "201" in paths["/voices"]["post"]["responses"]
+    for path, method in (("/voices/{id}", "delete"), ("/fetch", "post")):
+        assert set(paths[path][method]["responses"]) & {"200", "204"} == {"204"}
+        assert "content" not in paths[path][method]["responses"]["204"]
 
 
 def test_every_error_response_is_the_error_envelope() -> None:

@@ -42,8 +42,14 @@ PUBLIC_ROUTES = {
     "/speak": {"post"},
     "/engines/{engine}/dialogue": {"post"},
     "/openapi.json": {"get"},
+    "/residency": {"get"},
+    "/engines/{engine}/unload": {"post"},
 }
-MANAGEMENT = {("/engines/{engine}/voices", "post"), ("/engines/{engine}/voices/{voice}", "delete")}
+MANAGEMENT = {
+    ("/engines/{engine}/voices", "post"),
+    ("/engines/{engine}/voices/{voice}", "delete"),
+    ("/engines/{engine}/unload", "post"),
+}
 
 
 def _pointer(document: dict[str, Any], ref: str) -> Any:
@@ -190,8 +196,8 @@ def test_answers_reference_the_public_shapes() -> None:
     document = public_openapi("0.1.0")
     paths = document["paths"]
 
-    def answer(path: str, method: str) -> Any:
-        ok = paths[path][method]["responses"]["200"]["content"]["application/json"]["schema"]
+    def answer(path: str, method: str, status: str = "200") -> Any:
+        ok = paths[path][method]["responses"][status]["content"]["application/json"]["schema"]
         return _resolved(document, ok)
 
     engines = answer("/engines", "get")
@@ -200,8 +206,10 @@ def test_answers_reference_the_public_shapes() -> None:
     assert answer("/health", "get") == PUBLIC_HEALTH
     assert answer("/engines/{engine}/capabilities", "get") == CAPABILITIES
     assert answer("/engines/{engine}/voices", "get") == VOICE_LIST
-    assert answer("/engines/{engine}/voices", "post") == VOICE
-    assert answer("/engines/{engine}/voices/{voice}", "delete")["required"] == ["deleted"]
+    assert answer("/engines/{engine}/voices", "post", "201") == VOICE
+    assert "content" not in paths["/engines/{engine}/voices/{voice}"]["delete"]["responses"]["204"]
+    assert answer("/residency", "get")["required"] == ["resident", "max", "waiting", "models"]
+    assert answer("/engines/{engine}/unload", "post") == ENGINE_SUMMARY
     create = paths["/engines/{engine}/voices"]["post"]["requestBody"]["content"]
     assert create["multipart/form-data"]["schema"] == {"$ref": "#/components/schemas/VoiceCreate"}
     listed = paths["/engines/{engine}/voices"]["get"]["responses"]["200"]["description"]
@@ -304,31 +312,34 @@ def test_engine_shapes_accept_what_the_core_reports() -> None:
     A summary of an engine never asked for capabilities, one with everything, a remote
     one and the core's /health validate; unknown fields are allowed (section 9).
     """
-    validate(ENGINE_LIST, [{"id": "tone", "process": "down", "model": "unloaded"}])
+    validate(ENGINE_LIST, [{"id": "tone", "process": "down", "model": "unloaded", "restarts": 0}])
     validate(
         ENGINE_SUMMARY,
         {
-            "id": "tone",
+            "id": "tone-a",
+            "adapter": "tone",
             "displayName": "Tone",
             "license": LICENSE,
             "defaultVariant": "expressive",
             "process": "up",
-            "model": "loaded",
+            "model": "loading",
             "variant": "expressive",
+            "leases": 1,
             "pid": 4242,
             "restarts": 0,
             "lastError": "exited 1",
             "workerVersion": "0.1.0",
         },
     )
-    validate(ENGINE_STATE, {"process": "remote", "model": "unloaded"})
+    validate(ENGINE_STATE, {"process": "up", "model": "unloaded", "restarts": 0, "remote": True})
     validate(
         PUBLIC_HEALTH,
         {
-            "status": "ok",
+            "status": "degraded",
             "version": "0.1.0",
             "contract": 1,
-            "engines": {"tone": {"process": "failed", "model": "unloaded", "restarts": 5}},
+            "engines": [{"id": "tone", "process": "failed", "model": "unloaded", "restarts": 5}],
+            "residency": {"resident": 0, "max": 1, "waiting": 0},
         },
     )
 
@@ -336,28 +347,43 @@ def test_engine_shapes_accept_what_the_core_reports() -> None:
 @pytest.mark.parametrize(
     "schema, value, field",
     [
-        (ENGINE_STATE, {"process": "asleep", "model": "unloaded"}, "process"),
-        (ENGINE_STATE, {"process": "up", "model": "loading"}, "model"),
-        (ENGINE_STATE, {"process": "up"}, "model"),
-        (ENGINE_STATE, {"process": "up", "model": "loaded", "pid": "12"}, "pid"),
+        (ENGINE_STATE, {"process": "asleep", "model": "unloaded", "restarts": 0}, "process"),
+        (ENGINE_STATE, {"process": "remote", "model": "unloaded", "restarts": 0}, "process"),
+        (ENGINE_STATE, {"process": "up", "model": "unloading", "restarts": 0}, "model"),
+        (ENGINE_STATE, {"process": "up", "restarts": 0}, "model"),
+        (ENGINE_STATE, {"process": "up", "model": "loaded"}, "restarts"),
+        (ENGINE_STATE, {"process": "up", "model": "loaded", "restarts": 0, "pid": "12"}, "pid"),
         (ENGINE_STATE, {"process": "up", "model": "loaded", "restarts": -1}, "restarts"),
-        (ENGINE_SUMMARY, {"process": "up", "model": "loaded"}, "id"),
+        (ENGINE_SUMMARY, {"process": "up", "model": "loaded", "restarts": 0}, "id"),
         (
             ENGINE_SUMMARY,
-            {"id": "t", "process": "up", "model": "loaded", "license": {"code": "MIT"}},
+            {"id": "t", "process": "up", "model": "loaded", "restarts": 0, "license": {"code": "MIT"}},
             "license.weights",
         ),
-        (PUBLIC_HEALTH, {"status": "ok", "version": "0.1.0", "engines": {}}, "contract"),
+        (
+            ENGINE_SUMMARY,
+            {"id": "t", "process": "up", "model": "loaded", "restarts": 0,
+             "license": {"code": "MIT", "weights": None, "weightsCommercialUse": None, "notes": ""}},
+            "license.weights",
+        ),
+        (PUBLIC_HEALTH, {"status": "ok", "version": "0.1.0", "engines": [], "residency": {}}, "contract"),
         (
             PUBLIC_HEALTH,
-            {"status": "degraded", "version": "0.1.0", "contract": 1, "engines": {}},
+            {"status": "fine", "version": "0.1.0", "contract": 1, "engines": [], "residency": {}},
             "status",
         ),
         (
             PUBLIC_HEALTH,
-            {"status": "ok", "version": "0.1.0", "contract": 1, "engines": {"t": {"model": "x"}}},
-            "engines.t.process",
+            {"status": "ok", "version": "0.1.0", "contract": 1, "engines": {}, "residency": {}},
+            "engines",
         ),
+        (
+            PUBLIC_HEALTH,
+            {"status": "ok", "version": "0.1.0", "contract": 1, "engines": [{"model": "x"}],
+             "residency": {"resident": 0, "max": 1, "waiting": 0}},
+            "engines[0].id",
+        ),
+        (PUBLIC_HEALTH, {"status": "ok", "version": "0.1.0", "contract": 1, "engines": []}, "residency"),
     ],
 )
 def test_engine_shapes_refuse(schema: dict[str, Any], value: Any, field: str) -> None:
