@@ -27,15 +27,30 @@ def _torch_cuda() -> Any | None:
         return None
 
 
+#: The processor's name, once L{probe_cpu} has asked for it.
+_cpu_name: str | None = None
+
+
+def probe_cpu() -> None:
+    """
+    Learn the processor's name.  Blocks: on Linux C{platform.processor()} runs
+    C{uname -p}, so the runtime calls this at start-up, before the reactor runs, and
+    C{GET /capabilities} only reads the answer.
+    """
+    global _cpu_name
+    _cpu_name = platform.processor() or platform.machine()
+
+
 def device_info() -> dict[str, Any]:
     """
-    The C{device} block of the capability document.
+    The C{device} block of the capability document.  Never blocks: without a
+    L{probe_cpu} the CPU is named by its architecture (C{os.uname}, no child process).
     """
     torch = _torch_cuda()
     if torch is not None:
         props = torch.cuda.get_device_properties(0)
         return {"type": "cuda", "name": props.name, "vramBytes": int(props.total_memory)}
-    name = platform.processor() or platform.machine()
+    name = _cpu_name if _cpu_name is not None else platform.machine()
     return {"type": "cpu", "name": name} if name else {"type": "cpu"}
 
 

@@ -4,8 +4,10 @@ L{serve}: the spawn contract of protocol.md sections 2 and 9.
 Reads C{RHAPSODE_WORKER_LISTEN}, C{RHAPSODE_WORKER_ENGINE} and
 C{RHAPSODE_WORKER_CONTRACT}, negotiates the contract, binds, prints the one handshake
 line on stdout and from then on sends anything written to C{sys.stdout} to the log.
-Logs are JSON lines on stderr.  SIGTERM and C{POST /terminate} drain and exit 0.  A
-worker whose parent dies exits, so nothing orphaned holds memory.
+Logs are JSON lines on stderr.  SIGTERM and C{POST /terminate} drain and exit 0
+(L{rhapsode_worker._lifecycle}).  A worker whose parent dies exits, and a worker that
+leads its process group takes the group with it whenever it exits, so nothing orphaned
+holds memory: not the worker, and not a process its adapter started.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Mapping, NoReturn
+from typing import IO, Any, Callable, Mapping, NoReturn, Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall, react
@@ -38,8 +40,10 @@ from twisted.logger import (
 from twisted.python.threadpool import ThreadPool
 from zope.interface import provider
 
+from . import _memory
 from ._encode import available_formats, find_ffmpeg
 from ._engine import IEngine
+from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import Scheduler
 from ._routes import WorkerApp
@@ -50,6 +54,7 @@ _EXIT_REFUSED = 3
 _EXIT_MISCONFIGURED = 2
 _PARENT_POLL_SECONDS = 1.0
 _FILE_THREADS = 4
+_SWEEPS = 5
 
 log = Logger(namespace="rhapsode_worker")
 
@@ -214,7 +219,7 @@ class _Connections:
 
 def _die_with_parent() -> None:
     # Linux only: the kernel sends SIGTERM (a drain) when the spawning process dies.
-    # The poll in _watch_parent covers other systems and a parent that died first.
+    # The parent poll in _run covers other systems and a parent that died first.
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -222,6 +227,111 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _group_members(group: int, proc: str = "/proc") -> list[int] | None:
+    """
+    The live processes of process group C{group}, read from C{proc}; None without one.
+    """
+    members = []
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "stat"), "rb") as f:
+                # The command name may hold spaces and parentheses; the fields after
+                # its last ")" are state, ppid, pgrp.
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        # A zombie is dead already: it waits only to be reaped.
+        if len(fields) > 2 and fields[0] != b"Z" and fields[2] == b"%d" % group:
+            members.append(int(entry))
+    return members
+
+
+def _sweep_group() -> None:
+    """
+    SIGKILL every other process in this worker's process group: an adapter's helper,
+    or a grandchild it forked, would otherwise outlive the worker, and the core too
+    when the core was killed and cannot sweep the group itself.
+
+    Only a group leader sweeps.  The core makes each worker one (LEADER in
+    L{rhapsode._supervisor}); a worker run by hand or by a test shares its parent's
+    group, which is not its to empty.
+    """
+    me = os.getpid()
+    if os.getpgrp() != me:
+        return
+    # Again while something is found: a member may fork while the last one is killed.
+    for _ in range(_SWEEPS):
+        members = _group_members(me)
+        if members is None:
+            # No /proc (not Linux): the group is told instead, and this process, on
+            # its way out, ignores the telling.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.killpg(me, signal.SIGTERM)
+            return
+        others = [pid for pid in members if pid != me]
+        if not others:
+            return
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class _Process:
+    """
+    What the runtime does to the process it runs in, apart from L{_run} so that a unit
+    test can run that on a memory reactor and record these instead.
+
+    @ivar parent: the process that spawned this one, read first thing at start-up.
+    """
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+
+    def parent_alive(self) -> bool:
+        # An orphan is adopted by init or a subreaper: its parent's id changes.
+        return os.getppid() == self.parent
+
+    def on_sigterm(self, handler: Callable[[], None]) -> None:
+        signal.signal(signal.SIGTERM, lambda number, frame: handler())
+
+    def announce(self, handshake: Mapping[str, Any]) -> None:
+        """
+        Print the handshake line, then make stdout the log.
+        """
+        real_stdout = sys.__stdout__
+        assert real_stdout is not None
+        real_stdout.write(json.dumps(handshake) + "\n")
+        real_stdout.flush()
+        # From here stdout is the log: a print in an adapter, or a C library writing to
+        # fd 1, can no longer corrupt the handshake channel.
+        os.dup2(2, 1)
+        sys.stdout = _StdoutToLog()
+
+    def sweep(self) -> None:
+        _sweep_group()
+
+    def exit(self, code: int) -> None:
+        """
+        End the process now, taking its process group along; does not return.
+        """
+        _sweep_group()
+        os._exit(code)
+
+
+def _running(reactor: Any) -> "Deferred[None]":
+    running: Deferred[None] = Deferred()
+    reactor.callWhenRunning(running.callback, None)
+    return running
 
 
 def _listen(reactor: Any, listen: str, site: Any) -> "Deferred[Any]":
@@ -255,7 +365,20 @@ def _bound(listen: str, port: Any) -> str:
     return f"tcp:{host}:{address.port}"
 
 
-async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = True) -> None:
+async def _run(
+    reactor: Any,
+    engine: IEngine,
+    spawn: Spawn,
+    process: _Process,
+    *,
+    ffmpeg: str | None,
+    formats: Sequence[str],
+    access_log: bool = True,
+) -> None:
+    """
+    Serve until drained, inside the reactor: C{ffmpeg} and C{formats} were probed
+    before it ran, because a probe runs a program and the reactor waits on nothing.
+    """
     engine.voice_dir = spawn.voice_dir
     pool = ThreadPool(minthreads=0, maxthreads=max(1, engine.concurrency), name="synthesis")
     pool.start()
@@ -267,66 +390,45 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = T
     reactor.addSystemEventTrigger("during", "shutdown", files.stop)
     model = ModelState(engine, reactor, pool)
     scheduler = Scheduler(reactor, pool, model, engine.concurrency)
-    ffmpeg = find_ffmpeg()
-    stopped: Deferred[None] = Deferred()
-    worker: WorkerApp
-
-    def drain() -> None:
-        if worker.draining:
-            return
-        worker.draining = True
-        log.info("draining: {n} request(s) in flight", n=worker.requests.count)
-
-        async def finish() -> None:
-            await worker.requests.when_idle()
-            await scheduler.when_idle()
-            await port.stopListening()
-            await connections.close_all()
-            log.info("drained; exiting")
-            stopped.callback(None)
-
-        Deferred.fromCoroutine(finish())
-
+    connections = _Connections()
+    lifecycle = WorkerLifecycle(idle=scheduler.when_idle, close_connections=connections.close_all)
     worker = WorkerApp(
         engine,
         reactor=reactor,
         scheduler=scheduler,
         model=model,
-        formats=available_formats(ffmpeg),
+        formats=formats,
         ffmpeg=ffmpeg,
         contract_version=spawn.contract,
-        on_terminate=drain,
+        on_terminate=lifecycle.drain,
         blocking=partial(deferToThreadPool, reactor, files),
+        lifecycle=lifecycle,
+        name=spawn.engine,
     )
-    connections = _Connections()
     site = worker.site(access_log=access_log)
     site.connections = connections
     port = await _listen(reactor, spawn.listen, site)
+    lifecycle.listening(port)
+    # Any other stop of the reactor drains too: SIGINT, or Twisted's own SIGTERM
+    # handler in the moment before the one below replaces it.
+    reactor.addSystemEventTrigger("before", "shutdown", lifecycle.stop)
+    # Twisted installs its SIGTERM handler (stop at once) as the reactor starts, so the
+    # draining one goes in after that, and before the core can read the handshake and
+    # signal: printed earlier, a SIGTERM right after "ready" killed the worker.
+    await _running(reactor)
+    process.on_sigterm(lambda: reactor.callFromThread(lifecycle.drain))
     handshake = {
         "ready": True,
         "contract": spawn.contract,
         "engine": spawn.engine,
         "listen": _bound(spawn.listen, port),
     }
-    real_stdout = sys.__stdout__
-    assert real_stdout is not None
-    real_stdout.write(json.dumps(handshake) + "\n")
-    real_stdout.flush()
-    # From here stdout is the log: a print in an adapter, or a C library writing to fd 1,
-    # can no longer corrupt the handshake channel.
-    os.dup2(2, 1)
-    sys.stdout = _StdoutToLog()
-    # After the reactor's own handlers (installed as it starts), so SIGTERM drains
-    # rather than stopping the reactor under requests in flight.
-    reactor.callWhenRunning(
-        signal.signal, signal.SIGTERM, lambda *_: reactor.callFromThread(drain)
-    )
-    parent = os.getppid()
+    process.announce(handshake)
 
     def watch_parent() -> None:
-        if os.getppid() != parent:
-            log.warn("parent process {pid} is gone; exiting", pid=parent)
-            os._exit(1)
+        if not process.parent_alive():
+            log.warn("parent process {pid} is gone; exiting", pid=process.parent)
+            process.exit(1)
 
     watcher = LoopingCall(watch_parent)
     watcher.clock = reactor
@@ -338,13 +440,16 @@ async def _run(reactor: Any, engine: IEngine, spawn: Spawn, access_log: bool = T
         contract=spawn.contract,
         formats=",".join(worker.formats),
     )
-    await stopped
+    await lifecycle.when_stopped()
+    watcher.stop()
+    process.sweep()
 
 
 def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn:
     """
     Serve C{engine} under the spawn contract until drained; never returns.
     """
+    process = _Process(os.getppid())
     environ = os.environ if environ is None else environ
     name = environ.get("RHAPSODE_WORKER_ENGINE") or str(getattr(engine, "id", "") or "")
     level = LogLevel.levelWithName(environ.get("RHAPSODE_WORKER_LOG_LEVEL", "info"))
@@ -358,7 +463,22 @@ def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn
     except SpawnError as error:
         log.critical("{error}", error=str(error))
         sys.exit(_EXIT_REFUSED if isinstance(error, ContractRefused) else _EXIT_MISCONFIGURED)
+    # Until the reactor runs there is nothing to drain: SIGTERM just ends the process
+    # (and its group) with the status a drain would have.
+    process.on_sigterm(lambda: process.exit(0))
     _die_with_parent()
+    if not process.parent_alive():
+        # It died before the kernel was asked to say so.
+        log.warn("parent process {pid} is gone; exiting", pid=process.parent)
+        process.exit(1)
+    # Each probe runs a program: done here, before the reactor runs, no request waits.
+    ffmpeg = find_ffmpeg()
+    formats = available_formats(ffmpeg)
+    _memory.probe_cpu()
     # Access lines are logged at info; at a stricter level none is even formatted.
     access_log = level in (LogLevel.debug, LogLevel.info)
-    react(lambda reactor: Deferred.fromCoroutine(_run(reactor, engine, spawn, access_log)))
+    react(
+        lambda reactor: Deferred.fromCoroutine(
+            _run(reactor, engine, spawn, process, ffmpeg=ffmpeg, formats=formats, access_log=access_log)
+        )
+    )

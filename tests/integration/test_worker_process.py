@@ -20,7 +20,7 @@ import pytest_twisted
 import treq
 from twisted.internet.task import deferLater
 
-from _worker import Worker, deferred_raw, process_alive, spawn_worker, start_process
+from _worker import STARTUP_TIMEOUT, Worker, deferred_raw, process_alive, spawn_worker, start_process
 
 HERE = Path(__file__).parent
 CHATTY = {"PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -237,6 +237,45 @@ async def test_terminate_verb_answers_then_exits_zero(own_tone: Worker) -> None:
     assert code == 202 and body == {"terminating": True}
     assert await own_tone.protocol.ended == 0
     assert not process_alive(own_tone.pid)
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_the_moment_the_handshake_is_read_drains_and_exits_zero(reactor: Any, tmp_path: Path) -> None:
+    """
+    A SIGTERM sent the instant the handshake line arrives is a drain like any other:
+    the worker exits 0, never killed by the signal, spawn after spawn (the draining
+    handler is in place before the line is printed).
+    """
+    for attempt in range(4):
+        protocol, transport, _ = start_process(reactor, tmp_path / str(attempt))
+        protocol.ready.addCallback(lambda _: transport.signalProcess("TERM"))
+        try:
+            await protocol.ended.addTimeout(STARTUP_TIMEOUT, reactor)
+        finally:
+            if protocol.exit_code is None and protocol.signal is None:
+                transport.signalProcess("KILL")
+        assert (protocol.exit_code, protocol.signal) == (0, None), (attempt, protocol.stderr.decode()[-2000:])
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_spawned_under_another_id_names_it(reactor: Any, tmp_path: Path) -> None:
+    """
+    The tone module spawned as "tone-a" (a second registration of one engine) keeps
+    working: its handshake, /health and its log lines name "tone-a", /capabilities
+    names the engine's own id, and it speaks.
+    """
+    worker = await spawn_worker(reactor, tmp_path, engine="tone-a")
+    try:
+        assert worker.handshake["engine"] == "tone-a"
+        _, health = await worker.json("GET", "/health")
+        assert health["engine"] == "tone-a"
+        _, caps = await worker.json("GET", "/capabilities")
+        assert caps["engine"]["id"] == "tone"
+        response = await deferred_raw(worker.socket_path, "POST", "/speak", speak_body("still speaking", stream=False))
+        assert response.status == 200 and len(response.body) > 1000
+        assert {line["engine"] for line in worker.protocol.log_lines()} == {"tone-a"}
+    finally:
+        await worker.stop()
 
 
 def test_worker_dies_with_its_parent(tmp_path: Path) -> None:
