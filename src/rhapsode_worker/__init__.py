@@ -23,6 +23,7 @@ from ._engine import (
     Variant,
     Voice,
 )
+from ._split import split_text
 from .errors import (
     BadRequest,
     Conflict,
@@ -83,4 +84,5 @@ __all__ = [
     "read_pt",
     "read_voicepack",
     "serve",
+    "split_text",
 ]

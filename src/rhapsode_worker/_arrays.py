@@ -41,6 +41,12 @@ _REBUILD = ("torch._utils", "_rebuild_tensor_v2")
 _ORDERED_DICT = ("collections", "OrderedDict")
 # numpy refuses longer headers by default too; it bounds what literal_eval is given.
 _MAX_HEADER = 10_000
+#: The most values a voicepack may hold, checked from its header before any is decoded:
+#: eight times a Kokoro voicepack (510 x 1 x 256).  Decoding goes through Python
+#: floats, so an upload's worth of float16 would otherwise cost twenty times its size.
+MAX_VALUES = 1 << 20
+# Half floats decoded at a time, so no tuple of every value is ever built.
+_HALVES_AT_ONCE = 1 << 16
 
 
 def _bad(field: str, problem: str) -> BadRequest:
@@ -50,7 +56,12 @@ def _bad(field: str, problem: str) -> BadRequest:
 def _floats(raw: bytes, code: str, little: bool, field: str) -> array[float]:
     """Decode packed elements of C{code}, in the given byte order, into float32."""
     if code == "e":
-        return array("f", struct.unpack(f"{'<' if little else '>'}{len(raw) // 2}e", raw))
+        halves = array("f")
+        order = "<" if little else ">"
+        for start in range(0, len(raw) - 1, 2 * _HALVES_AT_ONCE):
+            piece = raw[start : start + 2 * _HALVES_AT_ONCE]
+            halves.extend(struct.unpack(f"{order}{len(piece) // 2}e", piece))
+        return halves
     wide = array(code, raw)
     if little != (sys.byteorder == "little"):
         wide.byteswap()
@@ -67,12 +78,24 @@ def _is_shape(value: object) -> bool:
     return isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
 
 
-def read_npy(data: bytes, *, field: str = "reference") -> FloatArray:
+def _check_size(shape: tuple[int, ...], max_values: int, field: str) -> int:
+    """
+    The number of values C{shape} holds, refused over C{max_values}.  The count is never
+    printed: a header's numbers can multiply past what Python will turn into a string.
+    """
+    count = math.prod(shape)
+    if count > max_values:
+        raise _bad(field, f"claims more than {max_values} values; a voicepack holds fewer")
+    return count
+
+
+def read_npy(data: bytes, *, field: str = "reference", max_values: int = MAX_VALUES) -> FloatArray:
     """
     Read a .npy file (format 1.0, 2.0 or 3.0) of float16, float32 or float64, either
     byte order, as float32.  A Fortran-order array is transposed into C order.
 
-    @raise BadRequest: naming C{field}, for anything else or anything malformed.
+    @raise BadRequest: naming C{field}, for anything else or anything malformed, or for
+        an array of more than C{max_values} values.
     """
     if data[:6] != b"\x93NUMPY":
         raise _bad(field, "is not a .npy file: it does not start with \\x93NUMPY")
@@ -104,7 +127,7 @@ def read_npy(data: bytes, *, field: str = "reference") -> FloatArray:
     if not isinstance(fortran, bool) or not _is_shape(shape):
         raise _bad(field, "has a .npy header whose fortran_order or shape is malformed")
     code = _NPY_TYPES[descr[1:]]
-    expected = math.prod(shape) * struct.calcsize(code)
+    expected = _check_size(shape, max_values, field) * struct.calcsize(code)
     if len(data) - end != expected:
         raise _bad(field, f"has {len(data) - end} bytes of data where shape {shape} of "
                    f"{descr} needs {expected}")
@@ -116,12 +139,14 @@ def read_npy(data: bytes, *, field: str = "reference") -> FloatArray:
 
 def _c_order(values: array[float], shape: tuple[int, ...]) -> array[float]:
     """Reorder the elements of a Fortran-order array of C{shape} into C order."""
-    offsets = [0]
+    # Offsets in an array of machine integers: a list of Python ints costs five times
+    # as much for every value.
+    offsets = array("q", [0])
     stride = 1
     for n in shape:
         # Each axis in turn becomes the fastest-varying one of the offsets built so far,
         # which leaves the last axis fastest; its step in Fortran order is C{stride}.
-        offsets = [offset + i * stride for offset in offsets for i in range(n)]
+        offsets = array("q", (offset + i * stride for offset in offsets for i in range(n)))
         stride *= n
     return array("f", (values[offset] for offset in offsets))
 
@@ -271,12 +296,13 @@ def _walk(pickle: bytes, field: str) -> _Tensor:
     return result
 
 
-def read_pt(data: bytes, *, field: str = "reference") -> FloatArray:
+def read_pt(data: bytes, *, field: str = "reference", max_values: int = MAX_VALUES) -> FloatArray:
     """
     Read a .pt file as torch.save writes it (a zip, torch 1.6 on) holding one contiguous
     tensor of float16, float32 or float64, as float32.  Nothing is unpickled.
 
-    @raise BadRequest: naming C{field}, for anything else or anything malformed.
+    @raise BadRequest: naming C{field}, for anything else or anything malformed, or for
+        a tensor of more than C{max_values} values.
     """
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
@@ -295,7 +321,7 @@ def read_pt(data: bytes, *, field: str = "reference") -> FloatArray:
         raise _bad(
             field, f"is a tensor of torch.{storage.kind}; float16, float32 or float64 is read"
         )
-    count, expected = math.prod(shape), 1
+    count, expected = _check_size(shape, max_values, field), 1
     for n, step in reversed(list(zip(shape, tensor.stride))):
         if count and n != 1 and step != expected:
             raise _bad(field, f"is a non-contiguous tensor (shape {shape}, strides "
@@ -332,16 +358,19 @@ def _member(archive: zipfile.ZipFile, name: str, field: str) -> bytes:
         raise _bad(field, f"has {name} unreadable ({error})") from None
 
 
-def read_voicepack(filename: str, data: bytes, *, field: str = "reference") -> FloatArray:
+def read_voicepack(
+    filename: str, data: bytes, *, field: str = "reference", max_values: int = MAX_VALUES
+) -> FloatArray:
     """
     Read a voicepack by the type its filename names: .npy or .pt.
 
     @raise Unsupported: for any other extension.
-    @raise BadRequest: for a file of the right type and the wrong contents.
+    @raise BadRequest: for a file of the right type and the wrong contents, or of more
+        than C{max_values} values.
     """
     extension = filename.rpartition(".")[2].lower() if "." in filename else ""
     if extension == "npy":
-        return read_npy(data, field=field)
+        return read_npy(data, field=field, max_values=max_values)
     if extension == "pt":
-        return read_pt(data, field=field)
+        return read_pt(data, field=field, max_values=max_values)
     raise Unsupported(f'"{field}" {filename!r} is not a .npy or .pt voicepack', field=field)

@@ -1149,11 +1149,20 @@ def check_dials(ctx: Context) -> list[Result]:
 
 
 def check_unknown_variant(ctx: Context) -> list[Result]:
-    def test() -> None:
+    # A build the worker cannot load is unsupported, like a format it cannot make, and
+    # the message names the variants it has.
+    def speak() -> None:
         response = ctx.speak(text=BASE_TEXT, variant="no-such-variant", stream=False)
-        refused(response, 400, "bad_request", "variant")
+        refused(response, 422, "unsupported", "variant", names=ctx.default_variant())
 
-    return [ctx.probe("an unknown variant is refused", test)]
+    def fetch() -> None:
+        response = ctx.client.post("/fetch", {"variant": "no-such-variant"})
+        refused(response, 422, "unsupported", "variant", names=ctx.default_variant())
+
+    return [
+        ctx.probe("an unknown variant is unsupported, naming the variants", speak),
+        ctx.probe("fetching an unknown variant is unsupported", fetch),
+    ]
 
 
 def check_voice_ids(ctx: Context) -> list[Result]:
@@ -1219,16 +1228,52 @@ def check_voice_list(ctx: Context) -> list[Result]:
 
 
 def check_language(ctx: Context) -> list[Result]:
-    def test() -> None:
-        response = ctx.speak(text=BASE_TEXT, variant=ctx.default_variant(), language="xx-nope", stream=False)
+    # Section 6: a variant that lists several languages reads the field, matching tags
+    # without case as BCP 47 does; one that lists a single language ignores it.
+    def several() -> tuple[str, list[str]]:
+        for variant, caps in ctx.variants().items():
+            if len(caps["languages"]) > 1:
+                return variant, list(caps["languages"])
+        raise Undecidable("no variant lists more than one language")
+
+    def unlisted() -> None:
+        variant, _ = several()
+        response = ctx.speak(text=BASE_TEXT, variant=variant, language="xx-nope", stream=False)
         refused(response, 422, "unsupported", "language")
 
-    return [ctx.probe("an unlisted language is unsupported", test)]
+    def any_case() -> None:
+        variant, languages = several()
+        asked = languages[0].swapcase()
+        response = ctx.speak(text=BASE_TEXT, variant=variant, language=asked, format="wav", stream=False)
+        if response.status != 200:
+            raise Failed(f"language {asked!r} (listed as {languages[0]!r}) answered {response.describe()}")
+
+    def ignored() -> None:
+        single = [v for v, caps in ctx.variants().items() if len(caps["languages"]) == 1]
+        if not single:
+            raise Undecidable("every variant lists more than one language")
+        response = ctx.speak(text=BASE_TEXT, variant=single[0], language="xx-nope", format="wav", stream=False)
+        if response.status != 200:
+            raise Failed(f"variant {single[0]} lists one language, yet refused another: {response.describe()}")
+
+    return [
+        ctx.probe("an unlisted language is unsupported", unlisted),
+        ctx.probe("a listed language is matched without case", any_case),
+        ctx.probe("a variant of one language ignores the language asked for", ignored),
+    ]
 
 
 def check_text(ctx: Context) -> list[Result]:
     def empty() -> None:
         refused(ctx.speak(text="", stream=False), 400, "bad_request", "text")
+
+    def nothing_to_say() -> None:
+        # Control characters, zero-width and direction marks, emoji: nothing to read.
+        for text in ("\x01\x02\x07", "\u200b\u200f\u2066\ufeff", "\U0001f600\U0001f389"):
+            try:
+                refused(ctx.speak(text=text, stream=False), 400, "bad_request", "text")
+            except Failed as exc:
+                raise Failed(f"text {text!r}: {exc}") from None
 
     def too_long() -> None:
         variant = ctx.default_variant()
@@ -1240,6 +1285,7 @@ def check_text(ctx: Context) -> list[Result]:
 
     return [
         ctx.probe('empty text is refused naming "text"', empty),
+        ctx.probe('text with no letter or digit is refused naming "text"', nothing_to_say),
         ctx.probe('text over maxCharacters is refused naming "text"', too_long),
     ]
 
@@ -1302,7 +1348,7 @@ def _create_voice(ctx: Context, voice_id: str, part: tuple[str, str | None, byte
     """POST /voices; a voice it creates is remembered, to be deleted however the check ends."""
     body, content_type = multipart([("id", None, voice_id.encode()), part])
     response = ctx.client.request("POST", "/voices", body, content_type)
-    if response.status == 200:
+    if 200 <= response.status < 300:
         ctx.created.add(voice_id)
     return response
 
@@ -1348,8 +1394,8 @@ def check_blending(ctx: Context) -> list[Result]:
             raise Undecidable("fewer than two voices are listed to blend")
         recipe = f"{pair[0]}(1)+{pair[1]}(1)"
         response = _create_voice(ctx, voice_id, ("blend", None, recipe.encode()))
-        if response.status != 200:
-            raise Failed(f"creating a blend answered {response.describe()}")
+        if response.status != 201:
+            raise Failed(f"creating a blend answered {response.describe()}; expected 201")
         doc = response.json()
         conforms(contract.VOICE, doc, "the created voice")
         if doc["id"] != voice_id:
@@ -1361,8 +1407,8 @@ def check_blending(ctx: Context) -> list[Result]:
             raise Failed(f"speaking with the blend answered {spoken.describe()}")
         audible(decode_wav(spoken.body), "the blend's audio")
         deleted = ctx.client.request("DELETE", f"/voices/{voice_id}")
-        if deleted.status != 200:
-            raise Failed(f"DELETE /voices/{voice_id} answered {deleted.describe()}")
+        if deleted.status != 204 or deleted.body:
+            raise Failed(f"DELETE /voices/{voice_id} answered {deleted.describe()}; expected 204, no body")
         ctx.created.discard(voice_id)
         if voice_id in ctx.voice_ids():
             raise Failed("the blend is still listed after DELETE")
@@ -1381,6 +1427,9 @@ def check_blending(ctx: Context) -> list[Result]:
     return [ctx.probe("a blend is unsupported where no variant blends", no_blending)]
 
 
+_MESSAGE_STATUSES = frozenset({404, 405, 408, 413, 414, 431})
+
+
 def check_error_envelopes(ctx: Context) -> list[Result]:
     def test() -> None:
         if not ctx.client.errors:
@@ -1390,7 +1439,10 @@ def check_error_envelopes(ctx: Context) -> list[Result]:
             conforms(contract.ERROR, doc, f"the {response.status} answer to {response.label}")
             code = doc["error"]["code"]
             status, retryable, _ = ERROR_TABLE[code]
-            if response.status != status:
+            # A refusal of the HTTP message itself (no such route, a wrong method, a head
+            # or body over its limit) is bad_request under HTTP's own status for it.
+            allowed = {status} | (_MESSAGE_STATUSES if code == "bad_request" else set())
+            if response.status not in allowed:
                 raise Failed(f"{response.label} answered {code} with {response.status}, not {status}")
             if doc["error"]["retryable"] is not retryable:
                 raise Failed(f"{response.label} answered {code} with retryable {not retryable}")
@@ -1414,10 +1466,10 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("claimed cues change the audio", check_cues),
     ("claimed deliveries change the audio", check_deliveries),
     ("dials are checked", check_dials),
-    ("an unknown variant is refused", check_unknown_variant),
+    ("an unknown variant is unsupported", check_unknown_variant),
     ("bad voice ids are refused", check_voice_ids),
     ("the voice list matches the contract", check_voice_list),
-    ("an unlisted language is unsupported", check_language),
+    ("languages are as declared", check_language),
     ("text is checked", check_text),
     ("an unknown request field is refused", check_unknown_field),
     ("dialogue is as declared", check_dialogue),
@@ -1452,18 +1504,18 @@ def _restore(ctx: Context, health: Mapping[str, Any]) -> list[str]:
     """
     problems: list[str] = []
 
-    def attempt(label: str, act: Callable[[], Response]) -> None:
+    def attempt(label: str, act: Callable[[], Response], expected: int = 200) -> None:
         ctx.client.start()
         try:
             response = act()
         except Exception as exc:  # cleanup reports what it could not do and goes on
             problems.append(f"{label}: {exc}")
             return
-        if response.status != 200:
+        if response.status != expected:
             problems.append(f"{label}: {response.describe()}")
 
     for voice in sorted(ctx.created):
-        attempt(f"deleting voice {voice}", partial(ctx.client.request, "DELETE", f"/voices/{voice}"))
+        attempt(f"deleting voice {voice}", partial(ctx.client.request, "DELETE", f"/voices/{voice}"), 204)
     variant = health.get("variant")
     if health.get("model") in ("loaded", "loading") and isinstance(variant, str):
         attempt(f"reloading {variant}", lambda: ctx.client.post("/load", {"variant": variant}))

@@ -61,7 +61,10 @@ class NativeFormat:
         return self.sample_rate * self.bytes_per_frame
 
     def duration_ms(self, byte_count: int) -> int:
-        return (byte_count // self.bytes_per_frame) * 1000 // self.sample_rate
+        """
+        How long C{byte_count} bytes of this PCM last, to the nearest millisecond.
+        """
+        return round((byte_count // self.bytes_per_frame) * 1000 / self.sample_rate)
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,14 @@ scheduler's synthesis pool (model work) or the reactor's thread pool (voice file
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
-from email.message import Message
-from email.parser import BytesParser
-from email.policy import HTTP
 from functools import partial
 from pathlib import PurePath
 from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -28,6 +24,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from . import _memory, contract
 from ._blend import parse_blend
 from ._encode import Blocking, content_type, make_encoder
+from ._form import read_form
 from ._engine import (
     Dial,
     DialogueRequest,
@@ -41,35 +38,37 @@ from ._engine import (
 )
 from .errors import (
     BadRequest,
-    Overloaded,
     SpeechError,
     UnknownVoice,
     Unsupported,
 )
+from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
 from ._split import split_text
-from .site import DirectSite, EagerRequest, HandlerResource
-from .vocab import clean_text
+from .site import DirectSite, HandlerResource, Routes
+from .validation import choose_language
+from .vocab import clean_text, is_speakable
 from .web import (
     DURATION_HEADER,
-    InFlight,
     abort_connection,
-    answer_failure,
-    error_response,
+    answer,
     json_response,
     no_route,
     read_json,
     write_trailer,
 )
 
-#: A body above this is refused before it is read: a voice upload's cap (protocol.md
-#: section 7), and the most any route reads.
+#: A voice upload's cap (protocol.md section 7), refused at the head when declared and
+#: as it arrives when chunked (rhapsode_worker.site).
 MAX_UPLOAD_BYTES = 25 * 1000 * 1000
 #: A JSON body: a speak request is at most a few kilobytes.
 MAX_JSON_BYTES = 1024 * 1024
 
 PREVIEW_TEXT = "This is how I sound when I read a sentence aloud."
+# Text with no letter or digit left (only tags, control characters, marks, symbols or
+# emoji) is the client's mistake, refused before an engine fails on it.
+_UNSPEAKABLE = "{what} has nothing to speak: no letter or digit once unclaimed tags are removed"
 
 
 def _dials(variant: Variant) -> Mapping[str, Dial]:
@@ -218,66 +217,12 @@ class _AudioResponse:
         return body
 
 
-class _BoundedRequest(EagerRequest):
+def _no_content(request: IRequest) -> bytes:
     """
-    Refuses an oversized body as soon as its length is known, before reading it.
+    A 204: the verb was done, and there is nothing to say about it.
     """
-
-    _refused = False
-    _received = 0
-
-    def gotLength(self, length: int | None) -> None:
-        if length is not None and length > MAX_UPLOAD_BYTES:
-            self._refuse()
-            return
-        super().gotLength(length)
-
-    def handleContentChunk(self, data: bytes) -> None:
-        if self._refused:
-            return
-        self._received += len(data)
-        if self._received > MAX_UPLOAD_BYTES:
-            self._refuse()
-            return
-        super().handleContentChunk(data)
-
-    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        if not self._refused:
-            super().requestReceived(command, path, version)
-
-    def _refuse(self) -> None:
-        self._refused = True
-        error = BadRequest(f"body is over {MAX_UPLOAD_BYTES} bytes", field="body")
-        body = json.dumps(error.envelope()).encode()
-        transport = self.channel.transport
-        assert transport is not None  # the request is being received on it
-        transport.write(
-            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        transport.loseConnection()
-
-
-def _parse_multipart(content_type_header: bytes, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """
-    Form fields by name: (filename or None, bytes).  Runs off the reactor thread.
-    """
-    message = BytesParser(policy=HTTP).parsebytes(
-        b"MIME-Version: 1.0\r\nContent-Type: " + content_type_header + b"\r\n\r\n" + body
-    )
-    if not message.is_multipart():
-        raise BadRequest("body is not multipart/form-data", field="body")
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    part: Message
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if not isinstance(name, str):
-            continue
-        if name in fields:
-            raise BadRequest(f'field "{name}" given twice', field=name)
-        payload = part.get_payload(decode=True)
-        fields[name] = (part.get_filename(), payload if isinstance(payload, bytes) else b"")
-    return fields
+    request.setResponseCode(204)
+    return b""
 
 
 class WorkerApp:
@@ -300,11 +245,19 @@ class WorkerApp:
         contract_version: int,
         on_terminate: Callable[[], None],
         blocking: Blocking,
+        lifecycle: WorkerLifecycle | None = None,
+        name: str | None = None,
     ) -> None:
         """
         @param blocking: runs a blocking call (voice files, a fetch, an upload's parsing)
             off the reactor thread; the runtime gives it a thread pool of its own.
+        @param lifecycle: admits requests, and refuses them once draining; the runtime
+            drains it.  By default one of the worker's own, which nothing drains.
+        @param name: the registry id the worker was spawned as, which C{/health} names
+            (the core may register one engine under several ids); the engine's own id
+            by default.
         """
+        self.name = name or engine.id
         self.engine = engine
         self.reactor = reactor
         self.blocking = blocking
@@ -317,8 +270,7 @@ class WorkerApp:
         self.variants: Mapping[str, Variant] = dict(engine.variants())
         if engine.default_variant not in self.variants:
             raise ValueError(f"default variant {engine.default_variant!r} is not in variants()")
-        self.draining = False
-        self.requests = InFlight()
+        self.lifecycle = lifecycle or WorkerLifecycle(idle=scheduler.when_idle)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -329,43 +281,45 @@ class WorkerApp:
         """
         # POST /speak, on the path of every utterance, skips Klein's routing.
         speak = HandlerResource(self.speak, self.log)
-        site = DirectSite(
-            self.app.resource(), {(b"POST", b"/speak"): speak}, access_log=access_log, reactor=self.reactor
+        routes = Routes(
+            self.app.url_map,
+            {
+                ("POST", "/speak"): MAX_JSON_BYTES,
+                ("POST", "/dialogue"): MAX_JSON_BYTES,
+                ("POST", "/voices"): MAX_UPLOAD_BYTES,
+            },
         )
-        site.requestFactory = _BoundedRequest
+        site = DirectSite(
+            self.app.resource(),
+            {(b"POST", b"/speak"): speak},
+            access_log=access_log,
+            reactor=self.reactor,
+            routes=routes,
+        )
         site.displayTracebacks = False
         site.send_buffer = SEND_BUFFER_BYTES
         return site
 
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.draining
+
     def _enter(self) -> None:
-        if self.draining:
-            raise Overloaded("the worker is draining and takes no new requests")
-        self.requests.enter()
+        self.lifecycle.admit()
 
     def _leave(self) -> None:
-        self.requests.leave()
+        self.lifecycle.leave()
 
     async def _guarded(self, request: IRequest, handler: Callable[[], Any]) -> Any:
         """
         Count the request in flight, refuse it while draining, and map failures that
         happen before any header onto the taxonomy.
         """
-        try:
-            self._enter()
-        except SpeechError as error:
-            return error_response(request, error)
-        try:
-            return await handler()
-        except CancelledError:
-            raise
-        except Exception as exc:
-            return answer_failure(request, exc, self.log)
-        finally:
-            self._leave()
+        return await answer(request, handler, self.log, self._enter, self._leave)
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def _no_route(self, request: IRequest, failure: Failure) -> bytes:
-        return no_route(request)
+        return no_route(request, failure)
 
     def _body(self, request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
         return read_json(request, schema, MAX_JSON_BYTES)
@@ -376,7 +330,7 @@ class WorkerApp:
         doc: dict[str, Any] = {
             "process": "up",
             "model": self.model.state,
-            "engine": self.engine.id,
+            "engine": self.name,
             "contract": self.contract_version,
             "device": _memory.device_label(),
             "draining": self.draining,
@@ -448,8 +402,9 @@ class WorkerApp:
                 return self.model.variant
             return self.engine.default_variant
         if name not in self.variants:
+            # A build this worker cannot load, like a format it cannot make: unsupported.
             known = ", ".join(sorted(self.variants))
-            raise BadRequest(f'unknown variant "{name}" (this worker has {known})', field="variant")
+            raise Unsupported(f'unknown variant "{name}" (this worker has {known})', field="variant")
         return name
 
     @app.route("/load", methods=["POST"])
@@ -484,7 +439,7 @@ class WorkerApp:
             if not overrides(self.engine, "fetch"):
                 raise Unsupported("this engine has nothing to fetch", field="variant")
             await self.blocking(self.engine.fetch, variant)
-            return json_response(request, 200, {"variant": variant, "fetched": True})
+            return _no_content(request)
 
         return await self._guarded(request, handle)
 
@@ -527,7 +482,7 @@ class WorkerApp:
             if not ctype.lower().startswith(b"multipart/form-data"):
                 raise BadRequest("a voice is created from multipart/form-data", field="body")
             request.content.seek(0)
-            fields = await self.blocking(_parse_multipart, ctype, request.content.read())
+            fields = await self.blocking(read_form, ctype, request.content)
             unknown = sorted(set(fields) - {"id", "label", "reference", "blend", "transcript"})
             if unknown:
                 raise BadRequest(f'unknown field "{unknown[0]}"', field=unknown[0])
@@ -543,7 +498,7 @@ class WorkerApp:
                 filename, data = fields["reference"]
                 transcript = fields["transcript"][1].decode("utf-8", "replace") if "transcript" in fields else None
                 voice = await self._clone(voice_id, label, filename, data, transcript)
-            return json_response(request, 200, self._voice_doc(voice))
+            return json_response(request, 201, self._voice_doc(voice))
 
         return await self._guarded(request, handle)
 
@@ -579,7 +534,7 @@ class WorkerApp:
         async def handle() -> bytes:
             await self._check_voice(voice_id, "id")
             await self.blocking(self.engine.delete_voice, voice_id)
-            return json_response(request, 200, {"deleted": voice_id})
+            return _no_content(request)
 
         return await self._guarded(request, handle)
 
@@ -613,13 +568,8 @@ class WorkerApp:
                 f'format "{fmt}" is not produced here (formats: {", ".join(self.formats)})',
                 field="format",
             )
-        language = body.get("language", v.languages[0])
-        if language not in v.languages:
-            raise Unsupported(
-                f'language "{language}" is not spoken by variant "{variant}" '
-                f'({", ".join(v.languages)})',
-                field="language",
-            )
+        # Shared with the core's own check, so both read a language the same way.
+        language = choose_language(body.get("language"), v.languages, variant)
         params: dict[str, float] = {}
         given = body.get("params", {})
         for key in given:
@@ -675,8 +625,8 @@ class WorkerApp:
                     field="delivery",
                 )
             text = self._clean(body["text"], v)
-            if not text:
-                raise BadRequest("text has nothing to speak once unclaimed tags are removed", field="text")
+            if not is_speakable(text):
+                raise BadRequest(_UNSPEAKABLE.format(what="text"), field="text")
             ceiling = self._ceiling(variant)
             if len(text) > ceiling:
                 raise BadRequest(f"text is {len(text)} characters; the most is {ceiling}", field="text")
@@ -710,8 +660,8 @@ class WorkerApp:
             turns = []
             for i, turn in enumerate(body["turns"]):
                 text = self._clean(turn["text"], v)
-                if not text:
-                    raise BadRequest(f"turn {i} has nothing to speak", field=f"turns[{i}].text")
+                if not is_speakable(text):
+                    raise BadRequest(_UNSPEAKABLE.format(what=f"turn {i}"), field=f"turns[{i}].text")
                 turns.append(Turn(speaker=turn["speaker"], text=text))
             speakers = {t.speaker for t in turns}
             if len(speakers) > v.max_speakers:

@@ -111,7 +111,9 @@ class Worker:
         if body is not None:
             kwargs["json"] = body
         response = await self.http.request(method, self.url(path), **kwargs)
-        return response.code, json.loads(await response.content())
+        raw = await response.content()
+        # A 204 (a delete, a fetch) has no body at all.
+        return response.code, json.loads(raw) if raw else None
 
     async def stop(self) -> None:
         await self.pool.closeCachedConnections()
@@ -333,3 +335,47 @@ def resident_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def engine_of(health: dict[str, Any], engine: str) -> dict[str, Any]:
+    """
+    One engine's entry in a core's GET /health (a list, in configuration order).
+    """
+    found: dict[str, Any] = next(e for e in health["engines"] if e["id"] == engine)
+    return found
+
+
+def free_port() -> int:
+    """
+    A TCP port on loopback nothing listens on now.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get(port: int, path: str) -> Any:
+    """
+    GET a JSON answer from a core on loopback.
+    """
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_for(predicate: Any, seconds: float, what: str) -> Any:
+    """
+    Poll C{predicate} every tenth of a second until it answers something true, for at
+    most C{seconds}; an OSError or ValueError on the way counts as not yet.
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (OSError, ValueError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -69,7 +69,7 @@ async def kokoro(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Work
     """
     worker = await start(tmp_path_factory.mktemp("kokoro"))
     status, body = await worker.json("POST", "/fetch", {"variant": VARIANT})
-    assert status == 200, body
+    assert status == 204, body
     yield worker
     await worker.stop()
 
@@ -182,13 +182,13 @@ async def test_fetch_puts_verified_weights_in_the_cache(kokoro: Worker) -> None:
     assert (CACHE / MODEL_FILE).stat().st_size == MODEL_BYTES
     assert (CACHE / VOICES_FILE).stat().st_size == VOICES_HEADER + 54 * STYLE_VALUES * 4
     status, body = await kokoro.json("POST", "/fetch", {"variant": VARIANT})
-    assert (status, body) == (200, {"variant": VARIANT, "fetched": True})
+    assert (status, body) == (204, None)
     messages = [line["message"] for line in kokoro.protocol.log_lines()
                 if line["namespace"] == "rhapsode_engine_kokoro"]
     assert any(f"{MODEL_FILE} already in" in m for m in messages), messages
     assert not any(name.endswith(".partial") for name in os.listdir(CACHE))
     status, unknown = await kokoro.json("POST", "/fetch", {"variant": "v9"})
-    assert (status, unknown["error"]["field"]) == (400, "variant")
+    assert (status, unknown["error"]["code"], unknown["error"]["field"]) == (422, "unsupported", "variant")
 
 
 @pytest_twisted.ensureDeferred
@@ -419,18 +419,18 @@ async def test_a_voicepack_speaks_exactly_as_the_voice_it_holds(kokoro: Worker) 
     emma = builtin_style("bf_emma", names)
     status, made = await create(kokoro, {"id": "emma-npy", "label": "Emma (npy)"},
                                 {"reference": ("emma.npy", npy((510, 1, 256), emma))})
-    assert status == 200, made
+    assert status == 201, made
     assert (made["builtin"], made["tags"]) == (False, ["voicepack"])
     status, made = await create(kokoro, {"id": "emma-pt"},
                                 {"reference": ("emma.pt", tensor_pt((510, 256), emma))})
-    assert status == 200, made
+    assert status == 201, made
     text = "Good evening."
     original = await pcm(kokoro, text=text, voice="bf_emma", language="en-GB")
     assert await pcm(kokoro, text=text, voice="emma-npy", language="en-GB") == original
     assert await pcm(kokoro, text=text, voice="emma-pt", language="en-GB") == original
     for voice_id in ("emma-npy", "emma-pt"):
         status, _ = await kokoro.json("DELETE", f"/voices/{voice_id}")
-        assert status == 200
+        assert status == 204
 
 
 @pytest_twisted.ensureDeferred
@@ -442,7 +442,7 @@ async def test_a_blend_is_the_weighted_sum_and_sounds_like_neither(kokoro: Worke
     status, voices = await kokoro.json("GET", "/voices")
     names = [v["id"] for v in voices if v["builtin"]]
     status, made = await create(kokoro, {"id": "mix", "label": "Mix", "blend": "af_heart(3)+am_adam(1)"})
-    assert status == 200, made
+    assert status == 201, made
     assert made["description"] == "Blend of af_heart 75%, am_adam 25%"
     stored = array("f")
     stored.frombytes((kokoro_voice_dir(kokoro) / "mix.npy").read_bytes()[128:])
@@ -455,7 +455,7 @@ async def test_a_blend_is_the_weighted_sum_and_sounds_like_neither(kokoro: Worke
     assert len(set(takes)) == 3
     assert_speech(takes[0], text)
     status, _ = await kokoro.json("DELETE", "/voices/mix")
-    assert status == 200
+    assert status == 204
 
 
 def kokoro_voice_dir(worker: Worker) -> Path:
@@ -469,16 +469,16 @@ async def test_making_voices_loads_no_model(fresh: Worker) -> None:
     names = [v["id"] for v in voices if v["builtin"]]
     pack = npy((510, 256), builtin_style("ff_siwis", names))
     status, _ = await create(fresh, {"id": "pack"}, {"reference": ("p.npy", pack)})
-    assert status == 200
+    assert status == 201
     status, _ = await create(fresh, {"id": "mixed", "blend": "pack(1)+bm_george(1)"})
-    assert status == 200
+    assert status == 201
     status, voices = await fresh.json("GET", "/voices")
     assert {"pack", "mixed"} <= {v["id"] for v in voices if not v["builtin"]}
     status, health = await fresh.json("GET", "/health")
     assert health["model"] == "unloaded"
     for voice_id in ("pack", "mixed"):
         status, _ = await fresh.json("DELETE", f"/voices/{voice_id}")
-        assert status == 200
+        assert status == 204
 
 
 @pytest_twisted.ensureDeferred

@@ -256,12 +256,12 @@ async def test_pipers_raw_phoneme_syntax_is_not_spoken(piper: Worker) -> None:
 @pytest_twisted.ensureDeferred
 async def test_us_english_is_the_one_language(piper: Worker) -> None:
     """
-    en-US, as the voice declares it, is spoken when named; any other tag is unsupported.
+    en-US, as the voice declares it, is the one language; a variant of one language
+    ignores the request's (protocol.md section 6), so "en", "en-us" and "en-GB" are all
+    read in US English rather than refused.
     """
-    assert rms(await speak_pcm(piper, SENTENCE, language="en-US")) > 1000
-    response = await deferred_raw(piper.socket_path, "POST", "/speak", body(text=SENTENCE, language="en-GB", stream=False))
-    assert response.status == 422
-    assert json.loads(response.body)["error"]["code"] == "unsupported"
+    for language in ("en-US", "en", "en-us", "en-GB"):
+        assert rms(await speak_pcm(piper, SENTENCE, language=language)) > 1000, language
 
 
 @pytest_twisted.ensureDeferred
@@ -300,6 +300,7 @@ async def test_conforms_and_seeds_reproduce_in_no_process(piper: Worker, tmp_pat
     check_summary(run)
     undecided = lines_of(run, "cannot be decided ")
     assert "a seed reproduces audio in variant medium: the variant does not claim it" in undecided
+    assert "a variant of one language ignores the language asked for" in lines_of(run, "pass  ")
 
 
 @pytest_twisted.ensureDeferred

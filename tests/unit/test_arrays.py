@@ -15,6 +15,7 @@ import math
 import pickle
 import struct
 import sys
+import tracemalloc
 import zipfile
 import zlib
 from functools import partial
@@ -241,7 +242,8 @@ def test_npy_integer_dtype_is_refused() -> None:
         (npy(head(shape="[2]"), b"\0" * 8), "fortran_order or shape"),
         (npy(head(shape="(2, 5)"), b"\0" * 39), "needs 40"),
         (npy(head(shape="(2, 5)"), b"\0" * 41), "needs 40"),
-        (npy(head(shape=f"({10**30},)"), b"\0" * 4), "needs"),
+        (npy(head(shape=f"({10**30},)"), b"\0" * 4), "claims more than"),
+        (npy(head(shape="(2,)"), b"\0" * 4), "needs"),
         (npy(head(descr="'<f8'"), struct.pack("<d", 1e300)), "range"),
     ],
 )
@@ -584,6 +586,56 @@ def test_npy_any_float_layout_round_trips(
 def test_oversized_claims_are_refused_before_allocating() -> None:
     """Claims of huge sizes are refused from the header alone, before any allocation."""
     huge = npy(head(shape=f"({2**40}, {2**40})"), b"")
-    assert "needs" in refusal(read_npy, huge)
+    assert "claims more than" in refusal(read_npy, huge)
     claim = torch_zip(torch_pickle((2**31 - 1,), 2**31 - 1), b"\0" * 4)
-    assert "bytes where" in refusal(read_pt, claim)
+    assert "claims more than" in refusal(read_pt, claim)
+
+
+def test_a_shape_whose_size_python_cannot_print_is_refused() -> None:
+    """
+    A shape of numbers that multiply past 4300 digits (more than Python will turn into
+    a string) is refused as bad_request, not a ValueError from formatting the message.
+    """
+    assert "claims more than" in refusal(read_npy, npy(head(shape=f"({10**4000}, {10**4000})"), b""))
+
+
+@pytest.mark.parametrize("reader", [read_npy, read_pt], ids=["npy", "pt"])
+def test_more_values_than_a_voicepack_holds_are_refused_before_decoding(reader: Reader) -> None:
+    """
+    A file that honestly holds 2 million float16 values (4 MB: an upload of 25 MB holds
+    12 million) is refused from its header, with next to nothing allocated; decoded,
+    each value would be a Python float on the way, 64 MB for these.
+    """
+    count = 2_000_000
+    if reader is read_npy:
+        data = npy(head(descr="'<f2'", shape=f"({count},)"), bytes(2 * count))
+    else:
+        data = torch_zip(torch_pickle((count,), count, kind="HalfStorage"), bytes(2 * count))
+    tracemalloc.start()
+    try:
+        message = refusal(reader, data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "claims more than" in message
+    assert peak < 1_000_000
+
+
+def test_float16_in_fortran_order_decodes_within_bounded_memory() -> None:
+    """
+    A quarter of a million float16 values in Fortran order (the costliest layout)
+    decode with under 6 MB allocated at once: the float32 result and its source (1 MB
+    each), the order's offsets (2 MB) and one bounded batch of Python floats, never a
+    float or an int per value alive at once (that took 13 MB).
+    """
+    count = 1 << 18
+    shape = (count // 512, 512)
+    data = npy(head(descr="'<f2'", fortran="True", shape=repr(shape)), bytes(2 * count))
+    tracemalloc.start()
+    try:
+        result = read_npy(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.shape == shape and len(result.values) == count
+    assert peak < 6_000_000

@@ -6,6 +6,7 @@ report's wording.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import struct
@@ -13,7 +14,7 @@ import struct
 import pytest
 
 from rhapsode_worker import _conform as c
-from rhapsode_worker._routes import _parse_multipart
+from rhapsode_worker._form import read_form
 
 BODY = (
     b"5\r\nhello\r\n"
@@ -257,7 +258,7 @@ def test_multipart_body_reads_back_through_the_sdk_parser() -> None:
     """
     body, content_type = c.multipart([("id", None, b"conform-x"), ("reference", "x.xyz", b"\x00\r\n\x01")])
     assert content_type.startswith("multipart/form-data; boundary=")
-    fields = _parse_multipart(content_type.encode(), body)
+    fields = read_form(content_type.encode(), io.BytesIO(body))
     assert fields == {"id": (None, b"conform-x"), "reference": ("x.xyz", b"\x00\r\n\x01")}
 
 

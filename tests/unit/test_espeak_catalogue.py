@@ -158,3 +158,27 @@ def test_deliveries_stay_within_espeaks_ranges() -> None:
 def test_embedded_commands_are_removed_as_private_tags(text: str) -> None:
     """espeak's control-A commands, with or without number and letter, never reach it."""
     assert clean_text(text, (), (catalogue.EMBEDDED_COMMAND,)) == "Hello world"
+
+
+@pytest.mark.parametrize(
+    ("voice_file", "dictionary"),
+    [
+        ("name Faroese\nlanguage fo\nmaintainer x\n", "fo"),
+        ("name English (America)\nlanguage en-us 2\nlanguage en 3\n", "en"),
+        ("name Chinese\nlanguage cmn\nlanguage zh 4\ndictionary cmn // comment\n", "cmn"),
+        ("name Latgalian\nlanguage ltg\n\ndictionary lv\n", "lv"),
+        ("dictionary lv\nlanguage ltg\n", "ltg"),
+        ("name xextan-test\nlanguage xex\n\nphonemes pt-br\n", "xex"),
+        ("name klatt\nlanguage variant\ngender male\n", None),
+        ("// language fr\nname none\n", None),
+    ],
+)
+def test_a_voice_files_dictionary_is_named_as_espeak_names_it(voice_file: str, dictionary: str | None) -> None:
+    """
+    The dictionary a voice file loads is its first language up to a hyphen, unless a
+    later dictionary line names another (espeak reads the lines in order, and the first
+    language line sets the dictionary too); a variant's file names none.  (The adapter probes only
+    voices whose dictionary the wheel ships, so espeak never prints that it cannot
+    read one.)
+    """
+    assert catalogue.dictionary_name(voice_file) == dictionary

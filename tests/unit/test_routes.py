@@ -201,7 +201,7 @@ def test_cannot_claim_what_was_not_written() -> None:
         ({"text": "hi", "delivery": "hushed"}, 422, "unsupported", "delivery"),
         ({"text": "hi", "delivery": "frantic", "variant": "v2"}, 422, "unsupported", "delivery"),
         ({"text": "x" * 101, "variant": "v2"}, 400, "bad_request", "text"),
-        ({"text": "hi", "variant": "v3"}, 400, "bad_request", "variant"),
+        ({"text": "hi", "variant": "v3"}, 422, "unsupported", "variant"),
         ({"text": "[sigh] [cough]"}, 400, "bad_request", "text"),
         ({"text": "hi", "stream": "yes"}, 400, "bad_request", "stream"),
         ({"text": "hi", "engine": "plain"}, 400, "bad_request", "engine"),
@@ -241,7 +241,7 @@ def test_draining_worker_refuses_with_429() -> None:
     Once draining, new work is refused as overloaded and retryable; health still answers.
     """
     app, stub = make_app(PlainEngine())
-    app.draining = True
+    app.lifecycle.drain()
     code, answer = call(stub, "POST", "/speak", {"text": "hi"})
     assert code == 429 and answer["error"] == {
         "code": "overloaded",
@@ -322,7 +322,8 @@ def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
     from _sockets import FakeSocket
     from twisted.internet.address import IPv4Address
 
-    from rhapsode_worker._routes import _AudioResponse, _BoundedRequest
+    from rhapsode_worker._routes import _AudioResponse
+    from rhapsode_worker.site import EagerRequest
     from rhapsode_worker._schedule import Job
 
     app, _ = make_app(PlainEngine())
@@ -331,7 +332,7 @@ def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
         site = app.site(access_log=False)
         channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
         channel.makeConnection(sock)
-        request: Any = _BoundedRequest(channel)
+        request: Any = EagerRequest(channel)
         request.method, request.clientproto, request.uri = b"POST", b"HTTP/1.1", b"/speak"
         answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))  # type: ignore[arg-type]
         answer.pcm(b"\x01\x00" * 100)
@@ -347,21 +348,27 @@ def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
 
 def test_the_workers_site_formats_no_access_line_above_info() -> None:
     """
-    The worker's site, made for a log level above info, formats no access line for a
-    request (twisted.web would format one per request and the filter would drop it);
-    made for info, it formats and writes each once.
+    The worker's site, made for a log level above info, emits no access event for a
+    request (the filter would only drop it); made for info, it emits each once, however
+    often it is asked.
     """
+    from twisted.logger import globalLogPublisher
     from twisted.web.test.requesthelper import DummyRequest
 
     app, _ = make_app(RichEngine())
     for enabled in (False, True):
         site = app.site(access_log=enabled)
-        formatted: list[Any] = []
-        lines: list[str] = []
-        site._logFormatter = lambda when, request: formatted.append(request) or "line"  # type: ignore[attr-defined]
-        site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()  # type: ignore[attr-defined]
-        site.log(DummyRequest([b"speak"]))  # type: ignore[no-untyped-call]
-        assert (len(formatted), lines) == ((1, ["line\n"]) if enabled else (0, []))
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        try:
+            request = DummyRequest([b"speak"])  # type: ignore[no-untyped-call]
+            request.code, request.uri = 200, b"/speak"
+            site.log(request)
+            site.log(request)
+        finally:
+            globalLogPublisher.removeObserver(events.append)
+        access = [e for e in events if e.get("log_namespace") == "rhapsode.access"]
+        assert len(access) == (1 if enabled else 0)
 
 
 def test_the_workers_site_asks_for_a_send_buffer_that_holds_a_batch() -> None:
@@ -373,3 +380,341 @@ def test_the_workers_site_asks_for_a_send_buffer_that_holds_a_batch() -> None:
 
     app, _ = make_app(PlainEngine())
     assert app.site().send_buffer == SEND_BUFFER_BYTES and SEND_BUFFER_BYTES > _BATCH_BYTES
+
+
+# -- voices, fetch, text and language ------------------------------------------------------
+
+
+class VoiceEngine(PlainEngine):
+    """
+    Makes voices from a reference in memory, keeping each reference it was given, and
+    fetches by noting the variant.
+    """
+
+    reference_formats = ("wav",)
+
+    def __init__(self) -> None:
+        self.made: dict[str, Reference] = {}
+        self.fetched: list[str] = []
+
+    def voices(self) -> list[Voice]:
+        return [Voice(id=i, label=i, spec=f"{i}@1", builtin=False) for i in self.made]
+
+    def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
+        self.made[voice_id] = reference
+        return Voice(id=voice_id, label=label, spec=f"{voice_id}@1", tags=("cloned",), builtin=False)
+
+    def delete_voice(self, voice_id: str) -> None:
+        del self.made[voice_id]
+
+    def fetch(self, variant: str) -> None:
+        self.fetched.append(variant)
+
+
+class HeardEngine(RichEngine):
+    """
+    Keeps every request its speak and dialogue are given.
+    """
+
+    def __init__(self) -> None:
+        self.heard: list[Any] = []
+
+    def variants(self) -> dict[str, Variant]:
+        return {"v1": Variant(languages=("en", "de-DE")), "v2": Variant(languages=("en-US",))}
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        self.heard.append(request)
+        yield b""
+
+    def dialogue(self, request: DialogueRequest) -> Iterator[bytes]:
+        self.heard.append(request)
+        yield b""
+
+
+def exchange(
+    stub: StubTreq, method: str, path: str, data: bytes | None = None, content_type: bytes | None = None
+) -> tuple[int, bytes]:
+    from twisted.trial.unittest import SynchronousTestCase
+
+    case = SynchronousTestCase()
+    headers = {b"Content-Type": [content_type]} if content_type else {}
+    response = case.successResultOf(stub.request(method, "http://worker" + path, data=data, headers=headers))
+    return response.code, case.successResultOf(stub.content(response))
+
+
+def form(*fields: tuple[str, bytes, str | None]) -> bytes:
+    """
+    A multipart/form-data body of (name, value, filename) with the boundary "xyz".
+    """
+    out = []
+    for name, value, filename in fields:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out.append(f"--xyz\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + value + b"\r\n")
+    return b"".join(out) + b"--xyz--\r\n"
+
+
+FORM = b"multipart/form-data; boundary=xyz"
+
+
+def heard_app(monkeypatch: pytest.MonkeyPatch) -> tuple[HeardEngine, StubTreq]:
+    """
+    A worker whose synthesis runs at once on this thread, answering 200 with no audio:
+    what a request reached the adapter as is in the engine's C{heard}.
+    """
+    engine = HeardEngine()
+    app, stub = make_app(engine)
+
+    async def respond(request: Any, variant: str, steps: list[Any], fmt: str, stream: bool) -> bytes:
+        for step in steps:
+            list(step())
+        request.setResponseCode(200)
+        return b"{}"
+
+    monkeypatch.setattr(app, "_respond", respond)
+    return engine, stub
+
+
+def test_a_voice_is_created_with_201_and_deleted_with_204() -> None:
+    """
+    Creating a voice answers 201 with the voice as GET /voices lists it, the adapter
+    given the form's fields and the reference's bytes intact (read off the reactor
+    thread); deleting it answers 204 with no body.
+    """
+    engine = VoiceEngine()
+    _, stub = make_app(engine)
+    clip = b"RIFF\r\n--xyz-\r\n\x00\xff" * 500
+    blocked.clear()
+    code, body = exchange(
+        stub,
+        "POST",
+        "/voices",
+        form(("id", b"v1x", None), ("label", b"V1", None), ("reference", clip, "clip.wav"), ("transcript", b"Hi.", None)),
+        FORM,
+    )
+    assert code == 201, body
+    assert json.loads(body) == {
+        "id": "v1x",
+        "label": "V1",
+        "spec": "v1x@1",
+        "tags": ["cloned"],
+        "previewUrl": "/voices/v1x/preview",
+        "builtin": False,
+    }
+    made = engine.made["v1x"]
+    assert (made.filename, made.extension, made.data, made.transcript) == ("clip.wav", "wav", clip, "Hi.")
+    assert "read_form" in blocked
+    assert exchange(stub, "DELETE", "/voices/v1x") == (204, b"")
+    assert engine.made == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ((("id", b"a", None), ("colour", b"red", None), ("reference", b"x", "a.wav")), "colour"),
+        ((("id", b"a", None), ("id", b"b", None), ("reference", b"x", "a.wav")), "id"),
+        ((("id", b"a", None), ("reference", b"x", "a.wav"), ("blend", b"b", None)), "reference"),
+        ((("id", b"a", None),), "reference"),
+        ((("reference", b"x", "a.wav"),), "id"),
+        ((("id", b"../x", None), ("reference", b"x", "a.wav")), "id"),
+    ],
+    ids=["unknown", "twice", "both", "neither", "no-id", "bad-id"],
+)
+def test_a_create_keeps_the_field_rules(fields: tuple[tuple[str, bytes, str | None], ...], field: str) -> None:
+    """
+    An unknown field, a field twice, both or neither of reference and blend, and a
+    missing or malformed id are each bad_request naming the field; nothing is made.
+    """
+    engine = VoiceEngine()
+    _, stub = make_app(engine)
+    code, body = exchange(stub, "POST", "/voices", form(*fields), FORM)
+    assert (code, json.loads(body)["error"]["field"]) == (400, field)
+    assert engine.made == {}
+
+
+def test_a_form_of_many_parts_is_refused_naming_body() -> None:
+    """
+    A create of thousands of empty parts is bad_request naming "body" for its parts,
+    and the adapter is never called.  (test_form reads 200,000 of them; an in-memory
+    client takes seconds only to deliver that many here.)
+    """
+    engine = VoiceEngine()
+    _, stub = make_app(engine)
+    body = form(*((f"p{i}", b"", None) for i in range(5_000)))
+    code, answer = exchange(stub, "POST", "/voices", body, FORM)
+    error = json.loads(answer)["error"]
+    assert (code, error["code"], error["field"]) == (400, "bad_request", "body")
+    assert "parts" in error["message"] and engine.made == {}
+
+
+def test_a_part_with_many_header_lines_is_refused_naming_body() -> None:
+    """
+    A create whose part carries a hundred header lines is bad_request naming "body".
+    """
+    engine = VoiceEngine()
+    _, stub = make_app(engine)
+    padding = b"".join(b"X-Pad-%d: y\r\n" % i for i in range(100))
+    body = b'--xyz\r\nContent-Disposition: form-data; name="id"\r\n' + padding + b"\r\nv1\r\n--xyz--\r\n"
+    code, answer = exchange(stub, "POST", "/voices", body, FORM)
+    assert (code, json.loads(answer)["error"]["field"]) == (400, "body")
+
+
+def test_fetch_answers_204_and_an_engine_without_it_422() -> None:
+    """
+    POST /fetch answers 204 with no body once the adapter has fetched; an engine
+    without fetch answers 422 unsupported, and an unknown variant is unsupported
+    naming the variants there are.
+    """
+    engine = VoiceEngine()
+    _, stub = make_app(engine)
+    assert exchange(stub, "POST", "/fetch", b'{"variant": "v2"}') == (204, b"")
+    assert engine.fetched == ["v2"]
+    code, answer = call(stub, "POST", "/fetch", {"variant": "v9"})
+    assert (code, answer["error"]["code"], answer["error"]["field"]) == (422, "unsupported", "variant")
+    assert "v1, v2" in answer["error"]["message"] and engine.fetched == ["v2"]
+    _, plain = make_app(PlainEngine())
+    code, answer = call(plain, "POST", "/fetch", {})
+    assert (code, answer["error"]["code"]) == (422, "unsupported")
+
+
+def test_an_unknown_variant_is_unsupported_on_every_route() -> None:
+    """
+    A variant the worker cannot load is 422 unsupported naming the field and the
+    variants it has, on /speak, /dialogue and /load alike.
+    """
+    _, stub = make_app(RichEngine())
+    for path, body in [
+        ("/speak", {"text": "hi", "variant": "v9"}),
+        ("/dialogue", {"turns": [{"speaker": "a", "text": "hi"}], "variant": "v9"}),
+        ("/load", {"variant": "v9"}),
+    ]:
+        code, answer = call(stub, "POST", path, body)
+        error = answer["error"]
+        assert (code, error["code"], error["field"]) == (422, "unsupported", "variant"), path
+        assert '"v9"' in error["message"] and "v1, v2" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\x01\x02\x07\x1b", "\u200b\u200f\u2066\u2069\ufeff", "\U0001f600\U0001f389 \u2764\ufe0f", "  \t ", "!?\u2026", "[sigh] \x07"],
+    ids=["control", "invisible", "emoji", "spaces", "punctuation", "unclaimed-tag"],
+)
+def test_text_with_nothing_to_say_is_bad_request_naming_text(text: str) -> None:
+    """
+    Text with no letter or digit once cleaned (control characters, zero-width and
+    direction marks, emoji, punctuation, unclaimed tags) is bad_request naming "text"
+    on /speak and "turns[i].text" on /dialogue, never an adapter's failure.
+    """
+    app, stub = make_app(RichEngine())
+    code, answer = call(stub, "POST", "/speak", {"text": text})
+    assert (code, answer["error"]["code"], answer["error"]["field"]) == (400, "bad_request", "text")
+    turns = [{"speaker": "a", "text": "Hello."}, {"speaker": "b", "text": text}]
+    code, answer = call(stub, "POST", "/dialogue", {"turns": turns})
+    assert (code, answer["error"]["code"], answer["error"]["field"]) == (400, "bad_request", "turns[1].text")
+    assert not app.scheduler.busy and app.model.state == "unloaded"
+
+
+def test_letters_among_control_characters_are_spoken_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    Text with letters among control and invisible characters is spoken, and the adapter
+    is given it without the control characters.
+    """
+    engine, stub = heard_app(monkeypatch)
+    code, _ = call(stub, "POST", "/speak", {"text": "Hello\x07 there,\x1b world\u200b."})
+    assert code == 200
+    (request,) = engine.heard
+    assert "Hello" in request.text and "world" in request.text
+    assert not any(ord(ch) < 32 or ch in "\x7f\x1b" for ch in request.text)
+
+
+@pytest.mark.parametrize(
+    ("variant", "asked", "given"),
+    [
+        ("v1", "DE-de", "de-DE"),
+        ("v1", "EN", "en"),
+        ("v1", None, "en"),
+        ("v2", "fr", "en-US"),
+        ("v2", "en", "en-US"),
+    ],
+)
+def test_languages_compare_without_case_and_one_language_ignores_the_request(
+    monkeypatch: pytest.MonkeyPatch, variant: str, asked: str | None, given: str
+) -> None:
+    """
+    A language is matched without case and the adapter receives the variant's own
+    spelling of it; a variant that lists one language ignores the request's.
+    """
+    engine, stub = heard_app(monkeypatch)
+    body: dict[str, Any] = {"text": "hi", "variant": variant}
+    if asked is not None:
+        body["language"] = asked
+    assert call(stub, "POST", "/speak", body)[0] == 200
+    del body["text"]
+    assert call(stub, "POST", "/dialogue", {**body, "turns": [{"speaker": "a", "text": "hi"}]})[0] == 200
+    assert [r.language for r in engine.heard] == [given, given]
+
+
+def test_a_language_a_variant_of_several_does_not_list_is_unsupported() -> None:
+    """
+    A variant that lists several languages refuses one it does not list, naming it.
+    """
+    _, stub = make_app(HeardEngine())
+    code, answer = call(stub, "POST", "/speak", {"text": "hi", "language": "fr"})
+    assert (code, answer["error"]["code"], answer["error"]["field"]) == (422, "unsupported", "language")
+    assert '"fr"' in answer["error"]["message"]
+
+
+class LeakyEngine(VoiceEngine):
+    """
+    Fails the way a library does, naming the box's paths in what it raises.
+    """
+
+    def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
+        raise FileNotFoundError(2, "No such file or directory", "/srv/box/.venvs/leaky/voices/v1.json")
+
+    def fetch(self, variant: str) -> None:
+        from rhapsode_worker import ModelUnavailable
+
+        raise ModelUnavailable("cannot reach the weights from unix:/run/box/workers/leaky.sock")
+
+
+def test_no_path_of_the_box_reaches_a_client_and_the_log_keeps_it() -> None:
+    """
+    An adapter's failure that names absolute paths (a voice file, a socket) answers
+    with each cut to its last component, while the log keeps the whole exception.
+    """
+    from twisted.logger import Logger
+
+    app, stub = make_app(LeakyEngine())
+    events: list[dict[str, Any]] = []
+    app.log = Logger(observer=events.append)
+    code, body = exchange(stub, "POST", "/voices", form(("id", b"v1", None), ("reference", b"x", "a.wav")), FORM)
+    error = json.loads(body)["error"]
+    assert (code, error["code"]) == (500, "internal")
+    assert "v1.json" in error["message"] and "/srv" not in error["message"]
+    logged = [e["log_failure"].value for e in events if "log_failure" in e]
+    assert [exc.filename for exc in logged] == ["/srv/box/.venvs/leaky/voices/v1.json"]
+    code, answer = call(stub, "POST", "/fetch", {})
+    assert (code, answer["error"]["code"]) == (503, "model_unavailable")
+    assert answer["error"]["message"] == "cannot reach the weights from unix:leaky.sock"
+
+
+@pytest.mark.parametrize(
+    ("message", "seen"),
+    [
+        ("ffmpeg exited with status 1: /tmp/tmpab12/out.mp3: No space left on device",
+         "ffmpeg exited with status 1: out.mp3: No space left on device"),
+        ("Load model from C:\\Users\\bob\\kokoro\\model.onnx failed", "Load model from model.onnx failed"),
+        ("https://huggingface.co/a/b/c answered 404", "https://huggingface.co/a/b/c answered 404"),
+        ("voices/a/b and 3/4/5", "voices/a/b and 3/4/5"),
+    ],
+)
+def test_internal_envelopes_cut_absolute_paths_and_leave_urls(message: str, seen: str) -> None:
+    """
+    An internal failure's envelope cuts absolute paths (POSIX and Windows) to their
+    last component and leaves URLs, relative paths and fractions as they are; the
+    exception keeps its own message for the log.
+    """
+    from rhapsode_worker import Internal
+
+    error = Internal(message)
+    assert error.envelope()["error"]["message"] == seen and error.message == message

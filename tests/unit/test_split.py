@@ -338,3 +338,15 @@ def test_a_short_sentence_takes_the_short_path(monkeypatch: pytest.MonkeyPatch) 
     assert split_text("The ferry.\tIt was late.", 400) == ["The ferry. It was late."]
     assert split_text("The ferry.  It was late.", 400) == ["The ferry. It was late."]
     assert len(calls) == 2
+
+
+def test_split_text_is_public_on_the_sdk() -> None:
+    """
+    An adapter that keeps its own loop imports the splitter from rhapsode_worker, as
+    docs/writing-an-engine.md says: it is the one the SDK splits with, and in __all__.
+    """
+    import rhapsode_worker
+    from rhapsode_worker import _split
+
+    assert rhapsode_worker.split_text is _split.split_text
+    assert "split_text" in rhapsode_worker.__all__

@@ -12,18 +12,21 @@ import io
 import json
 import math
 import re
+import struct
 import subprocess
 import sys
+import tracemalloc
 import wave
 from array import array
 from operator import mul
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import pytest
 from zope.interface.verify import verifyObject
 
 from rhapsode_engine_tone import ToneEngine
+from rhapsode_engine_tone._pitch import estimate
 from rhapsode_worker import (
     ALL_CUES,
     BadRequest,
@@ -434,6 +437,92 @@ def test_clone_refuses_unusable_references(tmp_path: Path, payload: bytes) -> No
         engine.create_voice("bad", "Bad", _wav("bad.wav", payload))
     assert caught.value.field == "reference"
     assert [v.id for v in engine.voices() if not v.builtin] == []
+
+
+def _claiming(rate: int, channels: int, data_bytes: int) -> bytes:
+    """
+    A 16-bit WAV of silence whose header claims C{rate} and C{channels}, whatever the
+    wave module would let a writer say.
+    """
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(data_bytes))
+    clip = bytearray(out.getvalue())
+    struct.pack_into("<HI", clip, 22, channels, rate)
+    struct.pack_into("<HH", clip, 32, 2 * channels, 16)
+    return bytes(clip)
+
+
+def _peak_allocation(call: Callable[[], object]) -> int:
+    """The most memory C{call} had allocated at once, in bytes, whether or not it raised."""
+    tracemalloc.start()
+    try:
+        call()
+    except BadRequest:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("rate", "channels", "complaint"),
+    [(4_294_967_295, 1, "4294967295 Hz"), (192_001, 1, "192001 Hz"), (999, 1, "999 Hz"), (16000, 9, "9 channels")],
+)
+def test_clone_refuses_an_absurd_header_before_reading_the_clip(
+    tmp_path: Path, rate: int, channels: int, complaint: str
+) -> None:
+    """
+    A WAV claiming a sample rate outside 1 to 192 kHz, or more than 8 channels, is
+    bad_request on the reference, refused from its header with next to nothing
+    allocated: a 4 GB/s claim over 2 MB once cost half a million list slices.
+    """
+    engine = _engine(tmp_path, None)
+    clip = _wav("x.wav", _claiming(rate, channels, 2_000_000))
+    with pytest.raises(BadRequest) as caught:
+        engine.create_voice("x", "X", clip)
+    assert caught.value.field == "reference" and complaint in caught.value.message
+    assert _peak_allocation(lambda: estimate(clip.data)) < 1_000_000
+
+
+def test_the_widest_clip_read_is_analysed_within_bounded_memory(tmp_path: Path) -> None:
+    """
+    A long clip at the widest the engine reads (192 kHz, 8 channels, 8 s: 25 MB) has
+    its pitch found from its first seconds in a process whose peak resident memory
+    grows by under 30 MB, about two copies of the seconds analysed (the mix-down to a
+    list of samples grew it by 47 MB).  Measured in a process of its own, since
+    tracemalloc slows the pure-Python mix-down tenfold.
+    """
+    rate, channels, pitch = 192_000, 8, 150.0
+    period = array("h")
+    for i in range(rate // round(pitch)):  # exactly one period: 1280 frames
+        t = i / rate
+        value = int(9000 * sum(math.sin(2 * math.pi * pitch * h * t) / h for h in range(1, 6)))
+        period.extend([value] * channels)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((period * round(pitch * 8)).tobytes())
+    path = tmp_path / "wide.wav"
+    path.write_bytes(out.getvalue())
+    script = (
+        "import resource, sys\n"
+        "from rhapsode_engine_tone._pitch import estimate\n"
+        "data = open(sys.argv[1], 'rb').read()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "found = estimate(data).pitch\n"
+        "print(found, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
+    found, grown_kib = run.stdout.split()
+    assert abs(float(found) / pitch - 1) < 0.02
+    assert int(grown_kib) < 30 * 1024
 
 
 def test_clone_refuses_a_type_it_does_not_read(tmp_path: Path) -> None:

@@ -151,6 +151,28 @@ def language_voices(voices: Iterable[VoiceRecord], default: str = "en") -> dict[
     return {code: best[code][1] for code in order}
 
 
+def dictionary_name(voice_file: str) -> str | None:
+    """
+    The dictionary a voice file has libespeak-ng load (C{<name>_dict} in the data), as
+    its LoadVoice decides it: the first language's code up to its first hyphen, unless
+    a C{dictionary} line names another (the last such line read wins).  None for a file
+    that says neither, such as a variant's.
+    """
+    name: str | None = None
+    language_seen = False
+    for line in voice_file.splitlines():
+        words = line.split("//", 1)[0].split()
+        if len(words) < 2:
+            continue
+        keyword, value = words[0], words[1]
+        if keyword == "language" and value != "variant" and not language_seen:
+            language_seen = True
+            name = value.split("-", 1)[0]
+        elif keyword == "dictionary":
+            name = value
+    return name
+
+
 def espeak_settings(params: Mapping[str, float], delivery: str | None) -> dict[int, int]:
     """
     The espeak parameters for a request's dials (every one present) and delivery,

@@ -21,11 +21,12 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Mapping, TypeVar
 
 import espeakng_loader
 
-from ._catalogue import VoiceRecord
+from ._catalogue import VoiceRecord, dictionary_name
 
 SAMPLE_RATE = 22050
 #: Audio per synthesis callback: few enough calls to cost nothing next to the synthesis,
@@ -156,9 +157,9 @@ class Espeak:
 
     def survey(self) -> Survey:
         """
-        Blocking: espeak's version, its voices that really speak (each says
-        L{PROBE_TEXT} aloud, which one whose dictionary the wheel lacks cannot), and its
-        variants.  Leaves the library as it found it.
+        Blocking: espeak's version, its voices that really speak (each whose
+        dictionary the wheel ships says L{PROBE_TEXT} aloud), and its variants.  Leaves
+        the library as it found it.
         """
         return self._on(self._survey)
 
@@ -229,7 +230,9 @@ class Espeak:
             spec = _Voice()
             spec.languages = ctypes.cast(ctypes.c_char_p(b"variant"), ctypes.c_void_p)
             variants = self._list(spec)
-            speaking = tuple(v for v in voices if self._speaks(v.identifier))
+            speaking = tuple(
+                v for v in voices if self._has_dictionary(v.identifier) and self._speaks(v.identifier)
+            )
         finally:
             if not resident:
                 self._terminate()
@@ -252,6 +255,21 @@ class Espeak:
             )
             i += 1
         return tuple(records)
+
+    def _has_dictionary(self, voice: str) -> bool:
+        """
+        Whether the dictionary the voice loads is in the wheel's data.  The wheel lists
+        voices whose dictionaries it does not ship (Faroese, Karakalpak, Xextan), and
+        selecting one has libespeak-ng print "Can't read dictionary file" to the
+        process's stderr, where nothing can catch it; so those are never probed.
+        """
+        data = Path(self._data.decode())
+        for folder in ("voices", "lang"):
+            path = data / folder / voice
+            if path.is_file():
+                name = dictionary_name(path.read_text(encoding="utf-8", errors="replace"))
+                return name is None or (data / f"{name}_dict").is_file()
+        return True  # a file it did not find where espeak keeps them: the probe decides
 
     def _speaks(self, voice: str) -> bool:
         heard = bytearray()

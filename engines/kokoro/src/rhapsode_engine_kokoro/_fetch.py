@@ -175,13 +175,21 @@ def ensure(directory: Path, artifacts: Sequence[Artifact] = (MODEL, VOICES)) -> 
 
 
 def _run(command: list[str], cwd: Path, what: str) -> None:
+    # The program by name only in what a client is told: its path is the box's, and the
+    # log has the whole story (the envelope also cuts any path in the tool's words).
+    program = Path(command[0]).name
     try:
         result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as error:
-        raise ModelUnavailable(f"fetching {what} failed: {error}") from None
+        log.warn("fetching {what} with {command} failed: {error}", what=what, command=command,
+                 error=str(error))
+        raise ModelUnavailable(f"fetching {what} failed: {program} could not run "
+                               f"({type(error).__name__})") from None
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        raise ModelUnavailable(f"fetching {what} failed ({command[0]} exited "
+        log.warn("fetching {what} with {command} failed: exit {code}: {output}", what=what,
+                 command=command, code=result.returncode, output=result.stderr or result.stdout)
+        raise ModelUnavailable(f"fetching {what} failed ({program} exited "
                                f"{result.returncode}): {' | '.join(tail)}")
 
 

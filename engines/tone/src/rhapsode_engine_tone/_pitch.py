@@ -16,12 +16,16 @@ import wave
 from array import array
 from dataclasses import dataclass
 from operator import mul
-from typing import Sequence
 
 from rhapsode_worker import BadRequest
 
 MIN_HZ = 60.0
 MAX_HZ = 500.0
+# The widest clip read: a header claiming more is refused rather than believed.  The
+# analysis reads rate x seconds x channels samples, so a claimed 4 GHz would take the
+# whole upload, and decimating it to 8 kHz would build a slice per input sample.
+MAX_RATE = 192_000
+MAX_CHANNELS = 8
 _ANALYSIS_SECONDS = 4.0
 _ANALYSIS_RATE = 8000
 _FRAME_SECONDS = 0.04
@@ -40,10 +44,10 @@ class Estimate:
     seconds: float
 
 
-def _read(data: bytes) -> tuple[list[int], int, float]:
+def _read(data: bytes) -> tuple[array[int], int, int, float]:
     """
-    Up to the first few seconds of a 16-bit PCM WAV as mono samples, its rate, and the
-    whole clip's length in seconds.
+    Up to the first few seconds of a 16-bit PCM WAV as interleaved samples, its
+    channels and rate, and the whole clip's length in seconds.
     """
     try:
         with wave.open(io.BytesIO(data), "rb") as clip:
@@ -56,9 +60,16 @@ def _read(data: bytes) -> tuple[list[int], int, float]:
                     f"the reference is {8 * width}-bit audio; this engine reads 16-bit PCM WAV",
                     field="reference",
                 )
-            if rate < 2 * MAX_HZ:
+            if not 2 * MAX_HZ <= rate <= MAX_RATE:
                 raise BadRequest(
-                    f"the reference's sample rate {rate} Hz is too low", field="reference"
+                    f"the reference's sample rate {rate} Hz is not one this engine reads "
+                    f"({2 * MAX_HZ:.0f} to {MAX_RATE} Hz)",
+                    field="reference",
+                )
+            if channels > MAX_CHANNELS:
+                raise BadRequest(
+                    f"the reference has {channels} channels; this engine reads up to {MAX_CHANNELS}",
+                    field="reference",
                 )
             raw = clip.readframes(min(frames, round(rate * _ANALYSIS_SECONDS)))
     except (wave.Error, EOFError, RuntimeError) as e:
@@ -69,16 +80,18 @@ def _read(data: bytes) -> tuple[list[int], int, float]:
     pcm.frombytes(raw[: len(raw) - len(raw) % (2 * channels)])
     if sys.byteorder == "big":
         pcm.byteswap()
-    mono = list(map(sum, zip(*(pcm[c::channels] for c in range(channels)))))
-    return mono, rate, frames / rate
+    return pcm, channels, rate, frames / rate
 
 
-def _decimate(values: Sequence[float], rate: int) -> tuple[list[float], float]:
+def _decimate(samples: array[int], channels: int, rate: int) -> tuple[list[float], float]:
     """
-    Box-filter and keep every n-th sample, to about 8 kHz, centred on zero.
+    Mix to mono, box-filter and keep every n-th frame, to about 8 kHz, centred on zero.
     """
     factor = max(1, round(rate / _ANALYSIS_RATE))
-    reduced = list(map(sum, zip(*(values[j::factor] for j in range(factor)))))
+    # The frames one output sample sums are adjacent in the interleaved samples, channels
+    # and all, so one sum mixes and filters, over arrays and never a list per sample.
+    step = factor * channels
+    reduced = list(map(sum, zip(*(samples[j::step] for j in range(step)))))
     mean = sum(reduced) / max(1, len(reduced))
     return [v - mean for v in reduced], rate / factor
 
@@ -118,8 +131,8 @@ def estimate(data: bytes) -> Estimate:
 
     @raise BadRequest: not a 16-bit PCM WAV, or nothing voiced in it.
     """
-    mono, rate, seconds = _read(data)
-    x, analysis_rate = _decimate(mono, rate)
+    samples, channels, rate, seconds = _read(data)
+    x, analysis_rate = _decimate(samples, channels, rate)
     width = round(analysis_rate * _FRAME_SECONDS)
     lags = range(math.floor(analysis_rate / MAX_HZ), math.ceil(analysis_rate / MIN_HZ) + 1)
     squares = [0.0]
