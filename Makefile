@@ -59,17 +59,17 @@ $(ENGINE_VENVS)/%/.installed: setup.cfg engines/%/setup.cfg
 # once `make fetch-kokoro` has put them in its cache, so a first /speak is not a download.
 SERVED := $(filter-out kokoro,$(ENGINES)) $(if $(wildcard $(RUN)/kokoro.fetched),kokoro)
 
+# The config it adds kokoro to is the user's: the engine is added only if it is missing,
+# and nothing else in the file changes.
 fetch-kokoro: $(ENGINE_VENVS)/kokoro/.installed
 	$(ENGINE_VENVS)/kokoro/bin/python -c 'import os; from rhapsode_engine_kokoro._fetch import cache_dir, ensure; ensure(cache_dir(os.environ))'
 	mkdir -p $(RUN) && touch $(RUN)/kokoro.fetched
+	$(PYTHON) tools/make_config.py add $(CONFIG) kokoro --venvs $(ENGINE_VENVS)
 
-$(CONFIG): Makefile $(wildcard $(RUN)/kokoro.fetched)
-	mkdir -p $(RUN)
-	$(PY) -c 'import json, os, sys; root = os.path.abspath("."); \
-	engines = {e: {"module": "rhapsode_engine_" + e, "python": os.path.join(root, "$(ENGINE_VENVS)", e, "bin", "python")} for e in sys.argv[1:]}; \
-	json.dump({"server": {"port": 8080, "host": "127.0.0.1"}, \
-	           "workers": {"socketDir": os.path.join(root, "$(RUN)", "sockets"), "voiceDir": os.path.join(root, "$(RUN)", "voices")}, \
-	           "engines": engines}, open("$(CONFIG)", "w"), indent=2)' $(SERVED)
+# Written once, when it is missing (no prerequisites on purpose): from then on it is the
+# user's to edit, and make never rewrites it.
+$(CONFIG):
+	$(PYTHON) tools/make_config.py write $(CONFIG) $(SERVED) --venvs $(ENGINE_VENVS)
 
 serve: $(STAMP) $(foreach e,$(SERVED),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
 	$(VENV)/bin/rhapsode serve --config $(CONFIG)

@@ -6,7 +6,9 @@ config it runs from.
 
     core = RhapsodeService(load_config("rhapsode.json"))
     core.setServiceParent(application)            # or core.startService()
-    address = await core.when_listening()         # where the public API answers
+    address = await core.when_listening()         # in a coroutine: where the public API answers
+
+(README.md has this as a whole program, run on twisted's C{react}.)
 
 It is what C{twistd rhapsode} runs.  Stopping the service stops listening, lets requests
 in flight finish (C{server.shutdownGraceMs}) and ends every worker it spawned.  Speak
