@@ -42,6 +42,9 @@ def start_core(tmp: Path, worker_url: str) -> tuple[subprocess.Popen[bytes], int
         "server": {"port": port, "host": "127.0.0.1"},
         "log": {"level": "error"},
         "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices")},
+        # Thousands of realtime streams at once on one engine: far past the defaults,
+        # which are sized for a small box's real engines, not the arithmetic one.
+        "limits": {"concurrentPerEngine": 4096, "queuedPerEngine": 4096},
         "engines": {"tone": {"url": worker_url}},
     }
     (tmp / "core.json").write_text(json.dumps(config))

@@ -1,27 +1,28 @@
 """
-What happens to a request before any handler runs (protocol.md sections 7 and 10).
+Admission: who gets in, and when.  At a request's head, before any handler runs and
+before its body is read (protocol.md sections 7 and 10); and for speech, a turn on its
+engine (L{Turnstile}) and room for a buffered answer (L{BufferBudget}) (section 6).
 
-As soon as a request's headers are in, and before its body is read: the management guard
-runs for management routes, C{Authorization} is removed so no handler or log ever sees
-it, and a voice upload starts streaming to its worker as it arrives, so a clip costs the
-core neither memory nor disk.  Refusals at this point are written straight to the
-connection, which is then closed: the body they refuse is never read.
+The site (L{rhapsode_worker.site}) resolves the route exactly as the router will and
+holds the body to the route's limit.  On top of that, here: the management guard runs
+for the management routes, C{Authorization} is removed so no handler or log ever sees
+it, and a voice upload starts streaming to its worker as it arrives, so a clip costs
+the core neither memory nor disk.  A refusal here is written straight to the
+connection, which is then closed: the body it refuses is never read.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Any
+from collections import deque
+from typing import Any, Collection, Protocol
 
-from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IConsumer
-from twisted.web import server
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IConsumer, IReactorTime
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_worker.errors import BadRequest, SpeechError, as_speech_error
-from rhapsode_worker.site import DirectSite, EagerRequest
+from rhapsode_worker.errors import ModelUnavailable, Overloaded, SpeechError, as_speech_error
+from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, DirectSite, EagerRequest, Route, Routes
 
 from ._guard import check_management
 
@@ -29,20 +30,6 @@ from ._guard import check_management
 MAX_UPLOAD_BYTES = 25 * 1000 * 1000
 #: Bytes an upload may hold while its worker starts, before the client is paused.
 _EARLY_BUFFER = 256 * 1024
-
-_VOICES = re.compile(rb"^/engines/([^/]+)/voices$")
-_VOICE = re.compile(rb"^/engines/([^/]+)/voices/([^/]+)$")
-_UNLOAD = re.compile(rb"^/engines/([^/]+)/unload$")
-
-
-def is_management(method: bytes, path: bytes) -> bool:
-    """
-    The management routes that exist so far: creating and deleting voices, and giving a
-    model's memory back.
-    """
-    if method == b"POST":
-        return bool(_VOICES.match(path) or _UNLOAD.match(path))
-    return method == b"DELETE" and bool(_VOICE.match(path))
 
 
 @implementer(IBodyProducer)
@@ -54,10 +41,9 @@ class Upload:
     the client is paused, so the core never holds more than a socket's worth.
     """
 
-    def __init__(self, request: "CoreRequest", length: int | None, limit: int) -> None:
+    def __init__(self, request: "CoreRequest", length: int | None) -> None:
         self._request = request
         self.length: Any = UNKNOWN_LENGTH if length is None else length
-        self._limit = limit
         self.received = 0
         self._early: list[bytes] = []
         self._early_size = 0
@@ -68,9 +54,6 @@ class Upload:
 
     def chunk(self, data: bytes) -> None:
         self.received += len(data)
-        if self.received > self._limit:
-            self.fail(BadRequest(f"upload is over {self._limit} bytes", field="body"))
-            return
         if self._consumer is not None:
             self._consumer.write(data)
             return
@@ -118,110 +101,65 @@ class Upload:
             channel.resumeProducing()
 
     def stopProducing(self) -> None:
-        self.fail(BadRequest("the worker stopped reading the upload", field="body"))
+        # The worker's connection went (an eviction, an unload, a crash): not the
+        # client's fault, and the same upload may succeed on a new worker.
+        self.fail(ModelUnavailable("the worker went away during the upload; try again"))
 
 
 class CoreRequest(EagerRequest):
     """
-    A request that is guarded, stripped and (for uploads) streamed at its headers.
+    A request guarded, stripped and (for a voice upload) streamed at its head.
     """
 
-    refused: SpeechError | None = None
     #: Set once the management guard has admitted this request.
     guarded = False
     upload: Upload | None = None
     upstream: "Deferred[Any] | None" = None
+    _received = False
 
     def gotLength(self, length: int | None) -> None:
-        # At the headers the request line is known only to the channel (twisted.web sets
-        # the request's own method and path once the body is in, too late to refuse
-        # without reading it).  Should that ever be unreadable, no request is marked
-        # guarded and every management route refuses (CoreApp checks the mark).
-        method = getattr(self.channel, "_command", b"") or b""
-        path = (getattr(self.channel, "_path", b"") or b"").split(b"?", 1)[0]
-        core = self.channel.site.core  # type: ignore[attr-defined]
-        if is_management(method, path):
-            try:
-                check_management(
-                    peer=_peer(self),
-                    headers=_headers(self),
-                    token=core.management_token,
-                    origins=core.management_origins,
-                )
-            except SpeechError as error:
-                self._refuse(error)
-                return
-            self.guarded = True
-        # Gone before any handler runs, and so never logged.
-        self.requestHeaders.removeHeader(b"authorization")
-        match = _VOICES.match(path) if method == b"POST" else None
-        if match is None:
-            super().gotLength(length)
-            return
-        if length is not None and length > MAX_UPLOAD_BYTES:
-            self._refuse(BadRequest(f"upload is over {MAX_UPLOAD_BYTES} bytes", field="body"))
-            return
-        super().gotLength(0)
-        self.upload = Upload(self, length, MAX_UPLOAD_BYTES)
-        engine_id = match.group(1).decode("utf-8", "replace")
-        self.upstream = Deferred.fromCoroutine(core.start_upload(engine_id, self))
-        self.upstream.addErrback(self._upstream_failed)
+        # An upload goes to its worker as it arrives: nothing is spooled here.
+        super().gotLength(0 if self.upload is not None else length)
 
-    def _upstream_failed(self, failure: Any) -> Any:
-        # Before the body is in, nobody else can answer: refuse now (the route would
-        # never run behind a paused upload).  After it, the route reports the failure.
-        if self.refused is not None or getattr(self, "_received", False):
-            return failure if self.refused is None else None
-        error = as_speech_error(failure.value)
-        if self.upload is not None:
-            self.upload.fail(error)
-        self._refuse(error)
-        return None
-
-    def handleContentChunk(self, data: bytes) -> None:
-        if self.refused is not None:
-            return
+    def body_received(self, data: bytes) -> None:
         if self.upload is None:
-            super().handleContentChunk(data)
+            super().body_received(data)
             return
         self.upload.chunk(data)
         if self.upload.failed is not None:
-            error = self.upload.failed
+            # Refused first: the cancelled upstream then has nobody left to answer.
+            self.refuse(self.upload.failed)
             if self.upstream is not None and not self.upstream.called:
                 self.upstream.cancel()
-            self._refuse(error)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        if self.refused is not None:
+        if self.refused:
             return
         if self.upload is not None:
             self._received = True
             self.upload.input_complete()
         super().requestReceived(command, path, version)
 
-    def _refuse(self, error: SpeechError) -> None:
-        if self.refused is not None:
-            return
-        self.refused = error
-        body = json.dumps(error.envelope()).encode()
-        reason = {400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found"}.get(error.status, b"Error")
-        transport = self.channel.transport
-        assert transport is not None  # the request is being received on it
-        transport.write(
-            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (error.status, reason, len(body), body)
-        )
-        transport.loseConnection()
+    def upstream_failed(self, failure: Any) -> Any:
+        # Before the body is in, nobody else can answer: refuse now (the route would
+        # never run behind a paused upload).  After it, the route reports the failure.
+        if self.refused or self._received:
+            return None if self.refused else failure
+        error = as_speech_error(failure.value)
+        if self.upload is not None:
+            self.upload.fail(error)
+        self.refuse(error)
+        return None
 
 
-def _peer(request: server.Request) -> str | None:
+def _peer(request: EagerRequest) -> str | None:
     transport = request.channel.transport
     assert transport is not None  # the request is being received on it
     address = transport.getPeer()
     return getattr(address, "host", None)
 
 
-def _headers(request: server.Request) -> dict[str, list[str]]:
+def _headers(request: EagerRequest) -> dict[str, list[str]]:
     return {
         name.decode("latin-1").lower(): [v.decode("latin-1") for v in values]
         for name, values in request.requestHeaders.getAllRawHeaders()
@@ -230,11 +168,11 @@ def _headers(request: server.Request) -> dict[str, list[str]]:
 
 class CoreSite(DirectSite):
     """
-    A site whose requests can reach the core before their handlers run.  C{direct}
-    routes skip Klein and C{access_log} is as for L{DirectSite}.
+    The core's site: its requests (L{CoreRequest}s) are admitted at their heads by the
+    route table, then guarded, stripped and, for a voice upload, streamed as above.
 
-    Its requests are L{CoreRequest}s: guarded, stripped and streamed at their headers as
-    above.
+    @param management: the (method, rule) of every management route.
+    @param upload: the (method, rule) of the route whose body streams to a worker.
     """
 
     requestFactory = CoreRequest
@@ -246,8 +184,182 @@ class CoreSite(DirectSite):
         direct: dict[tuple[bytes, bytes], Any] | None = None,
         access_log: bool = True,
         reactor: Any = None,
+        *,
+        routes: Routes | None = None,
+        management: Collection[tuple[str, str]] = (),
+        upload: tuple[str, str] | None = None,
+        timeout: float = IDLE_SECONDS,
+        head_timeout: float = HEAD_SECONDS,
     ) -> None:
-        super().__init__(resource, direct, access_log, reactor=reactor)
+        super().__init__(
+            resource, direct, access_log, reactor=reactor, routes=routes, timeout=timeout, head_timeout=head_timeout
+        )
         self.core = core
+        self.management = frozenset(management)
+        self.upload = upload
         self.displayTracebacks = False
 
+    def guard(self, request: EagerRequest, route: Route) -> None:
+        assert isinstance(request, CoreRequest)
+        if (route.method, route.rule) in self.management:
+            core = self.core
+            check_management(
+                peer=_peer(request),
+                headers=_headers(request),
+                token=core.management_token,
+                origins=core.management_origins,
+            )
+            request.guarded = True
+        # Gone before any handler runs, and so never logged.
+        request.requestHeaders.removeHeader(b"authorization")
+
+    def admitted(self, request: EagerRequest, route: Route, length: int | None) -> None:
+        assert isinstance(request, CoreRequest)
+        core = self.core
+        if (route.method, route.rule) == self.upload:
+            request.upload = Upload(request, length)
+            engine_id = str(route.arguments["engine_id"])
+            request.upstream = Deferred.fromCoroutine(core.start_upload(engine_id, request))
+            request.upstream.addErrback(request.upstream_failed)
+
+
+class IAdmissionSettings(Protocol):
+    """
+    The admission limits, asked for each time one is used (a settings API may change
+    them live).  Every method answers at once.
+    """
+
+    def concurrent_per_engine(self, engine: str) -> int: ...
+
+    def queued_per_engine(self, engine: str) -> int: ...
+
+    def queue_wait_seconds(self) -> float: ...
+
+    def buffered_bytes(self) -> int: ...
+
+
+class Turn:
+    """
+    One request's turn to speak on its engine; leave it when the answer has ended,
+    however it ended.  Leaving twice is harmless.
+    """
+
+    def __init__(self, line: "_Line") -> None:
+        self._line: _Line | None = line
+
+    def leave(self) -> None:
+        line, self._line = self._line, None
+        if line is not None:
+            line.left()
+
+
+class _Line:
+    """
+    One engine's speakers and the queue waiting behind them.
+    """
+
+    def __init__(self) -> None:
+        self.speaking = 0
+        self.waiting: deque[Deferred[None]] = deque()
+
+    def left(self) -> None:
+        self.speaking -= 1
+        while self.waiting:
+            waiter = self.waiting.popleft()
+            if not waiter.called:
+                self.speaking += 1
+                waiter.callback(None)
+                return
+
+
+class Turnstile:
+    """
+    How many requests speak on each engine at once, and how many may wait for a turn
+    (protocol.md section 6, overloaded): past both, a request is refused at once as
+    overloaded, retryable, with a Retry-After, instead of joining a queue with no end.
+    A request that waits longer than C{queue_wait_seconds} is refused the same way.
+    """
+
+    def __init__(self, clock: IReactorTime, settings: IAdmissionSettings) -> None:
+        self._clock = clock
+        self._settings = settings
+        self._lines: dict[str, _Line] = {}
+
+    def state(self, engine: str) -> dict[str, int]:
+        line = self._lines.get(engine)
+        return {"speaking": line.speaking, "queued": len(line.waiting)} if line else {"speaking": 0, "queued": 0}
+
+    async def enter(self, engine: str) -> Turn:
+        """
+        A turn to speak on C{engine}, at once or after those ahead of it.
+
+        @raise Overloaded: the queue is full, or the turn did not come in time.
+        """
+        line = self._lines.setdefault(engine, _Line())
+        if line.speaking < self._settings.concurrent_per_engine(engine) and not line.waiting:
+            line.speaking += 1
+            return Turn(line)
+        most = self._settings.queued_per_engine(engine)
+        if len(line.waiting) >= most:
+            raise _overloaded(
+                f'engine "{engine}" has {line.speaking} request(s) speaking and {most} waiting; try again shortly'
+            )
+        waiter: Deferred[None] = Deferred()
+        line.waiting.append(waiter)
+        patience = self._settings.queue_wait_seconds()
+        timer = self._clock.callLater(patience, waiter.cancel)
+        try:
+            await waiter
+        except CancelledError:
+            if waiter in line.waiting:
+                line.waiting.remove(waiter)
+            if timer.active():
+                raise  # the caller gave up, not the wait
+            raise _overloaded(
+                f'engine "{engine}" had no turn free within {patience:g} s; try again shortly'
+            ) from None
+        finally:
+            if timer.active():
+                timer.cancel()
+        return Turn(line)
+
+
+def _overloaded(message: str) -> Overloaded:
+    error = Overloaded(message)
+    error.headers = ((b"Retry-After", b"%d" % RETRY_AFTER_SECONDS),)
+    return error
+
+
+#: What a refused request is told to wait before it tries again.
+RETRY_AFTER_SECONDS = 1
+
+
+class BufferBudget:
+    """
+    How much audio the core holds at once for buffered (C{stream: false}) answers, all
+    of them together: each is read whole before its status is written (section 6), so
+    without a bound forty long ones at once took the core from 109 to 653 MB.  A body
+    that would take the total past the budget fails its request as overloaded
+    (retryable): the answers already held are the ones that finish.
+    """
+
+    def __init__(self, settings: IAdmissionSettings) -> None:
+        self._settings = settings
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        """
+        Hold C{size} more bytes.
+
+        @raise Overloaded: the budget has no room for them.
+        """
+        most = self._settings.buffered_bytes()
+        if self.held + size > most:
+            raise _overloaded(
+                f"the core is holding {self.held} bytes of buffered audio, its limit {most}; "
+                "try again shortly, or ask for stream: true"
+            )
+        self.held += size
+
+    def give_back(self, size: int) -> None:
+        self.held -= size

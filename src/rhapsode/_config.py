@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from zope.interface import implementer
 
-from rhapsode_worker.contract import VOICE_ID_PATTERN
+from rhapsode_worker.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
 
 from ._guard import origin_key
 from ._residency import IResidencySettings
@@ -58,6 +58,8 @@ class ServerConfig:
     port: int = 8080
     host: str = "127.0.0.1"
     shutdown_grace_ms: int = 10000
+    head_timeout_seconds: float = 10.0
+    idle_timeout_seconds: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,17 @@ class WorkersConfig:
     drain_grace_ms: int = 10000
     max_restarts: int = 5
     restart_decay_seconds: float = 300.0
+    health_check_seconds: float = 5.0
+    unresponsive_seconds: float = 15.0
+    stall_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    concurrent_per_engine: int = 8
+    queued_per_engine: int = 32
+    queue_wait_seconds: float = 30.0
+    buffered_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,8 @@ class EngineConfig:
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     keep_alive_seconds: int | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,7 @@ class Config:
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     management: ManagementConfig = field(default_factory=ManagementConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def engine(self, engine_id: str) -> EngineConfig:
@@ -157,8 +173,10 @@ def _integer(minimum: int, maximum: int | None = None) -> _Check:
     return check
 
 
-def _number(minimum: float, inclusive: bool) -> _Check:
+def _number(minimum: float, inclusive: bool, maximum: float | None = None) -> _Check:
     must = f"a number {'>=' if inclusive else '>'} {minimum:g}"
+    if maximum is not None:
+        must += f" and <= {maximum:g}"
 
     def check(value: Any, where: str, base: Path) -> float:
         number = value
@@ -170,6 +188,7 @@ def _number(minimum: float, inclusive: bool) -> _Check:
             or not math.isfinite(number)
             or number < minimum
             or (number == minimum and not inclusive)
+            or (maximum is not None and number > maximum)
         ):
             raise _fail(where, must, value)
         return float(number)
@@ -286,7 +305,9 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "url": _url,
     "python": _python,
     "env": _env,
-    "keepAliveSeconds": _integer(-1),
+    "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
+    "maxConcurrent": _integer(1, 10_000),
+    "maxQueued": _integer(0, 10_000),
 }
 
 
@@ -320,15 +341,21 @@ def _engines(value: Any, where: str, base: Path) -> Mapping[str, EngineConfig]:
 _TOP: dict[str, _Check] = {
     "server": _section(
         ServerConfig,
-        {"port": _integer(1, 65535), "host": _text, "shutdownGraceMs": _integer(0)},
+        {
+            "port": _integer(1, 65535),
+            "host": _text,
+            "shutdownGraceMs": _integer(0, 600_000),
+            "headTimeoutSeconds": _number(0, inclusive=False, maximum=600),
+            "idleTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
+        },
     ),
     "log": _section(LogConfig, {"level": _level}),
     "residency": _section(
         ResidencyConfig,
         {
-            "maxResidentModels": _integer(1),
-            "evictionWaitSeconds": _number(0, inclusive=True),
-            "keepAliveSeconds": _integer(-1),
+            "maxResidentModels": _integer(1, 64),
+            "evictionWaitSeconds": _number(0, inclusive=True, maximum=3600),
+            "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
         },
     ),
     "workers": _section(
@@ -336,13 +363,25 @@ _TOP: dict[str, _Check] = {
         {
             "socketDir": _path,
             "voiceDir": _path,
-            "startupTimeoutSeconds": _number(0, inclusive=False),
-            "drainGraceMs": _integer(0),
-            "maxRestarts": _integer(0),
-            "restartDecaySeconds": _number(0, inclusive=False),
+            "startupTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
+            "drainGraceMs": _integer(0, 600_000),
+            "maxRestarts": _integer(0, 1000),
+            "restartDecaySeconds": _number(0, inclusive=False, maximum=86_400),
+            "healthCheckSeconds": _number(0, inclusive=False, maximum=300),
+            "unresponsiveSeconds": _number(0, inclusive=False, maximum=600),
+            "stallSeconds": _number(0, inclusive=False, maximum=3600),
         },
     ),
     "management": _section(ManagementConfig, {"token": _token, "origins": _origins}),
+    "limits": _section(
+        LimitsConfig,
+        {
+            "concurrentPerEngine": _integer(1, 10_000),
+            "queuedPerEngine": _integer(0, 10_000),
+            "queueWaitSeconds": _number(0, inclusive=True, maximum=3600),
+            "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
+        },
+    ),
     "engines": _engines,
 }
 
@@ -391,7 +430,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
 @implementer(IResidencySettings)
 class ConfigSettings:
     """
-    Residency settings read from whatever config C{current} answers at the time.
+    Residency and admission settings read from whatever config C{current} answers at
+    the time.
     """
 
     def __init__(self, current: Callable[[], Config]) -> None:
@@ -409,3 +449,21 @@ class ConfigSettings:
     def engine_keep_alive_seconds(self, engine: str) -> int | None:
         config = self._current().engines.get(engine)
         return None if config is None else config.keep_alive_seconds
+
+    # The admission limits (rhapsode._admission.IAdmissionSettings).
+
+    def concurrent_per_engine(self, engine: str) -> int:
+        config = self._current()
+        own = config.engines.get(engine)
+        return own.max_concurrent if own is not None and own.max_concurrent is not None else config.limits.concurrent_per_engine
+
+    def queued_per_engine(self, engine: str) -> int:
+        config = self._current()
+        own = config.engines.get(engine)
+        return own.max_queued if own is not None and own.max_queued is not None else config.limits.queued_per_engine
+
+    def queue_wait_seconds(self) -> float:
+        return self._current().limits.queue_wait_seconds
+
+    def buffered_bytes(self) -> int:
+        return self._current().limits.buffered_bytes

@@ -36,6 +36,8 @@ class Supervised(Protocol):
 
     def health(self) -> dict[str, Any]: ...
 
+    def hung(self, why: str) -> None: ...
+
 
 class EngineHandle:
     """
@@ -55,6 +57,14 @@ class EngineHandle:
         #: Facts from the engine's catalog.json, known before its worker ever runs.
         self.catalog = dict(catalog) if catalog else None
         self._capabilities: dict[str, Any] | None = None
+        #: The process the capabilities were read from: another process may be another
+        #: build (a reinstall), so it is asked again.
+        self._capabilities_from: int | None = None
+        self._stale = False
+        #: Why the worker is taken to be hung, while it is (the watchdog's finding).
+        self.unresponsive: str | None = None
+        #: For a remote worker: whether its last health check was answered (None: never asked).
+        self.answering: bool | None = None
 
     @property
     def remote(self) -> bool:
@@ -63,22 +73,52 @@ class EngineHandle:
     async def ready(self) -> WorkerClient:
         """
         The worker's client, once its process is up (spawning it if it is down).
+
+        @raise ModelUnavailable: a remote worker is not answering.
         """
         if self.supervisor is not None:
             await self.supervisor.start()
+        elif self.unresponsive is not None:
+            raise ModelUnavailable(f'engine "{self.id}" {self.unresponsive}; try again shortly')
         return self.client
 
     async def capabilities(self) -> dict[str, Any]:
         """
         The worker's capability document, fetched once per worker process.
         """
-        if self._capabilities is None:
-            client = await self.ready()
-            code, document = await client.json(b"GET", "/capabilities")
-            if code != 200 or not isinstance(document, dict):
-                raise ModelUnavailable(f'engine "{self.id}" answered /capabilities with {code}')
-            self._capabilities = {k: v for k, v in document.items() if k != "current"}
+        running = self.supervisor.pid if self.supervisor is not None else None
+        if self._capabilities is not None and not self._stale and running in (None, self._capabilities_from):
+            # The process they came from, or none running: nothing is started to ask
+            # (a request refused on them costs no process).
+            return self._capabilities
+        client = await self.ready()
+        code, document = await client.json(b"GET", "/capabilities")
+        if code != 200 or not isinstance(document, dict):
+            raise ModelUnavailable(f'engine "{self.id}" answered /capabilities with {code}')
+        self._capabilities = {k: v for k, v in document.items() if k != "current"}
+        self._capabilities_from = self.supervisor.pid if self.supervisor is not None else None
+        self._stale = False
         return self._capabilities
+
+    def forget_capabilities(self) -> None:
+        """
+        The worker may have changed (a remote worker that came back, a reinstall): ask
+        it again next time.
+        """
+        self._stale = True
+
+    def health(self) -> dict[str, Any]:
+        """
+        The process half of this engine's state, from the core's own knowledge.
+        """
+        if self.supervisor is not None:
+            state = dict(self.supervisor.health())
+        else:
+            # A remote worker's process is somebody else's: up or down as last seen.
+            state = {"process": "down" if self.answering is False else "up", "restarts": 0, "remote": True}
+        if self.unresponsive is not None:
+            state["lastError"] = f"{self.unresponsive}"
+        return state
 
     def cached_capabilities(self) -> dict[str, Any] | None:
         return self._capabilities

@@ -1,112 +1,185 @@
 """
-The speech relay (protocol.md sections 3 and 6): a request the router has checked goes
-to its worker under a residency lease, and the worker's audio comes back to the client.
+The speech relay (protocol.md sections 3 and 6): a request the router has checked gets a
+turn on its engine and a residency lease, goes to its worker, and the worker's audio
+comes back to the client.
 
 A streamed answer is relayed chunk by chunk with backpressure by wiring rather than
-buffering: the worker's connection is registered as the client request's producer, so a
-slow client pauses the worker's socket and nothing in the core holds a whole stream.  A
-body that ends short of the 256-byte floor, or that the worker truncates, makes the core
-abort the client's connection ("Failing after the headers have gone"): a client never
-receives a clean short 200.  A buffered answer is read whole, within a bound, before
-anything is written, so every failure is still an error envelope.
+buffering: the relay stands between the worker's connection and the client request as
+the request's producer, so a slow client pauses the worker's socket and nothing in the
+core holds a whole stream.  A body that ends short of the 256-byte floor, or that the
+worker truncates or stops sending, makes the core abort the client's connection
+("Failing after the headers have gone"): a client never receives a clean short 200.  A
+buffered answer is read whole, within a bound its variant's ceiling sets and within the
+core's budget for all buffered answers, before anything is written, so every failure is
+still an error envelope.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Mapping
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.iweb import IRequest
+from zope.interface import implementer
 
 from rhapsode_worker import contract
 from rhapsode_worker.errors import Internal, SpeechError
 from rhapsode_worker.web import DURATION_HEADER, abort_connection, write_trailer
 
+from ._admission import BufferBudget, Turnstile
 from ._registry import EngineHandle
 from ._residency import Residency
-from ._upstream import BytesProducer, collect
+from ._upstream import BytesProducer, Stall, collect, stalled
 
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
-#: A buffered body is at most a request's ceiling of audio; this bounds a runaway one.
+#: No buffered answer is bigger than this, whatever its variant claims.
 BUFFERED_LIMIT = 512 * 1024 * 1024
 #: An error envelope from a worker is a few hundred bytes.
 ERROR_LIMIT = 64 * 1024
+#: The longest a character of text takes to say, generously: speech runs near fifteen
+#: characters a second, a slow voice at half that, and a cue may last a second.  With a
+#: variant's maxCharacters and its PCM it bounds a buffered answer.
+SECONDS_PER_CHARACTER = 0.25
 
 
-def _duration_ms(fmt: str, native: dict[str, Any], byte_count: int) -> int | None:
+def _duration_ms(fmt: str, native: Mapping[str, Any], byte_count: int) -> int | None:
     """
     What a streamed body's bytes say about its length, where the format lets the core
-    count (pcm, and wav past its 44-byte header); None for compressed formats.
+    count (pcm, and wav past its 44-byte header), to the nearest millisecond; None for
+    compressed formats.
     """
     frame = 2 * int(native.get("channels", 1))
     rate = int(native.get("sampleRate", 0))
     if not rate:
         return None
     if fmt == "pcm":
-        return (byte_count // frame) * 1000 // rate
+        return round((byte_count // frame) * 1000 / rate)
     if fmt == "wav":
-        return (max(byte_count - 44, 0) // frame) * 1000 // rate
+        return round((max(byte_count - 44, 0) // frame) * 1000 / rate)
     return None
 
 
+def buffered_limit(caps: Mapping[str, Any], variant: str, turns: int = 1) -> int:
+    """
+    The most a buffered answer of C{variant} can be: its ceiling of text, said slowly,
+    as its native PCM (every format here is at most that, plus a header).
+    """
+    performs = caps.get("variants", {}).get(variant, {})
+    characters = int(performs.get("maxCharacters") or 4096)
+    native = caps.get("nativeFormat", {})
+    per_second = int(native.get("sampleRate", 48_000)) * int(native.get("channels", 1)) * 2
+    bound = int(characters * SECONDS_PER_CHARACTER * per_second) + turns * 64 * 1024
+    return min(bound, BUFFERED_LIMIT)
+
+
+@implementer(IPushProducer)
 class StreamRelay(Protocol):
     """
     Receives a worker's 200 body and writes it to the client as it arrives.
 
-    C{done} fires with the byte count when the worker ended the body properly, and fails
-    when it did not; C{trailers} then holds the trailer fields the worker ended it with.
+    It is the client request's producer, passing pauses on to the worker's socket and
+    telling its L{Stall} when the client, not the worker, is why nothing moves.
+    C{done} fires with the byte count when the worker ended the body properly, and
+    fails when it did not; C{trailers} then holds the trailer fields the worker sent.
     """
 
-    def __init__(self, request: IRequest, response: Any) -> None:
+    def __init__(self, request: IRequest, response: Any, stall: tuple[IReactorTime, float] | None = None) -> None:
         self._request = request
         self._response = response
+        self._stall_spec = stall
+        self._stall: Stall | None = None
+        self._stalled = False
         self.received = 0
         self.trailers: dict[bytes, bytes] = {}
         self.done: Deferred[int] = Deferred()
 
     def connectionMade(self) -> None:
-        # The worker's socket is the client request's producer: a full client buffer
-        # pauses reading from the worker.
-        self._request.registerProducer(self.transport, True)  # type: ignore[attr-defined]
+        if self._stall_spec is not None:
+            clock, seconds = self._stall_spec
+            self._stall = Stall(clock, seconds, self._give_up)
+        # A full client buffer pauses reading from the worker.
+        self._request.registerProducer(self, True)  # type: ignore[attr-defined]
 
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
+        if self._stall is not None:
+            self._stall.progress()
         # On the core's own site each piece (the first with the headers) is sent as it
         # is written (rhapsode_worker.site.EagerChannel).
         self._request.write(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+        if self._stall is not None:
+            self._stall.stop()
         if getattr(self._request, "producer", None) is not None:
             self._request.unregisterProducer()  # type: ignore[attr-defined]
-        if isinstance(reason.value, ResponseDone):
+        if self._stalled:
+            self.done.errback(stalled(self._stall_spec[1] if self._stall_spec else 0))
+        elif isinstance(reason.value, ResponseDone):
             self.trailers = dict(getattr(self._response, "trailers", {}))
             self.done.callback(self.received)
         else:
             self.done.errback(reason)
 
+    def _give_up(self) -> None:
+        self._stalled = True
+        self.stopProducing()
 
-def relay(response: Any, request: IRequest) -> "Deferred[StreamRelay]":
-    stream = StreamRelay(request, response)
+    # IPushProducer, for the client's connection
+
+    def pauseProducing(self) -> None:
+        if self._stall is not None:
+            self._stall.pause()
+        self.transport.pauseProducing()  # type: ignore[union-attr]
+
+    def resumeProducing(self) -> None:
+        if self._stall is not None:
+            self._stall.resume()
+        self.transport.resumeProducing()  # type: ignore[union-attr]
+
+    def stopProducing(self) -> None:
+        self.transport.stopProducing()  # type: ignore[union-attr]
+
+
+def relay(
+    response: Any, request: IRequest, stall: tuple[IReactorTime, float] | None = None
+) -> "Deferred[StreamRelay]":
+    stream = StreamRelay(request, response, stall)
     response.deliverBody(stream)
     return stream.done.addCallback(lambda _: stream)
 
 
 class SpeechRelay:
     """
-    Speaking through a worker: a lease on its engine's model for as long as the answer
-    takes, the request sent, and the audio relayed or buffered.
+    Speaking through a worker: a turn on its engine, a lease on its model for as long
+    as the answer takes, the request sent, and the audio relayed or buffered.
+
+    @param stall_seconds: how long a worker may send nothing (no head, no audio) while
+        its reader is ready, before the request fails.
     """
 
     log = Logger()
 
-    def __init__(self, residency: Residency) -> None:
+    def __init__(
+        self,
+        residency: Residency,
+        turnstile: Turnstile,
+        budget: BufferBudget,
+        clock: IReactorTime,
+        stall_seconds: float = 120.0,
+    ) -> None:
         self.residency = residency
+        self.turnstile = turnstile
+        self.budget = budget
+        self._clock = clock
+        self._stall = (clock, stall_seconds)
         self._background: set[Deferred[None]] = set()
         self._measuring: set[str] = set()
 
@@ -128,38 +201,65 @@ class SpeechRelay:
         keep_alive: int | None,
     ) -> Any:
         """
-        Take a lease on the model for as long as the answer streams, then speak.
+        Take a turn and a lease on the model for as long as the answer streams, then
+        speak.
         """
         variant = forward["variant"]
-        lease = await self.residency.acquire(engine.id, variant, keep_alive)
+        turn = await self.turnstile.enter(engine.id)
         try:
-            client = await engine.ready()
-            pending = client.request(
-                b"POST", path, BytesProducer(json.dumps(forward).encode()),
-                {b"Content-Type": [b"application/json"]},
-            )
-            # A client that hangs up before the worker answers cancels the upstream request.
-            finished.addErrback(lambda _: pending.cancel())
-            response = await pending
-            if response.code != 200:
-                return await self._relay_error(request, response)
-            if not self.residency.state(engine.id).get("measured", True) and engine.id not in self._measuring:
-                # Once per load: a worker that could not measure it is not asked again.
-                self._measuring.add(engine.id)
-                task = Deferred.fromCoroutine(self._measure(engine, variant))
-                self._background.add(task)
-
-                def measured(_: object) -> None:
-                    self._background.discard(task)
-                    self._measuring.discard(engine.id)
-
-                task.addBoth(measured)
-            fmt = forward.get("format", "wav")
-            if not forward.get("stream", True):
-                return await self.buffered(request, response)
-            return await self._streamed(request, finished, response, fmt, caps)
+            lease = await self.residency.acquire(engine.id, variant, keep_alive)
+            try:
+                client = await engine.ready()
+                pending = client.request(
+                    b"POST", path, BytesProducer(json.dumps(forward).encode()),
+                    {b"Content-Type": [b"application/json"]},
+                )
+                # A client that hangs up before the worker answers cancels the upstream request.
+                finished.addErrback(lambda _: pending.cancel())
+                response = await self._head(pending)
+                if response.code != 200:
+                    if not self.residency.loaded(engine.id) and response.code >= 500:
+                        # The first answer since the lease was a failure: the model is
+                        # not on the card, whatever was admitted.
+                        self.residency.forget(engine.id)
+                    return await self._relay_error(request, response)
+                self.residency.mark_loaded(engine.id, variant)
+                self._measure_once(engine, variant)
+                fmt = forward.get("format", "wav")
+                if not forward.get("stream", True):
+                    turns = len(forward.get("turns", ())) or 1
+                    return await self.buffered(request, response, finished, buffered_limit(caps, variant, turns))
+                return await self._streamed(request, finished, response, fmt, caps)
+            finally:
+                lease.release()
         finally:
-            lease.release()
+            turn.leave()
+
+    async def _head(self, pending: "Deferred[Any]") -> Any:
+        """
+        The worker's response head, or a retryable failure once it has sent nothing
+        for the stall time.
+        """
+        clock, seconds = self._stall
+        pending.addTimeout(seconds, clock)
+        try:
+            return await pending
+        except DeferredTimeout:
+            raise stalled(seconds) from None
+
+    def _measure_once(self, engine: EngineHandle, variant: str) -> None:
+        if self.residency.state(engine.id).get("measured", True) or engine.id in self._measuring:
+            return
+        # Once per load: a worker that could not measure it is not asked again.
+        self._measuring.add(engine.id)
+        task = Deferred.fromCoroutine(self._measure(engine, variant))
+        self._background.add(task)
+
+        def measured(_: object) -> None:
+            self._background.discard(task)
+            self._measuring.discard(engine.id)
+
+        task.addBoth(measured)
 
     async def _measure(self, engine: EngineHandle, variant: str) -> None:
         """
@@ -175,7 +275,7 @@ class SpeechRelay:
             self.residency.record_size(engine.id, variant, health.get("modelBytes"))
 
     async def _relay_error(self, request: IRequest, response: Any) -> bytes:
-        raw = await collect(response, ERROR_LIMIT)
+        raw = await collect(response, ERROR_LIMIT, stall=self._stall)
         try:
             envelope = json.loads(raw)
             contract.validate(contract.ERROR, envelope)
@@ -183,12 +283,24 @@ class SpeechRelay:
             raise Internal(f"worker answered {response.code} without an error envelope") from None
         request.setResponseCode(response.code)
         request.setHeader(b"Content-Type", b"application/json")
+        try:
+            error = envelope["error"]
+            request.error_reason = f"{error['code']}: {error['message']}"  # type: ignore[attr-defined]
+        except (AttributeError, KeyError):
+            pass
         return raw
 
-    async def buffered(self, request: IRequest, response: Any) -> bytes:
+    async def buffered(
+        self, request: IRequest, response: Any, finished: "Deferred[Any]", limit: int = BUFFERED_LIMIT
+    ) -> bytes:
+        """
+        A worker's whole answer, held within C{limit} and the core's buffer budget until
+        the client's request has finished.
+        """
         if response.code != 200:
             return await self._relay_error(request, response)
-        body = await collect(response, BUFFERED_LIMIT)
+        body = await collect(response, limit, self.budget, self._stall)
+        finished.addBoth(lambda _: self.budget.give_back(len(body)))
         if len(body) < FLOOR_BYTES:
             # Not audio, whatever the status said; the headers have not gone, so say so.
             raise Internal(f"the worker answered 200 with {len(body)} bytes, which is not audio")
@@ -210,8 +322,10 @@ class SpeechRelay:
             request.setHeader(b"Content-Type", content_type[0])
         request.setHeader(b"Trailer", DURATION_HEADER)
         try:
-            stream = await relay(response, request)
-        except Exception:
+            stream = await relay(response, request, self._stall)
+        except Exception as error:
+            if isinstance(error, SpeechError):
+                self.log.warn("aborting a stream: {why}", why=error.message)
             abort_connection(request)
             await _settled(finished)
             return None

@@ -18,12 +18,12 @@ through L{IResidencySettings}, so a settings API can change them while the core 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from twisted.internet.defer import Deferred, DeferredLock
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -64,6 +64,51 @@ class IResidencySettings(Interface):
         """
 
 
+class _Turns:
+    """
+    A lock handed from one holder to the next without nesting.
+
+    Twisted's DeferredLock wakes the next waiter inside C{release}; a waiter that finishes
+    at once releases inside that, and so on, one stack frame deeper per waiter: a burst
+    of a few hundred requests queued behind an eviction ran out of stack, and every
+    request after the sixtieth or so was never answered.  Here a release made while
+    handing the lock on is noted and the hand-over loop goes round again instead.
+    """
+
+    def __init__(self) -> None:
+        self.locked = False
+        self._waiting: deque[Deferred[None]] = deque()
+        self._handing = False
+        self._released_again = False
+
+    def acquire(self) -> "Deferred[None]":
+        waiter: Deferred[None] = Deferred(self._waiting.remove)
+        if self.locked:
+            self._waiting.append(waiter)
+        else:
+            self.locked = True
+            waiter.callback(None)
+        return waiter
+
+    def release(self) -> None:
+        if self._handing:
+            self._released_again = True
+            return
+        self._handing = True
+        try:
+            while True:
+                if not self._waiting:
+                    self.locked = False
+                    return
+                self._released_again = False
+                # The lock passes straight to the next waiter: it stays locked.
+                self._waiting.popleft().callback(None)
+                if not self._released_again:
+                    return
+        finally:
+            self._handing = False
+
+
 def iso_utc(seconds: float) -> str:
     """
     A clock reading as ISO 8601 in UTC with milliseconds and a Z.
@@ -92,6 +137,9 @@ class _Model:
         self.size_bytes: int | None = None
         #: Whether the worker has been asked what this load cost (it may not know).
         self.measured = False
+        #: Whether the worker has answered a request in this variant, so has loaded it:
+        #: until then the model is admitted, and loading.
+        self.loaded = False
         self.expiry: IDelayedCall | None = None
 
     def disarm(self) -> None:
@@ -166,7 +214,7 @@ class Residency:
         self._settings = settings
         self._terminate = terminate
         self._unload = unload
-        self._lock = DeferredLock()
+        self._lock = _Turns()
         # Least recently used first: the order evictions take them in.
         self._models: OrderedDict[str, _Model] = OrderedDict()
         self._tickets: list[_Ticket] = []
@@ -226,6 +274,18 @@ class Residency:
             model.size_bytes = size_bytes if size_bytes is not None and size_bytes > 0 else None
             model.measured = True
 
+    def mark_loaded(self, engine: str, variant: str) -> None:
+        """
+        C{engine}'s worker answered a request in C{variant}: its model is loaded.
+        """
+        model = self._models.get(engine)
+        if model is not None and model.variant == variant:
+            model.loaded = True
+
+    def loaded(self, engine: str) -> bool:
+        model = self._models.get(engine)
+        return model is not None and model.loaded
+
     def forget(self, engine: str) -> None:
         """
         C{engine}'s worker process has gone, and its model with it.  Leases still held on
@@ -234,8 +294,7 @@ class Residency:
         model = self._models.pop(engine, None)
         if model is not None:
             model.disarm()
-            self.log.info("{engine} ({variant}) is no longer resident: its worker exited",
-                          engine=engine, variant=model.variant)
+            self.log.info("{engine} ({variant}) is no longer resident", engine=engine, variant=model.variant)
             self._wake()
 
     def settings_changed(self) -> None:
@@ -262,6 +321,7 @@ class Residency:
             "variant": model.variant,
             "leases": model.leases,
             "measured": model.measured,
+            "loaded": model.loaded,
         }
         if model.size_bytes is not None:
             state["sizeBytes"] = model.size_bytes
@@ -343,6 +403,7 @@ class Residency:
                     model.variant = ticket.variant
                     model.size_bytes = None
                     model.measured = False
+                    model.loaded = False
                 return self._lease(model, ticket.keep_alive)
             if len(self._models) < self._settings.max_resident_models():
                 model = _Model(ticket.engine, ticket.variant)

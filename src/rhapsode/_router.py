@@ -15,7 +15,6 @@ import json
 from typing import Any, Awaitable, Callable, Sequence
 
 from klein import Klein
-from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
@@ -23,20 +22,34 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from rhapsode_worker import contract
-from rhapsode_worker.errors import BadRequest, Forbidden, Internal
-from rhapsode_worker.site import HandlerResource
-from rhapsode_worker.vocab import clean_text
-from rhapsode_worker.web import InFlight, answer_failure, json_response, no_route, read_json
+from rhapsode_worker.errors import Conflict, Forbidden, Internal, UnknownVoice
+from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, HandlerResource, Routes
+from rhapsode_worker.web import InFlight, answer, json_response, no_route, read_json
 
 from . import __version__
-from ._admission import CoreRequest, CoreSite
+from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, IAdmissionSettings, Turnstile
 from ._config import Config, ConfigSettings
+from ._preflight import forward_dialogue, forward_speak, voices_to_check
 from ._registry import EngineHandle, Registry
-from ._relay import ERROR_LIMIT, SpeechRelay
+from ._relay import ERROR_LIMIT, SpeechRelay, buffered_limit
 from ._residency import IResidencySettings, Residency
 from ._upstream import collect
 
 _JSON_LIMIT = 1024 * 1024
+
+# The rules of the routes admission treats specially, as the decorators below name them.
+_VOICES = "/engines/<string:engine_id>/voices"
+_VOICE = "/engines/<string:engine_id>/voices/<string:voice_id>"
+_UNLOAD = "/engines/<string:engine_id>/unload"
+_DIALOGUE = "/engines/<string:engine_id>/dialogue"
+#: The management routes (protocol.md section 10): guarded at their heads.
+MANAGEMENT = frozenset({("POST", _VOICES), ("DELETE", _VOICE), ("POST", _UNLOAD)})
+#: The most body each route takes; the rest take the site's default (64 KiB).
+BODY_LIMITS = {
+    ("POST", "/speak"): _JSON_LIMIT,
+    ("POST", _DIALOGUE): _JSON_LIMIT,
+    ("POST", _VOICES): MAX_UPLOAD_BYTES,
+}
 
 
 def _body(request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
@@ -61,21 +74,36 @@ class CoreApp:
         management_origins: Sequence[str] = (),
         settings: IResidencySettings | None = None,
         residency: Residency | None = None,
+        admission: IAdmissionSettings | None = None,
+        stall_seconds: float = 120.0,
+        head_timeout: float = HEAD_SECONDS,
+        idle_timeout: float = IDLE_SECONDS,
     ) -> None:
         """
         @param residency: the residency manager (the service builds it); without one,
             a manager over C{registry} reading C{settings}, or the defaults.
+        @param admission: the limits on speech at once and buffered audio held.
+        @param stall_seconds: how long a worker may send nothing while answering.
+        @param head_timeout: how long a request's head may take from its first byte.
+        @param idle_timeout: how long a connection may send nothing.
         """
         self.registry = registry
+        defaults = ConfigSettings(Config)
         if residency is None:
             residency = Residency(
                 clock=reactor,
-                settings=settings or ConfigSettings(Config),
+                settings=settings or defaults,
                 terminate=lambda engine: registry.get(engine).terminate(),
                 unload=lambda engine: registry.get(engine).unload(),
             )
         self.residency = residency
-        self.speech = SpeechRelay(residency)
+        limits = admission or defaults
+        self.turnstile = Turnstile(reactor, limits)
+        self.speech = SpeechRelay(residency, self.turnstile, BufferBudget(limits), reactor, stall_seconds)
+        self.head_timeout = head_timeout
+        self.idle_timeout = idle_timeout
+        #: Voice uploads streaming to each engine's worker now: an unload waits for none.
+        self.uploads: dict[str, int] = {}
         self.reactor = reactor
         self.contract_version = contract_version
         self.management_token = management_token
@@ -99,57 +127,57 @@ class CoreApp:
         """
         speak = HandlerResource(self.speak, self.log)
         return CoreSite(
-            self.resource(), self, {(b"POST", b"/speak"): speak}, access_log=access_log, reactor=self.reactor
+            self.resource(),
+            self,
+            {(b"POST", b"/speak"): speak},
+            access_log=access_log,
+            reactor=self.reactor,
+            routes=Routes(self.app.url_map, BODY_LIMITS),
+            management=MANAGEMENT,
+            upload=("POST", _VOICES),
+            timeout=self.idle_timeout,
+            head_timeout=self.head_timeout,
         )
 
     async def _answer(self, request: IRequest, handler: Callable[[], Awaitable[Any]]) -> Any:
         """
         Map failures before headers onto the taxonomy; abort after them.
         """
-        self.requests.enter()
-        try:
-            return await handler()
-        except CancelledError:
-            raise
-        except Exception as exc:
-            return answer_failure(request, exc, self.log)
-        finally:
-            self.requests.leave()
+        return await answer(request, handler, self.log, self.requests.enter, self.requests.leave)
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def _no_route(self, request: IRequest, failure: Failure) -> bytes:
-        return no_route(request)
+        return no_route(request, failure)
 
     # -- reading the registry ----------------------------------------------------------
 
     def _summary(self, handle: EngineHandle) -> dict[str, Any]:
+        """
+        One engine as GET /engines and GET /health show it, from the core's own state:
+        its licences, what its process and its model are doing, and why it last failed.
+        """
         caps = handle.cached_capabilities()
         summary: dict[str, Any] = {"id": handle.id}
         if caps is not None:
             summary["displayName"] = caps["engine"]["displayName"]
             summary["license"] = caps["license"]
             summary["defaultVariant"] = caps["defaultVariant"]
+            if caps["engine"]["id"] != handle.id:
+                summary["adapter"] = caps["engine"]["id"]
         elif handle.catalog is not None:
             # Never started: what its catalog says, so licences show before first use.
             for key in ("displayName", "license", "defaultVariant"):
                 if key in handle.catalog:
                     summary[key] = handle.catalog[key]
-        summary.update(self._state(handle))
-        return summary
-
-    def _state(self, handle: EngineHandle) -> dict[str, Any]:
-        state: dict[str, Any]
-        if handle.supervisor is None:
-            state = {"process": "remote"}
-        else:
-            state = dict(handle.supervisor.health())
+        summary.update(handle.health())
         # Model state is the residency manager's, so /health, /engines and /residency agree.
         model = self.residency.state(handle.id)
-        state["model"] = "loaded" if model["resident"] else "unloaded"
+        summary["model"] = "unloaded"
         if model["resident"]:
-            state["variant"] = model["variant"]
-            state["leases"] = model["leases"]
-        return state
+            summary["model"] = "loaded" if model["loaded"] else "loading"
+            summary["variant"] = model["variant"]
+            summary["leases"] = model["leases"]
+        return summary
 
     def _resident(self, engine: EngineHandle) -> str | None:
         model = self.residency.state(engine.id)
@@ -161,14 +189,18 @@ class CoreApp:
 
     @app.route("/health", methods=["GET"])
     def _health(self, request: IRequest) -> bytes:
+        engines = [self._summary(h) for h in self.registry]
+        residency = self.residency.snapshot()
+        degraded = any(e["process"] == "failed" or h.unresponsive for e, h in zip(engines, self.registry))
         return json_response(
             request,
             200,
             {
-                "status": "ok",
+                "status": "degraded" if degraded else "ok",
                 "version": __version__,
                 "contract": self.contract_version,
-                "engines": {h.id: self._state(h) for h in self.registry},
+                "engines": engines,
+                "residency": {key: residency[key] for key in ("resident", "max", "waiting")},
             },
         )
 
@@ -177,13 +209,19 @@ class CoreApp:
         # The core's own state: spawns nothing, loads nothing, waits on no worker.
         return json_response(request, 200, self.residency.snapshot())
 
-    @app.route("/engines/<string:engine_id>/unload", methods=["POST"])
+    @app.route(_UNLOAD, methods=["POST"])
     async def _unload(self, request: IRequest, engine_id: str) -> Any:
         async def handle() -> bytes:
             self._require_guard(request)
             engine = self.registry.get(engine_id)
             raw = request.args.get(b"mode", [b"terminate"])[0]
-            await self.residency.unload(engine.id, raw.decode("utf-8", "replace"))
+            if self.uploads.get(engine.id):
+                # As for a stream (section 3): cutting it off would cost its caller the
+                # upload for a reason it could not have predicted.
+                raise Conflict(
+                    f'engine "{engine.id}" is receiving a voice upload; unload it once that has finished'
+                )
+            await self.residency.unload(engine.id, raw.decode("utf-8", "replace")[:20])
             return json_response(request, 200, self._summary(engine))
 
         return await self._answer(request, handle)
@@ -206,7 +244,7 @@ class CoreApp:
 
         return await self._answer(request, handle)
 
-    @app.route("/engines/<string:engine_id>/voices", methods=["GET"])
+    @app.route(_VOICES, methods=["GET"])
     async def _voices(self, request: IRequest, engine_id: str) -> Any:
         async def handle() -> bytes:
             engine = self.registry.get(engine_id)
@@ -222,18 +260,28 @@ class CoreApp:
 
     @app.route("/engines/<string:engine_id>/voices/<string:voice_id>/preview", methods=["GET"])
     async def _preview(self, request: IRequest, engine_id: str, voice_id: str) -> Any:
+        finished = request.notifyFinish()  # type: ignore[attr-defined]
+
         async def handle() -> Any:
             contract.check_voice_id(voice_id, "voice")
             engine = self.registry.get(engine_id)
-            await engine.capabilities()
+            caps = await engine.capabilities()
             variant = engine.effective_variant(None, self._resident(engine))
-            lease = await self.residency.acquire(engine.id, variant, None)
+            # A preview speaks: an unknown voice is refused before it costs a load.
+            await self._check_voices(engine, {"voice": voice_id, "variant": variant})
+            turn = await self.turnstile.enter(engine.id)
             try:
-                client = await engine.ready()
-                response = await client.request(b"GET", f"/voices/{voice_id}/preview")
-                return await self.speech.buffered(request, response)
+                lease = await self.residency.acquire(engine.id, variant, None)
+                try:
+                    client = await engine.ready()
+                    response = await client.request(b"GET", f"/voices/{voice_id}/preview")
+                    if response.code == 200:
+                        self.residency.mark_loaded(engine.id, variant)
+                    return await self.speech.buffered(request, response, finished, buffered_limit(caps, variant))
+                finally:
+                    lease.release()
             finally:
-                lease.release()
+                turn.leave()
 
         return await self._answer(request, handle)
 
@@ -244,6 +292,12 @@ class CoreApp:
         Begin the worker's POST /voices with the client's body as it arrives.
         """
         engine = self.registry.get(engine_id)
+        self.uploads[engine.id] = self.uploads.get(engine.id, 0) + 1
+
+        def done(_: object) -> None:
+            self.uploads[engine.id] -= 1
+
+        request.notifyFinish().addBoth(done)
         client = await engine.ready()
         content_type = request.requestHeaders.getRawHeaders(b"content-type", [b""])[0]
         return await client.request(
@@ -251,7 +305,7 @@ class CoreApp:
         )
 
     def _voice_answer(self, request: IRequest, engine_id: str, code: int, voice: Any) -> bytes:
-        if code == 200 and isinstance(voice, dict) and "id" in voice:
+        if code in (200, 201) and isinstance(voice, dict) and "id" in voice:
             voice["previewUrl"] = f"/engines/{engine_id}/voices/{voice['id']}/preview"
         return json_response(request, code, voice)
 
@@ -262,7 +316,7 @@ class CoreApp:
         if not getattr(request, "guarded", False):
             raise Forbidden("management route reached without passing the management guard")
 
-    @app.route("/engines/<string:engine_id>/voices", methods=["POST"])
+    @app.route(_VOICES, methods=["POST"])
     async def _create_voice(self, request: IRequest, engine_id: str) -> Any:
         async def handle() -> bytes:
             self._require_guard(request)
@@ -275,7 +329,7 @@ class CoreApp:
 
         return await self._answer(request, handle)
 
-    @app.route("/engines/<string:engine_id>/voices/<string:voice_id>", methods=["DELETE"])
+    @app.route(_VOICE, methods=["DELETE"])
     async def _delete_voice(self, request: IRequest, engine_id: str, voice_id: str) -> Any:
         async def handle() -> bytes:
             self._require_guard(request)
@@ -283,6 +337,9 @@ class CoreApp:
             engine = self.registry.get(engine_id)
             client = await engine.ready()
             code, answer = await client.json(b"DELETE", f"/voices/{voice_id}")
+            if code == 204:
+                request.setResponseCode(204)
+                return b""
             return json_response(request, code, answer)
 
         return await self._answer(request, handle)
@@ -305,18 +362,15 @@ class CoreApp:
             engine = self.registry.get(body["engine"])
             caps = await engine.capabilities()
             variant = engine.effective_variant(body.get("variant"), self._resident(engine))
-            performs = self._variant(caps, variant)
-            forward = self._forwarded(body, variant)
-            forward["text"] = clean_text(body["text"], performs["cues"])
-            if forward.get("delivery") not in performs["deliveries"]:
-                forward.pop("delivery", None)
+            forward = forward_speak(body, caps, variant)
+            await self._check_voices(engine, forward)
             return await self.speech.dispatch(
                 request, finished, engine, "/speak", forward, caps, body.get("keepAliveSeconds")
             )
 
         return await self._answer(request, handle)
 
-    @app.route("/engines/<string:engine_id>/dialogue", methods=["POST"])
+    @app.route(_DIALOGUE, methods=["POST"])
     async def _dialogue(self, request: IRequest, engine_id: str) -> Any:
         finished = request.notifyFinish()  # type: ignore[attr-defined]
 
@@ -325,31 +379,29 @@ class CoreApp:
             engine = self.registry.get(engine_id)
             caps = await engine.capabilities()
             variant = engine.effective_variant(body.get("variant"), self._resident(engine))
-            performs = self._variant(caps, variant)
-            forward = self._forwarded(body, variant)
-            forward["turns"] = [
-                {"speaker": t["speaker"], "text": clean_text(t["text"], performs["cues"])}
-                for t in body["turns"]
-            ]
+            forward = forward_dialogue(body, caps, variant)
+            await self._check_voices(engine, forward)
             return await self.speech.dispatch(
                 request, finished, engine, "/dialogue", forward, caps, body.get("keepAliveSeconds")
             )
 
         return await self._answer(request, handle)
 
-    @staticmethod
-    def _variant(caps: dict[str, Any], variant: str) -> dict[str, Any]:
-        variants = caps["variants"]
-        if variant not in variants:
-            known = ", ".join(sorted(variants))
-            raise BadRequest(f'unknown variant "{variant}" (variants: {known})', field="variant")
-        performs: dict[str, Any] = variants[variant]
-        return performs
-
-    @staticmethod
-    def _forwarded(body: dict[str, Any], variant: str) -> dict[str, Any]:
-        # The worker is never told how long to keep its model (section 3), nor which
-        # engine it is; it is told the variant the core resolved, so both agree on it.
-        forward = {k: v for k, v in body.items() if k not in ("engine", "keepAliveSeconds")}
-        forward["variant"] = variant
-        return forward
+    async def _check_voices(self, engine: EngineHandle, forward: dict[str, Any]) -> None:
+        """
+        Ask the worker whether the voices a request names exist, when finding out at
+        the worker would first cost a load: a model that is already resident in the
+        variant asked for loses nothing, and its worker refuses an unknown voice itself.
+        """
+        wanted = voices_to_check(forward)
+        model = self.residency.state(engine.id)
+        if not wanted or (model["resident"] and model["variant"] == forward["variant"]):
+            return
+        client = await engine.ready()
+        code, voices = await client.json(b"GET", "/voices")
+        if code != 200 or not isinstance(voices, list):
+            return  # the worker will say, once it has its model
+        known = {voice.get("id") for voice in voices if isinstance(voice, dict)}
+        for field, voice_id in wanted.items():
+            if voice_id not in known:
+                raise UnknownVoice(f'no voice "{voice_id}"', field=field)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, Mapping
 
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
@@ -20,6 +20,7 @@ from twisted.logger import (
     Logger,
     LogLevel,
     LogLevelFilterPredicate,
+    PredicateResult,
     textFileLogObserver,
 )
 from twisted.python.failure import Failure
@@ -33,6 +34,7 @@ from ._router import CoreApp
 from ._residency import Residency
 from ._supervisor import WorkerSupervisor
 from ._upstream import WorkerClient
+from ._watchdog import Watchdog
 
 #: Bursts of clients must not be refused at the door: the default of 50 refused most of
 #: 500 simultaneous connections on these machines.
@@ -73,6 +75,7 @@ class RhapsodeService(service.Service):
         self._stop_reactor_if_unable = stop_reactor_if_unable
         self.registry: Registry | None = None
         self.app: CoreApp | None = None
+        self.watchdog: Watchdog | None = None
         self.port: Any = None
         self._clients: list[WorkerClient] = []
         #: Why the service could not start (a folder, its port), once that has happened.
@@ -129,10 +132,11 @@ class RhapsodeService(service.Service):
                 handles[engine_id] = EngineHandle(engine_id, client, supervisor, catalog)
             self._clients.append(client)
         registry = self.registry = Registry(handles)
+        # Read when used, so a settings API can change them live.
+        settings = ConfigSettings(lambda: self.config)
         residency = Residency(
             clock=reactor,
-            # Read when used, so a settings API can change them live.
-            settings=ConfigSettings(lambda: self.config),
+            settings=settings,
             terminate=lambda engine: registry.get(engine).terminate(),
             unload=lambda engine: registry.get(engine).unload(),
         )
@@ -143,7 +147,12 @@ class RhapsodeService(service.Service):
             management_token=self.config.management.token,
             management_origins=self.config.management.origins,
             residency=residency,
+            admission=settings,
+            stall_seconds=workers.stall_seconds,
+            head_timeout=self.config.server.head_timeout_seconds,
+            idle_timeout=self.config.server.idle_timeout_seconds,
         )
+        self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
 
     def _crashed(self, engine_id: str) -> None:
@@ -161,6 +170,8 @@ class RhapsodeService(service.Service):
 
         def listening(port: Any) -> None:
             self.port = port
+            if self.watchdog is not None:
+                self.watchdog.start()
             address = port.getHost()
             self.log.info(
                 "rhapsode listening on {host}:{port} with engines {engines}",
@@ -219,20 +230,47 @@ class RhapsodeService(service.Service):
         signal every worker without asking (a shutdown) and close the connection pools.
         """
         super().stopService()
+        # Said first, so that whoever pressed Ctrl-C learns what the wait is for.
+        grace = self.config.server.shutdown_grace_ms / 1000
+        in_flight = self.app.requests.count if self.app is not None else 0
+        running = [
+            f"{h.id} (pid {h.supervisor.pid})"
+            for h in self.registry or ()
+            if h.supervisor is not None and h.supervisor.pid is not None
+        ]
+        if running:
+            drain = self.config.workers.drain_grace_ms / 1000
+            workers = (
+                f"stopping {'worker' if len(running) == 1 else 'workers'} {', '.join(running)}, "
+                f"killed if still running {drain:g} s later"
+            )
+        else:
+            workers = "no worker running"
+        if in_flight:
+            waiting = f"waiting up to {grace:g} s for {_count(in_flight, 'request')} in flight to finish"
+        else:
+            waiting = "no request in flight"
+        plan = waiting + (", then " if in_flight and running else "; ") + workers
+        self.log.info("shutting down: {plan}", plan=plan)
 
         async def stop() -> None:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if self.port is not None:
                 await self.port.stopListening()
             if self.app is not None:
                 self.app.close()
             if self.app is not None and self.app.requests.count:
                 idle = self.app.requests.when_idle()
-                grace = self.config.server.shutdown_grace_ms / 1000
                 timer = self.reactor.callLater(grace, idle.cancel)
                 try:
                     await idle
                 except CancelledError:
-                    self.log.warn("stopping with {n} request(s) still in flight", n=self.app.requests.count)
+                    self.log.warn(
+                        "{requests} still in flight after {grace} s: cut off",
+                        requests=_count(self.app.requests.count, "request"),
+                        grace=f"{grace:g}",
+                    )
                 finally:
                     if timer.active():
                         timer.cancel()
@@ -241,18 +279,58 @@ class RhapsodeService(service.Service):
             ]
             await DeferredList(stopping, consumeErrors=True)
             await DeferredList([c.close() for c in self._clients], consumeErrors=True)
+            self.log.info("rhapsode stopped")
 
         return Deferred.fromCoroutine(stop())
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def level_filtered(level: str, stream: Any = None) -> Any:
     """
     A text observer on C{stream} (stdout) that drops events below the config's level;
     "trace" is Twisted's debug, its lowest.
+
+    At C{info} and stricter levels, Twisted's own routine lines (a factory or port
+    starting and stopping, twistd starting up, the main loop ending, an idle client
+    timed out) are dropped as well: they say nothing the core's own lines do not.
+    Its warnings and errors always pass; C{debug} and C{trace} show everything.
     """
     name = {"trace": "debug"}.get(level, level)
-    predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(name))
-    return FilteringLogObserver(textFileLogObserver(stream or sys.stdout), [predicate])
+    threshold = LogLevel.levelWithName(name)
+    predicates: list[Any] = [LogLevelFilterPredicate(defaultLogLevel=threshold)]
+    if threshold > LogLevel.debug:
+        predicates.append(_quiet_twisted)
+    return FilteringLogObserver(textFileLogObserver(stream or sys.stdout), predicates)
+
+
+#: How the lines begin that Twisted logs about objects of the core's and the workers'
+#: own classes, under their namespace rather than Twisted's (a site is a twisted.web
+#: factory, its channel an HTTPChannel).
+_TWISTED_ROUTINE = ("Starting factory ", "Stopping factory ", "Timing out client: ")
+
+
+def _quiet_twisted(event: Mapping[str, Any]) -> PredicateResult:
+    """
+    No to Twisted's own events below a warning: those in its namespaces, except the
+    access lines twisted.web writes to C{twisted.python.log}'s file (C{log_io}); those
+    of its older C{log.msg}, which carry no namespace (a port opening or closing); and
+    the few it logs in the namespace of a subclass.  A worker's line, relayed by its
+    supervisor, keeps the worker's namespace and carries its text as C{message}.
+    """
+    if event.get("log_level", LogLevel.info) >= LogLevel.warn:
+        return PredicateResult.maybe
+    namespace = event.get("log_namespace", "")
+    if namespace.startswith("twisted.") and "log_io" not in event:
+        return PredicateResult.no
+    if namespace == "log_legacy":
+        return PredicateResult.no
+    text = event.get("message") if "engine" in event else event.get("log_format")
+    if isinstance(text, str) and text.startswith(_TWISTED_ROUTINE):
+        return PredicateResult.no
+    return PredicateResult.maybe
 
 
 def _terminate_verb(client: WorkerClient) -> Any:

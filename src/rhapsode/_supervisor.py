@@ -32,7 +32,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
 
-from rhapsode_worker.errors import ModelUnavailable
+from rhapsode_worker.errors import Internal, ModelUnavailable, SpeechError
 
 # The child makes itself a process-group leader and then becomes the worker (same pid),
 # because spawnProcess has no pre-exec hook.
@@ -276,6 +276,14 @@ class _Aborting:
 
 
 @dataclass
+class _Hung(_Aborting):
+    """
+    Killed for not answering while up; the exit is a crash (restarted) and takes its
+    model with it.
+    """
+
+
+@dataclass
 class _Refusing(_Aborting):
     """
     Killed for a handshake the core cannot accept; the exit leaves it failed, not
@@ -286,17 +294,19 @@ class _Refusing(_Aborting):
 @dataclass
 class _Failed:
     """
-    Given up on: C{error} is what every start() is told until a stop().
+    Given up on: C{error} is what every start() is told until a stop(), as C{kind}.
     """
 
     name: ClassVar[str] = "failed"
     error: str
+    kind: type[SpeechError] = ModelUnavailable
 
 
-_State = Union[_Down, _Starting, _Up, _Backoff, _Draining, _Aborting, _Failed]
+_State = Union[_Down, _Starting, _Up, _Backoff, _Draining, _Aborting, _Hung, _Failed]
 _WITH_PROCESS = (_Starting, _Up, _Draining, _Aborting)
-# The terminate verb may answer after its worker has exited and the state has moved on.
-_LATE_INPUTS = frozenset({"verb"})
+# The terminate verb may answer after its worker has exited and the state has moved on,
+# and a watchdog may find a worker hung that has since gone.
+_LATE_INPUTS = frozenset({"verb", "hung"})
 
 
 class WorkerSupervisor:
@@ -417,6 +427,13 @@ class WorkerSupervisor:
         self._feed("stop", ask, waiter)
         return waiter
 
+    def hung(self, why: str) -> None:
+        """
+        The worker has stopped answering (a watchdog's finding): kill it, so its
+        streams end, its model is forgotten and the next start runs a new one.
+        """
+        self._feed("hung", why)
+
     def health(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"process": self.state, "restarts": self.restarts}
         if self.pid is not None:
@@ -456,8 +473,21 @@ class WorkerSupervisor:
     def _resolve(self, waiters: list[Deferred[Any]], value: object) -> None:
         self._outbox.extend(partial(d.callback, value) for d in waiters)
 
-    def _reject(self, waiters: list[Deferred[Any]], message: str) -> None:
-        self._outbox.extend(partial(d.errback, ModelUnavailable(message)) for d in waiters)
+    def _reject(
+        self, waiters: list[Deferred[Any]], message: str, kind: type[SpeechError] = ModelUnavailable
+    ) -> None:
+        self._outbox.extend(partial(d.errback, kind(message)) for d in waiters)
+
+    def _report(self, error: str, child: "_Child | None" = None) -> None:
+        """
+        Log a failure with the worker's last stderr lines, which stay in the log: a
+        message a caller reads names no path on this box.
+        """
+        if child is None:
+            self.log.error("{error}", engine=self.engine_id, error=error)
+        else:
+            self.log.error("{error}; the worker's last words:\n{tail}", engine=self.engine_id, error=error,
+                           tail=child.tail())
 
     # -- doing things -----------------------------------------------------------------------
 
@@ -473,15 +503,25 @@ class WorkerSupervisor:
         try:
             self._reactor.spawnProcess(child, self._python, self._argv, env=self._env)
         except OSError as error:
-            return self._failed_start(waiters, f"could not spawn worker {self.engine_id}: {error}")
+            # The interpreter is named in the log, never in the message a caller reads.
+            self.log.error("could not spawn worker {engine} with {python}: {error}", engine=self.engine_id,
+                           python=self._python, error=error)
+            why = error.strerror or type(error).__name__
+            return self._failed_start(waiters, f"could not spawn worker {self.engine_id}: {why}", Internal)
         timeout = self._clock.callLater(self._startup_timeout, self._feed, "startup_timeout")
         return _Starting(child, timeout, waiters)
 
-    def _failed_start(self, waiters: list[Deferred[str]], error: str) -> _State:
-        self._reject(waiters, error)
-        return self._crashed(error)
+    def _failed_start(
+        self, waiters: list[Deferred[str]], error: str, kind: type[SpeechError] = ModelUnavailable
+    ) -> _State:
+        """
+        A start that failed: its waiters are told (C{kind}: internal for a worker that
+        cannot run, retryable where another try may do better), and it counts as a crash.
+        """
+        self._reject(waiters, error, kind)
+        return self._crashed(error, kind)
 
-    def _crashed(self, error: str) -> _State:
+    def _crashed(self, error: str, kind: type[SpeechError] = ModelUnavailable) -> _State:
         """
         Count a crash against the window and restart after a backoff, or give up.
         """
@@ -497,7 +537,7 @@ class WorkerSupervisor:
                 f"{self._restart_decay:g} s and is not restarted; the last: {error}"
             )
             self.log.error("{message}", engine=self.engine_id, message=message)
-            return _Failed(message)
+            return _Failed(message, kind)
         delay = min(self._backoff_cap, BACKOFF_BASE_SECONDS * 2 ** (count - 1))
         self.log.warn(
             "{error}; restart {count} in {delay:g} s",
@@ -567,7 +607,7 @@ class WorkerSupervisor:
         return _Down()
 
     def _start_failed(self, state: _Failed, waiter: Deferred[str]) -> _Failed:
-        self._reject([waiter], state.error)
+        self._reject([waiter], state.error, state.kind)
         return state
 
     # -- starting -----------------------------------------------------------------------
@@ -580,8 +620,9 @@ class WorkerSupervisor:
         state.timeout.cancel()
         parsed = _parse_handshake(line)
         if parsed is None:
+            self.log.error("worker {engine} wrote {line!r} on stdout", engine=self.engine_id, line=line[:200])
             return self._refuse(
-                state, f"worker {self.engine_id} wrote {line[:200]!r} on stdout where its handshake belongs"
+                state, f"worker {self.engine_id} wrote something other than its handshake on stdout"
             )
         contract, listen = parsed
         if contract > self._contract:
@@ -601,23 +642,24 @@ class WorkerSupervisor:
         return _Up(state.child, listen)
 
     def _refuse(self, state: _Starting, error: str) -> _Refusing:
-        self.log.error("{error}", engine=self.engine_id, error=error)
+        self._report(error, state.child)
         self.last_error = error
         self._signal(state.child, signal.SIGKILL)
-        self._reject(state.waiters, error)
+        self._reject(state.waiters, error, Internal)
         return _Refusing(state.child, error, [])
 
     def _exit_starting(self, state: _Starting, how: str) -> _State:
         state.timeout.cancel()
-        return self._failed_start(
-            state.waiters, f"worker {self.engine_id} exited before its handshake ({how}): {state.child.tail()}"
-        )
+        error = f"worker {self.engine_id} exited before its handshake ({how}); its stderr is in the server's log"
+        self._report(error, state.child)
+        # An exit status is the worker's own verdict (an import error, a bad config):
+        # it will say the same next time.  A signal came from outside, and may not.
+        kind = ModelUnavailable if how.startswith("killed") else Internal
+        return self._failed_start(state.waiters, error, kind)
 
     def _timeout_starting(self, state: _Starting) -> _Aborting:
-        error = (
-            f"worker {self.engine_id} did not hand-shake within "
-            f"{self._startup_timeout:g} s: {state.child.tail()}"
-        )
+        error = f"worker {self.engine_id} did not hand-shake within {self._startup_timeout:g} s"
+        self._report(error, state.child)
         self._signal(state.child, signal.SIGKILL)
         self._reject(state.waiters, error)
         return _Aborting(state.child, error, [])
@@ -640,7 +682,16 @@ class WorkerSupervisor:
     def _exit_up(self, state: _Up, how: str) -> _State:
         # Whatever the worker had loaded went with it: tell whoever counts models.
         self._outbox.append(self._on_crash)
-        return self._crashed(f"worker {self.engine_id} exited unexpectedly ({how}): {state.child.tail()}")
+        error = f"worker {self.engine_id} exited unexpectedly ({how}); its stderr is in the server's log"
+        self._report(error, state.child)
+        return self._crashed(error)
+
+    def _hung_up(self, state: _Up, why: str) -> _State:
+        error = f"worker {self.engine_id} {why}, and was killed"
+        self._report(error, state.child)
+        self.last_error = error
+        self._signal(state.child, signal.SIGKILL)
+        return _Hung(state.child, error, [])
 
     # -- backoff ----------------------------------------------------------------------------
 
@@ -700,7 +751,12 @@ class WorkerSupervisor:
 
     def _exit_refusing(self, state: _Refusing, how: str) -> _State:
         self._resolve(state.stoppers, None)
-        return _Down() if state.stoppers else _Failed(state.error)
+        return _Down() if state.stoppers else _Failed(state.error, Internal)
+
+    def _exit_hung(self, state: _Hung, how: str) -> _State:
+        self._outbox.append(self._on_crash)
+        self._resolve(state.stoppers, None)
+        return _Down() if state.stoppers else self._crashed(state.error)
 
     _TRANSITIONS: ClassVar[dict[tuple[type, str], Callable[..., _State]]] = {
         (_Down, "start"): _start_down,
@@ -713,6 +769,7 @@ class WorkerSupervisor:
         (_Up, "start"): _start_up,
         (_Up, "stop"): _stop_up,
         (_Up, "exited"): _exit_up,
+        (_Up, "hung"): _hung_up,
         (_Backoff, "start"): _join_start,
         (_Backoff, "stop"): _stop_backoff,
         (_Backoff, "respawn"): _respawn,
@@ -726,6 +783,10 @@ class WorkerSupervisor:
         (_Aborting, "stop"): _stop_aborting,
         (_Aborting, "handshake"): _ignore,
         (_Aborting, "exited"): _exit_aborting,
+        (_Hung, "start"): _start_aborting,
+        (_Hung, "stop"): _stop_aborting,
+        (_Hung, "exited"): _exit_hung,
+        (_Hung, "hung"): _ignore,
         (_Refusing, "start"): _start_aborting,
         (_Refusing, "stop"): _stop_aborting,
         (_Refusing, "handshake"): _ignore,

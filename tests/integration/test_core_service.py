@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,21 +23,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from _worker import process_alive, resident_kib
+from _worker import engine_of, free_port, get, process_alive, resident_kib, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def get(port: int, path: str) -> Any:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-        return json.loads(response.read())
 
 
 def speak(port: int, **fields: Any) -> tuple[int, bytes]:
@@ -50,19 +40,6 @@ def speak(port: int, **fields: Any) -> tuple[int, bytes]:
             return response.status, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
-
-
-def wait_for(predicate: Any, seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except (OSError, ValueError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @contextmanager
@@ -138,7 +115,7 @@ def test_a_folder_that_cannot_be_made_ends_the_server_saying_which(tmp_path: Pat
 
 
 def worker_pid(port: int) -> int | None:
-    state = get(port, "/health")["engines"]["tone"]
+    state = engine_of(get(port, "/health"), "tone")
     return state.get("pid") if state["process"] == "up" else None
 
 
@@ -148,7 +125,7 @@ def test_spawns_on_demand_and_restarts_a_crashed_worker(tmp_path: Path) -> None:
     the core restarts it and speaks again; SIGTERM to the core stops it cleanly.
     """
     with serving(tmp_path) as (core, port):
-        assert get(port, "/health")["engines"]["tone"]["process"] == "down"
+        assert engine_of(get(port, "/health"), "tone")["process"] == "down"
         # The licences show before the engine has ever run: they come from its catalog.
         (summary,) = get(port, "/engines")
         assert summary["license"]["code"] == "MIT" and summary["process"] == "down"
@@ -158,13 +135,13 @@ def test_spawns_on_demand_and_restarts_a_crashed_worker(tmp_path: Path) -> None:
         assert first is not None and process_alive(first)
         os.kill(first, signal.SIGKILL)
         second = wait_for(lambda: (pid := worker_pid(port)) and pid != first and pid, 20, "a restart")
-        assert get(port, "/health")["engines"]["tone"]["restarts"] >= 1
+        assert engine_of(get(port, "/health"), "tone")["restarts"] >= 1
         status, _ = speak(port, text="Back again.", stream=False)
         assert status == 200
         core.send_signal(signal.SIGTERM)
         # twistd stops cleanly, then re-raises the signal so its exit status says why.
         assert core.wait(20) == -signal.SIGTERM
-        assert b"Server Shut Down" in (tmp_path / "core.log").read_bytes()
+        assert b"rhapsode stopped" in (tmp_path / "core.log").read_bytes()
         assert not process_alive(second)
 
 
@@ -202,6 +179,56 @@ def test_shutdown_lets_a_stream_in_flight_finish(tmp_path: Path) -> None:
         assert core.wait(20) == -signal.SIGTERM
 
 
+ACCESS_LINE = re.compile(r"\] (\[[\w-]+\] )?(GET|POST|PUT|DELETE) /")
+
+
+def test_a_second_ctrl_c_quits_at_once_saying_so(tmp_path: Path) -> None:
+    """
+    The first SIGINT logs, as the stop's first line, what it waits for: the request in
+    flight and for how long at most, then the worker by name and pid.  A second SIGINT
+    quits at once, long before that grace is up, with status 1 and no traceback; the
+    worker, orphaned, exits by itself.
+    """
+    here = str(Path(__file__).parent)
+    engines = {
+        "chatty": {
+            "module": "chatty_engine",
+            "env": {"PYTHONPATH": here, "CHATTY_SECONDS_PER_SEGMENT": "0.5"},
+        }
+    }
+    log_path = tmp_path / "core.log"
+    with serving(tmp_path, engines, grace_ms=60000) as (core, port):
+        # Forty segments at half a second each: in flight for the whole test.
+        text = " ".join(["A sentence of about forty characters."] * 40)
+        sock = socket.create_connection(("127.0.0.1", port))
+        body = json.dumps({"engine": "chatty", "text": text, "format": "pcm"}).encode()
+        sock.sendall(
+            b"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        (chatty,) = [engine for engine in get(port, "/engines") if engine["id"] == "chatty"]
+        pid = chatty["pid"]
+        before = len(log_path.read_text())
+        core.send_signal(signal.SIGINT)
+        wait_for(lambda: "shutting down:" in log_path.read_text()[before:], 10, "the first SIGINT's line")
+        core.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        status = core.wait(10)
+        took = time.monotonic() - sent
+        sock.close()
+    log = log_path.read_text()
+    # Access lines (the core's, a worker's health checks) may land anywhere; the stop's own come first.
+    first = [line for line in log[before:].splitlines() if not ACCESS_LINE.search(line)][0]
+    assert "shutting down: waiting up to 60 s for 1 request in flight to finish" in first, first
+    assert f"then stopping worker chatty (pid {pid})" in first, first
+    assert "SIGINT received; press Ctrl-C again (or send SIGTERM) to quit at once" in log
+    assert status == 1 and took < 5, (status, took)
+    assert "rhapsode: SIGINT while stopping: quitting at once" in log
+    assert "Traceback" not in log and "rhapsode stopped" not in log, log[before:]
+    wait_for(lambda: not process_alive(pid), 20, "the orphaned worker to exit")
+
+
 def test_no_orphan_worker_after_the_core_is_killed(tmp_path: Path) -> None:
     """
     A core killed with SIGKILL cannot stop its workers; they notice and exit.
@@ -213,6 +240,35 @@ def test_no_orphan_worker_after_the_core_is_killed(tmp_path: Path) -> None:
         core.kill()
         core.wait()
         wait_for(lambda: not process_alive(pid), 10, "the orphaned worker to exit")
+
+
+def test_nothing_in_the_workers_group_outlives_a_killed_core(tmp_path: Path) -> None:
+    """
+    A core killed with SIGKILL takes each worker's whole process group with it: the
+    worker exits, and so does a process its adapter started (the forking engine's
+    `sleep 60`), which would otherwise live on as an orphan.
+    """
+    here = str(Path(__file__).parent)
+    pid_file = tmp_path / "helper.pid"
+    engines = {"forking": {"module": "forking_engine", "env": {"PYTHONPATH": here, "FORKING_PID_FILE": str(pid_file)}}}
+    helper: int | None = None
+    try:
+        with serving(tmp_path, engines) as (core, port):
+            status, body = speak(port, engine="forking", text="hi", stream=False)
+            assert status == 200, body
+            worker = engine_of(get(port, "/health"), "forking")["pid"]
+            helper = child = int(pid_file.read_text())
+            assert process_alive(child) and os.getpgid(child) == worker
+            core.kill()
+            core.wait()
+            wait_for(
+                lambda: not process_alive(worker) and not process_alive(child),
+                5,
+                "the worker and its adapter's child to exit",
+            )
+    finally:
+        if helper is not None and process_alive(helper):
+            os.kill(helper, signal.SIGKILL)
 
 
 def test_slow_client_keeps_core_memory_flat(tmp_path: Path) -> None:

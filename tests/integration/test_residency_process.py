@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _worker import process_alive
+from _worker import engine_of, process_alive
 from test_core_service import get, serving, wait_for
 
 TONES = {"first": {"module": "rhapsode_engine_tone"}, "second": {"module": "rhapsode_engine_tone"}}
@@ -44,7 +44,7 @@ def post(port: int, path: str) -> tuple[int, Any]:
 
 
 def pid_of(port: int, engine: str) -> int | None:
-    return get(port, "/health")["engines"][engine].get("pid")
+    return engine_of(get(port, "/health"), engine).get("pid")
 
 
 def test_budget_of_one_terminates_the_least_recently_used_worker(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_budget_of_one_terminates_the_least_recently_used_worker(tmp_path: Path)
         residency = get(port, "/residency")
         assert residency["resident"] == 1 and residency["max"] == 1
         assert [m["engine"] for m in residency["models"]] == ["second"]
-        health = get(port, "/health")["engines"]
+        health = {e["id"]: e for e in get(port, "/health")["engines"]}
         assert health["first"]["model"] == "unloaded" and health["second"]["model"] == "loaded"
 
 

@@ -19,11 +19,12 @@ import pytest_twisted
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
+from twisted.logger import capturedLogs
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from _worker import UnixEndpoints, process_alive
 from rhapsode._supervisor import WorkerSupervisor
-from rhapsode_worker import ModelUnavailable
+from rhapsode_worker import Internal, ModelUnavailable
 
 HERE = Path(__file__).parent
 TEST_MODULES = {"PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -181,15 +182,20 @@ async def test_stop_takes_the_adapters_own_children(reactor: Any, supervisors: S
 
 @pytest_twisted.ensureDeferred
 async def test_a_worker_that_never_hand_shakes_fails_after_the_timeout(reactor: Any, supervisors: Supervisors) -> None:
-    """A worker silent past the startup timeout fails start() with its stderr, and no process remains."""
+    """
+    A worker silent past the startup timeout fails start() as retryable, its stderr in
+    the log and not the message, and no process remains.
+    """
     supervisor = supervisors(module="mute_worker", engine="mute", startup_timeout=1.5, max_restarts=0)
-    started = supervisor.start()
-    pid = supervisor.pid
-    assert pid is not None
-    with pytest.raises(ModelUnavailable) as caught:
-        await within(reactor, started)
+    with capturedLogs() as events:
+        started = supervisor.start()
+        pid = supervisor.pid
+        assert pid is not None
+        with pytest.raises(ModelUnavailable) as caught:
+            await within(reactor, started)
     assert "did not hand-shake within 1.5 s" in caught.value.message
-    assert "mute worker: warming up forever" in caught.value.message
+    assert "warming up forever" not in caught.value.message
+    assert any("mute worker: warming up forever" in str(e.get("tail", "")) for e in events)
     await eventually(reactor, lambda: supervisor.state == "failed", 5.0)
     assert not process_alive(pid)
     with pytest.raises(ModelUnavailable):
@@ -198,10 +204,16 @@ async def test_a_worker_that_never_hand_shakes_fails_after_the_timeout(reactor: 
 
 @pytest_twisted.ensureDeferred
 async def test_a_worker_that_dies_on_import_fails_with_its_stderr(reactor: Any, supervisors: Supervisors) -> None:
-    """A worker that exits before its handshake fails start() with the traceback it wrote on stderr."""
+    """
+    A worker that exits before its handshake (an import error) fails start() as
+    internal, not retryable, naming the exit and no path; the traceback it wrote on
+    stderr is in the log.
+    """
     supervisor = supervisors(module="rhapsode_engine_nonexistent", engine="ghost", max_restarts=0)
-    with pytest.raises(ModelUnavailable) as caught:
-        await within(reactor, supervisor.start())
+    with capturedLogs() as events:
+        with pytest.raises(Internal) as caught:
+            await within(reactor, supervisor.start())
     assert "exited before its handshake (exit code 1)" in caught.value.message
-    assert "No module named rhapsode_engine_nonexistent" in caught.value.message
+    assert not caught.value.retryable and "/" not in caught.value.message
+    assert any("No module named rhapsode_engine_nonexistent" in str(e.get("tail", "")) for e in events)
     assert supervisor.state == "failed"

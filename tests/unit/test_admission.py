@@ -1,142 +1,222 @@
 """
-The gate every core request passes at its headers: the management guard before the
-body, and Authorization removed before any handler (protocol.md section 10).
+Admission in the core (rhapsode._admission): at a request's head, before its body is
+read, the management guard runs on the route as the router will resolve it, the body is
+held to its route's limit, Authorization is removed, and a voice upload starts streaming
+to its worker (protocol.md sections 7 and 10).  Driven with raw bytes on a memory
+transport through the core's real site and routes, with a fake worker.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import pytest
 from twisted.internet.address import IPv4Address
-from twisted.web.test.requesthelper import DummyChannel
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ConnectionDone
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
 
-from rhapsode._admission import CoreRequest, is_management
+from rhapsode._registry import EngineHandle, Registry
+from rhapsode._router import CoreApp
+
+TOKEN = "s3cret-token-of-length"
 
 
-class FakeCore:
-    management_token = "s3cret-token-of-length"
-    management_origins: tuple[str, ...] = ()
+class FakeClient:
+    """
+    A worker's client that records what it was asked and answers nothing (a request
+    stays in flight) unless told to.
+    """
 
     def __init__(self) -> None:
-        self.uploads: list[str] = []
+        self.requests: list[tuple[bytes, str, Any]] = []
+        self.pending: list[Deferred[Any]] = []
 
-    async def start_upload(self, engine_id: str, request: Any) -> None:
-        self.uploads.append(engine_id)
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        self.requests.append((method, path, body))
+        d: Deferred[Any] = Deferred()
+        self.pending.append(d)
+        return d
 
-
-def request_for(method: bytes, path: bytes, headers: dict[bytes, bytes], peer: str = "127.0.0.1") -> tuple[CoreRequest, Any]:
-    channel = DummyChannel()
-    channel.site.core = FakeCore()  # type: ignore[attr-defined]
-    channel.transport = DummyChannel.TCP()
-    channel.transport.getPeer = lambda: IPv4Address("TCP", peer, 40000)  # type: ignore[method-assign]
-    channel._command = method  # type: ignore[attr-defined]
-    channel._path = path  # type: ignore[attr-defined]
-    request = CoreRequest(channel)
-    for name, value in headers.items():
-        request.requestHeaders.setRawHeaders(name, [value])
-    return request, channel
+    async def json(self, method: bytes, path: str, body: Any = None) -> tuple[int, Any]:
+        self.requests.append((method, path, body))
+        return 200, {"deleted": path}
 
 
-def test_authorization_removed_before_any_handler() -> None:
+class FakeSupervisor:
+    state = "up"
+    pid = 1
+
+    def start(self) -> Any:
+        return succeed("unix:/x")
+
+    def stop(self, ask: bool = True) -> Any:
+        return succeed(None)
+
+    def health(self) -> dict[str, Any]:
+        return {"process": "up", "restarts": 0}
+
+
+def connect(peer: str = "127.0.0.1", token: str | None = None) -> tuple[Any, StringTransport, FakeClient]:
+    client = FakeClient()
+    handle = EngineHandle("tone", client, FakeSupervisor())  # type: ignore[arg-type]
+    app = CoreApp(Registry({"tone": handle}), reactor=MemoryReactorClock(), management_token=token)
+    channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
+    transport = StringTransport(peerAddress=IPv4Address("TCP", peer, 40000))
+    channel.makeConnection(transport)
+    return channel, transport, client
+
+
+def refusal(transport: StringTransport) -> tuple[int, dict[str, Any]]:
     """
-    Every request loses its Authorization header at its headers, management or not.
+    The one response written, an error envelope, with the connection closing.
     """
-    for method, path in [(b"POST", b"/speak"), (b"DELETE", b"/engines/tone/voices/a")]:
-        request, _ = request_for(method, path, {b"Host": b"localhost", b"Authorization": b"Bearer s3cret-token-of-length"})
-        request.gotLength(0)
-        assert request.refused is None
-        assert not request.requestHeaders.hasHeader(b"authorization")
-        assert request.guarded is (method == b"DELETE")
+    head, _, body = transport.value().partition(b"\r\n\r\n")
+    assert transport.disconnecting
+    assert b"Content-Type: application/json" in head
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
 
 
-def test_guard_refuses_at_headers_and_writes_403() -> None:
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"POST /engines/tone/voices HTTP/1.1",
+        b"post /engines/tone/voices HTTP/1.1",
+        b"POST /engines/tone/voice%73 HTTP/1.1",
+        b"POST /engines%2Ftone%2Fvoices HTTP/1.1",
+        b"delete /engines/tone/voices/x HTTP/1.1",
+        b"POST /engines/tone/unl%6fad HTTP/1.1",
+    ],
+)
+def test_a_remote_caller_is_refused_on_every_spelling_of_a_management_route(line: bytes) -> None:
     """
-    A remote caller without the token is refused before the body: a 403 envelope naming
-    the rule is written and the connection closed.
+    The guard runs on the route the router will run: a lower-case method or a
+    percent-encoded path reaches the same route, so it is refused the same way, at the
+    head, with nothing of a 30 MB body read and no worker asked.
     """
-    request, channel = request_for(b"DELETE", b"/engines/tone/voices/a", {b"Host": b"box"}, peer="203.0.113.9")
-    request.gotLength(0)
-    assert request.refused is not None and request.refused.code == "forbidden"
-    written = channel.transport.written.getvalue()
-    assert written.startswith(b"HTTP/1.1 403 Forbidden")
-    assert b"management token" in written
+    channel, transport, client = connect(peer="203.0.113.9")
+    channel.dataReceived(line + b"\r\nHost: box\r\nContent-Length: 30000000\r\n\r\n" + b"x" * 4096)
+    status, error = refusal(transport)
+    assert (status, error["code"]) == (403, "forbidden")
+    assert client.requests == []
 
 
-def test_remote_caller_with_token_admitted_and_token_stripped() -> None:
+def test_a_loopback_caller_passes_the_guard_and_loses_authorization() -> None:
     """
-    A remote caller with the right bearer token is admitted, and the token is gone after.
+    A local caller reaches the management route; the Authorization header it sent is
+    gone before the handler runs.
     """
-    request, _ = request_for(
-        b"DELETE", b"/engines/tone/voices/a",
-        {b"Host": b"box.example", b"Authorization": b"Bearer s3cret-token-of-length"},
-        peer="203.0.113.9",
+    channel, transport, client = connect()
+    channel.dataReceived(
+        b"DELETE /engines/tone/voices/abc HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer xyz\r\n\r\n"
     )
-    request.gotLength(0)
-    assert request.refused is None
-    assert not request.requestHeaders.hasHeader(b"authorization")
+    assert client.requests == [(b"DELETE", "/voices/abc", None)]
+    assert b"HTTP/1.1 200" in transport.value()
 
 
-def test_upload_starts_streaming_at_headers() -> None:
+def test_a_remote_caller_with_the_token_is_admitted() -> None:
     """
-    A voice upload starts its worker request as soon as the headers are in.
+    From anywhere, the management token admits a caller; the token never reaches a handler.
     """
-    request, channel = request_for(b"POST", b"/engines/tone/voices", {b"Host": b"localhost"})
-    request.gotLength(1000)
-    assert request.upload is not None and request.upstream is not None
-    assert channel.site.core.uploads == ["tone"]
+    channel, transport, client = connect(peer="203.0.113.9", token=TOKEN)
+    channel.dataReceived(
+        b"DELETE /engines/tone/voices/abc HTTP/1.1\r\nHost: box\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+    )
+    assert client.requests == [(b"DELETE", "/voices/abc", None)]
 
 
-def test_which_routes_are_management() -> None:
+def test_a_speak_body_over_its_limit_is_refused_at_the_head() -> None:
     """
-    Creating and deleting voices are management routes; listing and speaking are not.
+    A 300 MB POST /speak is refused before any of it is read or spooled, in the
+    envelope, on any spelling of the route.
     """
-    assert is_management(b"POST", b"/engines/tone/voices")
-    assert is_management(b"DELETE", b"/engines/tone/voices/x")
-    assert not is_management(b"GET", b"/engines/tone/voices")
-    assert not is_management(b"POST", b"/speak")
-    assert not is_management(b"GET", b"/engines/tone/voices/x/preview")
+    for line in (b"POST /speak HTTP/1.1", b"post /spea%6b HTTP/1.1"):
+        channel, transport, client = connect()
+        channel.dataReceived(line + b"\r\nHost: localhost\r\nContent-Length: 300000000\r\n\r\n{")
+        status, error = refusal(transport)
+        assert (status, error["code"], error["field"]) == (413, "bad_request", "body")
+        assert client.requests == []
 
 
-def test_speak_goes_straight_to_its_resource_and_the_rest_to_klein() -> None:
+def test_an_upload_over_25_mb_is_refused_at_the_head_before_its_worker_is_asked() -> None:
     """
-    The core's site hands POST /speak to its own resource without routing; any other
-    method on /speak, and every other path, goes to the routed resource.
+    A voice upload that says it is over the section 7 cap is refused at once; one that
+    does not say, and then goes over, is refused as it passes the cap.
     """
-    from twisted.web.resource import Resource
-
-    from rhapsode._admission import CoreSite
-
-    routed, speak = Resource(), Resource()
-    routed.isLeaf = True  # type: ignore[misc]
-    site = CoreSite(routed, FakeCore(), {(b"POST", b"/speak"): speak})
-    for method, path, expected in [
-        (b"POST", b"/speak", speak),
-        (b"GET", b"/speak", routed),
-        (b"POST", b"/speak/more", routed),
-        (b"POST", b"/engines", routed),
-    ]:
-        request, _ = request_for(method, path, {b"Host": b"localhost"})
-        request.method, request.path = method, path
-        request.prepath, request.postpath = [], path.split(b"/")[1:]
-        assert site.getResourceFor(request) is expected, (method, path)
-        assert request.site is site
+    channel, transport, client = connect()
+    channel.dataReceived(b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Length: 25000001\r\n\r\n")
+    status, error = refusal(transport)
+    assert (status, error["field"]) == (413, "body")
+    assert client.requests == []
 
 
-def test_access_lines_are_not_even_formatted_when_not_logged() -> None:
+def test_an_upload_starts_streaming_to_its_worker_at_the_head() -> None:
     """
-    With access logging off (a log level above info) the site formats no access line;
-    with it on, each request is formatted and written once.
+    Once admitted, a voice upload's worker request starts at once, fed the body as it
+    arrives: nothing of it is kept in the core.
     """
-    from twisted.web.resource import Resource
+    channel, transport, client = connect()
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 10\r\n\r\n"
+    )
+    [(method, path, upload)] = client.requests
+    assert (method, path) == (b"POST", "/voices")
+    assert upload.length == 10
+    channel.dataReceived(b"0123456789")
+    assert upload.received == 10
 
-    from rhapsode._admission import CoreSite
 
-    for enabled in (False, True):
-        site = CoreSite(Resource(), FakeCore(), access_log=enabled)
-        formatted: list[Any] = []
-        lines: list[str] = []
-        site._logFormatter = lambda when, request: formatted.append(request) or "line"  # type: ignore[assignment]
-        site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line)})()  # type: ignore[assignment]
-        request, _ = request_for(b"POST", b"/speak", {b"Host": b"localhost"})
-        site.log(request)
-        assert (len(formatted), lines) == ((1, ["line\n"]) if enabled else (0, []))
+def test_unknown_routes_and_methods_are_the_envelope() -> None:
+    """
+    An unknown path is 404 and a known path with the wrong method 405 naming what it
+    takes, both as the error envelope rather than HTML or a 400 "no route".
+    """
+    channel, transport, _ = connect()
+    channel.dataReceived(b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert refusal(transport)[0] == 404
+    channel, transport, _ = connect()
+    channel.dataReceived(b"GET /speak HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    status, error = refusal(transport)
+    assert status == 405 and b"Allow: POST" in transport.value()
+
+
+def test_an_upload_cut_off_by_its_worker_is_retryable_not_the_clients_fault() -> None:
+    """
+    A voice upload whose worker goes away mid-body (an eviction, an unload, a crash) is
+    refused as model_unavailable, retryable, rather than bad_request.
+    """
+    channel, transport, client = connect()
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 100\r\n\r\n0123456789"
+    )
+    [(_, _, upload)] = client.requests
+    upload.stopProducing()  # the worker's connection went
+    channel.dataReceived(b"more of the body")
+    status, error = refusal(transport)
+    assert (status, error["code"], error["retryable"]) == (503, "model_unavailable", True)
+
+
+def test_an_unload_is_refused_while_an_upload_is_in_flight() -> None:
+    """
+    POST /engines/{id}/unload answers 409 while a voice upload streams to that engine's
+    worker, as it does while the engine speaks; once the upload is over it unloads.
+    """
+    channel, transport, client = connect()
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 100\r\n\r\n0123456789"
+    )
+    app = channel.site.core
+    unloading = channel.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
+    answered = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40001))
+    unloading.makeConnection(answered)
+    unloading.dataReceived(b"POST /engines/tone/unload HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    head, _, body = answered.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 409") and json.loads(body)["error"]["code"] == "conflict"
+    assert "voice upload" in json.loads(body)["error"]["message"]
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert app.uploads == {"tone": 0}

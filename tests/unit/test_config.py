@@ -95,7 +95,9 @@ def test_example_file_parses() -> None:
         python=sys.executable,
         env={"PYTHONUNBUFFERED": "1"},
         keep_alive_seconds=60,
+        max_concurrent=16,
     )
+    assert config.limits.queued_per_engine == 32 and config.server.head_timeout_seconds == 10
     remote = config.engine("kokoro-remote")
     assert (remote.url, remote.module, remote.python, dict(remote.env)) == (
         "http://gpu-box.lan:9000",
@@ -170,47 +172,67 @@ def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
         ({"server": {"port": "8080.0"}}, 'server.port: must be an integer from 1 to 65535, not "8080.0"'),
         ({"server": {"port": 80.5}}, "server.port: must be an integer from 1 to 65535, not 80.5"),
         ({"server": {"host": ""}}, 'server.host: must be a non-empty string, not ""'),
-        ({"server": {"shutdownGraceMs": -1}}, "server.shutdownGraceMs: must be an integer >= 0, not -1"),
+        ({"server": {"shutdownGraceMs": -1}}, "server.shutdownGraceMs: must be an integer from 0 to 600000, not -1"),
+        (
+            {"residency": {"keepAliveSeconds": 10**18}},
+            "residency.keepAliveSeconds: must be an integer from -1 to 604800, not 1000000000000000000",
+        ),
+        (
+            {"server": {"headTimeoutSeconds": 601}},
+            "server.headTimeoutSeconds: must be a number > 0 and <= 600, not 601",
+        ),
+        (
+            {"limits": {"concurrentPerEngine": 0}},
+            "limits.concurrentPerEngine: must be an integer from 1 to 10000, not 0",
+        ),
+        (
+            {"limits": {"bufferedBytes": 10}},
+            "limits.bufferedBytes: must be an integer from 1048576 to 17179869184, not 10",
+        ),
+        (
+            {"workers": {"maxRestarts": 10**6}},
+            "workers.maxRestarts: must be an integer from 0 to 1000, not 1000000",
+        ),
         ({"server": []}, "server: must be an object, not []"),
         ({"log": {"level": "INFO"}}, 'log.level: must be one of error, warn, info, debug, trace, not "INFO"'),
         (
             {"residency": {"maxResidentModels": 0}},
-            "residency.maxResidentModels: must be an integer >= 1, not 0",
+            "residency.maxResidentModels: must be an integer from 1 to 64, not 0",
         ),
         (
             {"residency": {"keepAliveSeconds": -2}},
-            "residency.keepAliveSeconds: must be an integer >= -1, not -2",
+            "residency.keepAliveSeconds: must be an integer from -1 to 604800, not -2",
         ),
         (
             {"residency": {"evictionWaitSeconds": -0.5}},
-            "residency.evictionWaitSeconds: must be a number >= 0, not -0.5",
+            "residency.evictionWaitSeconds: must be a number >= 0 and <= 3600, not -0.5",
         ),
         (
             {"residency": {"evictionWaitSeconds": False}},
-            "residency.evictionWaitSeconds: must be a number >= 0, not false",
+            "residency.evictionWaitSeconds: must be a number >= 0 and <= 3600, not false",
         ),
         (
             {"residency": {"evictionWaitSeconds": "nan"}},
-            'residency.evictionWaitSeconds: must be a number >= 0, not "nan"',
+            'residency.evictionWaitSeconds: must be a number >= 0 and <= 3600, not "nan"',
         ),
         (
             {"residency": {"evictionWaitSeconds": "1_0"}},
-            'residency.evictionWaitSeconds: must be a number >= 0, not "1_0"',
+            'residency.evictionWaitSeconds: must be a number >= 0 and <= 3600, not "1_0"',
         ),
         (
             {"residency": {"evictionWaitSeconds": float("inf")}},
-            "residency.evictionWaitSeconds: must be a number >= 0, not Infinity",
+            "residency.evictionWaitSeconds: must be a number >= 0 and <= 3600, not Infinity",
         ),
         (
             {"workers": {"startupTimeoutSeconds": 0}},
-            "workers.startupTimeoutSeconds: must be a number > 0, not 0",
+            "workers.startupTimeoutSeconds: must be a number > 0 and <= 3600, not 0",
         ),
         (
             {"workers": {"restartDecaySeconds": "0"}},
-            'workers.restartDecaySeconds: must be a number > 0, not "0"',
+            'workers.restartDecaySeconds: must be a number > 0 and <= 86400, not "0"',
         ),
-        ({"workers": {"drainGraceMs": -5}}, "workers.drainGraceMs: must be an integer >= 0, not -5"),
-        ({"workers": {"maxRestarts": -1}}, "workers.maxRestarts: must be an integer >= 0, not -1"),
+        ({"workers": {"drainGraceMs": -5}}, "workers.drainGraceMs: must be an integer from 0 to 600000, not -5"),
+        ({"workers": {"maxRestarts": -1}}, "workers.maxRestarts: must be an integer from 0 to 1000, not -1"),
         ({"workers": {"socketDir": 3}}, "workers.socketDir: must be a non-empty string, not 3"),
         (
             {"management": {"token": "short"}},
@@ -260,7 +282,7 @@ def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
         ({"engines": {"t": {"module": "m", "env": ["A"]}}}, "engines.t.env: must be an object of strings"),
         (
             {"engines": {"t": {"module": "m", "keepAliveSeconds": -2}}},
-            "engines.t.keepAliveSeconds: must be an integer >= -1, not -2",
+            "engines.t.keepAliveSeconds: must be an integer from -1 to 604800, not -2",
         ),
     ],
 )

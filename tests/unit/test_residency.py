@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
@@ -204,7 +205,7 @@ def test_a_first_acquire_makes_the_model_resident_under_a_lease() -> None:
     h = Harness()
     lease = h.lease("kokoro", "v1")
     assert (lease.engine, lease.variant) == ("kokoro", "v1")
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "v1", "leases": 1, "measured": False}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "v1", "leases": 1, "measured": False, "loaded": False}
     assert h.residency.state("dia") == {"resident": False, "leases": 0}
     assert h.calls == []
 
@@ -280,7 +281,7 @@ def test_leases_count_concurrent_streams() -> None:
     assert h.residency.state("kokoro")["leases"] == 2
     first.release()
     first.release()
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1, "measured": False}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1, "measured": False, "loaded": False}
     assert "expiresAt" not in h.model("kokoro")
     assert h.calls == []
     second.release()
@@ -608,7 +609,7 @@ def test_a_cancelled_acquire_leaves_the_queue() -> None:
     assert h.residency.snapshot()["waiting"] == 1
     h.pending.pop(0).callback(None)
     result_of(first)
-    assert h.residency.state("dia") == {"resident": True, "variant": "base", "leases": 1, "measured": False}
+    assert h.residency.state("dia") == {"resident": True, "variant": "base", "leases": 1, "measured": False, "loaded": False}
 
 
 # -- variants ----------------------------------------------------------------------------
@@ -647,7 +648,7 @@ def test_another_variant_waits_while_the_old_one_is_leased() -> None:
     pending(swap)
     same.release()
     assert result_of(swap).variant == "v2"
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "v2", "leases": 1, "measured": False}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "v2", "leases": 1, "measured": False, "loaded": False}
     assert h.calls == []
 
 
@@ -749,7 +750,7 @@ def test_forget_drops_a_model_whose_worker_died() -> None:
     other.release()
     again = h.lease("kokoro")
     streaming.release()
-    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1, "measured": False}
+    assert h.residency.state("kokoro") == {"resident": True, "variant": "base", "leases": 1, "measured": False, "loaded": False}
     assert h.clock.getDelayedCalls() == []
     assert h.calls == [("terminate", "tone")]
     h.residency.forget("kokoro")
@@ -978,3 +979,22 @@ def test_a_load_is_measured_once_even_when_the_worker_cannot_say() -> None:
     lease.release()
     harness.use("tone", "b")
     assert harness.residency.state("tone")["measured"] is False
+
+
+@pytest.mark.parametrize("burst", [61, 100, 400])
+def test_every_request_in_a_burst_that_must_evict_gets_its_lease(burst: int) -> None:
+    """
+    A burst for an engine whose first request must evict another engine's model queues
+    on the residency lock while the eviction runs; when it ends, every one of them is
+    granted a lease (none is left unanswered by a stack that ran too deep).
+    """
+    harness = Harness(hold=True)
+    harness.residency.record_size("a", "base", None)
+    first = harness.acquire("a")
+    harness.pending.clear()
+    result_of(first).release()
+    waiting = [harness.acquire("b") for _ in range(burst)]
+    assert harness.calls == [("terminate", "a")]
+    harness.pending[0].callback(None)
+    leases = [result_of(d) for d in waiting]
+    assert len(leases) == burst and all(lease.engine == "b" for lease in leases)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from treq.testing import StubTreq
-from twisted.internet.defer import succeed
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -91,7 +91,8 @@ def test_engines_and_health_never_spawn() -> None:
     code, health = call(stub, "GET", "/health")
     assert code == 200
     contract.validate(contract.PUBLIC_HEALTH, health)
-    assert health["engines"]["tone"]["process"] == "down"
+    assert health["engines"] == engines and health["status"] == "ok"
+    assert health["residency"] == {"resident": 0, "max": 1, "waiting": 0}
     assert supervisor.starts == 0 and client.calls == []
 
 
@@ -130,7 +131,7 @@ def test_unknown_variant_read_from_variants_not_current() -> None:
     """
     stub, _, _ = make()
     code, answer = call(stub, "POST", "/speak", {"engine": "tone", "text": "hi", "variant": "turbo"})
-    assert code == 400 and answer["error"]["field"] == "variant"
+    assert (code, answer["error"]["code"], answer["error"]["field"]) == (422, "unsupported", "variant")
     assert "expressive" in answer["error"]["message"]
 
 
@@ -172,3 +173,135 @@ def test_management_routes_refuse_without_the_guard(method: str, path: str) -> N
     code, answer = call(stub, method, path)
     assert code == 403 and answer["error"]["code"] == "forbidden"
     assert client.calls == [] and supervisor.starts == 0
+
+
+class Box:
+    """
+    Two engines on a card with room for one model, each worker a fake that records
+    what it was asked, and the evictions the residency manager made.
+    """
+
+    def __init__(self, voices: list[dict[str, Any]] | None = None) -> None:
+        self.clients: dict[str, FakeClient] = {}
+        handles = {}
+        for engine in ("tone", "other"):
+            client = FakeClient({
+                (b"GET", "/capabilities"): (200, CAPABILITIES),
+                (b"GET", "/voices"): (200, voices or []),
+            })
+            self.clients[engine] = client
+            handles[engine] = EngineHandle(engine, client, FakeSupervisor())  # type: ignore[arg-type]
+        self.app = CoreApp(Registry(handles), reactor=MemoryReactorClock())
+        self.evicted: list[str] = []
+        self.app.residency._terminate = lambda engine: self.evicted.append(engine) or succeed(None)  # type: ignore[method-assign]
+        case = SynchronousTestCase()
+        case.successResultOf(Deferred.fromCoroutine(self.app.residency.acquire("tone", "expressive"))).release()
+        self.stub = StubTreq(self.app.resource())
+
+    def resident(self) -> list[str]:
+        return [m["engine"] for m in self.app.residency.snapshot()["models"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "field"),
+    [
+        ({"format": "aiff"}, 422, "unsupported", "format"),
+        ({"format": "mp3"}, 422, "unsupported", "format"),
+        ({"variant": "turbo"}, 422, "unsupported", "variant"),
+        ({"params": {"speed": 1}}, 400, "bad_request", "params.speed"),
+        ({"text": "\u200b\u200f\U0001f600"}, 400, "bad_request", "text"),
+        ({"text": "\x01\x02 [sigh]"}, 400, "bad_request", "text"),
+        ({"text": "x" * 4097}, 400, "bad_request", "text"),
+        ({"voice": "../x"}, 400, "bad_request", "voice"),
+        ({"voice": "nobody"}, 404, "unknown_voice", "voice"),
+    ],
+)
+def test_a_request_the_worker_would_refuse_evicts_nothing(body: dict[str, Any], status: int, code: str, field: str) -> None:
+    """
+    Refused before residency admission: a request for another engine that the worker
+    would refuse (a format it does not produce, no such variant, an unknown dial, text
+    with nothing to say or over the ceiling, a voice id that is not a name or a voice it
+    does not have) costs the resident model nothing.
+    """
+    box = Box()
+    request = {"engine": "other", "text": "hello", "stream": False, **body}
+    answer_code, answer = call(box.stub, "POST", "/speak", request)
+    assert (answer_code, answer["error"]["code"], answer["error"]["field"]) == (status, code, field)
+    assert box.evicted == [] and box.resident() == ["tone"]
+    assert (b"POST", "/speak") not in box.clients["other"].calls
+
+
+def test_a_language_is_matched_without_case_and_ignored_by_a_one_language_variant() -> None:
+    """
+    "EN" is "en"; a variant that speaks one language reads any, and the worker is sent
+    the variant's own spelling; a language a multilingual variant lacks is unsupported.
+    """
+    from rhapsode._preflight import forward_speak
+
+    caps = dict(CAPABILITIES)
+    caps["variants"] = {
+        "one": {**CAPABILITIES["variants"]["expressive"], "languages": ["en-US"]},
+        "many": {**CAPABILITIES["variants"]["expressive"], "languages": ["en", "fr-FR"]},
+    }
+    assert forward_speak({"text": "hi", "language": "de"}, caps, "one")["language"] == "en-US"
+    assert forward_speak({"text": "hi", "language": "FR-fr"}, caps, "many")["language"] == "fr-FR"
+    with pytest.raises(Exception) as caught:
+        forward_speak({"text": "hi", "language": "de"}, caps, "many")
+    assert getattr(caught.value, "code", None) == "unsupported"
+
+
+def test_residency_answers_its_documented_shape() -> None:
+    """
+    GET /residency, with a model resident, validates against the shape /openapi.json
+    documents for it.
+    """
+    box = Box()
+    code, residency = call(box.stub, "GET", "/residency")
+    assert code == 200 and [m["engine"] for m in residency["models"]] == ["tone"]
+    contract.validate(contract.RESIDENCY, residency)
+
+
+def test_an_engine_is_loading_until_its_worker_has_answered() -> None:
+    """
+    A model admitted by residency is "loading" in /engines and /health until its worker
+    has answered a request in that variant; only then is it "loaded".
+    """
+    box = Box()
+    case = SynchronousTestCase()
+    lease = case.successResultOf(Deferred.fromCoroutine(box.app.residency.acquire("other", "expressive")))
+    states = {e["id"]: e["model"] for e in call(box.stub, "GET", "/engines")[1]}
+    assert states == {"tone": "unloaded", "other": "loading"}
+    box.app.residency.mark_loaded("other", "expressive")
+    _, health = call(box.stub, "GET", "/health")
+    assert {e["id"]: e["model"] for e in health["engines"]} == {"tone": "unloaded", "other": "loaded"}
+    lease.release()
+
+
+def test_capabilities_are_read_again_from_each_new_worker_process() -> None:
+    """
+    Capabilities are cached per worker process: a new process (a restart, a reinstall)
+    is asked again, and a worker that is down is not started just to read them.
+    """
+    stub, client, supervisor = make()
+    call(stub, "POST", "/speak", {"engine": "tone", "text": "hi", "variant": "turbo"})
+    asked = client.calls.count((b"GET", "/capabilities"))
+    supervisor.state, supervisor.pid = "down", None
+    call(stub, "POST", "/speak", {"engine": "tone", "text": "hi", "variant": "turbo"})
+    assert client.calls.count((b"GET", "/capabilities")) == asked and supervisor.starts == 1
+    supervisor.state, supervisor.pid = "up", 5151
+    call(stub, "POST", "/speak", {"engine": "tone", "text": "hi", "variant": "turbo"})
+    assert client.calls.count((b"GET", "/capabilities")) == asked + 1
+
+
+def test_engines_names_the_adapter_when_the_engine_id_differs() -> None:
+    """
+    An engine configured as "tone-a" on the tone adapter shows both ids: its own, and
+    the adapter's from its capabilities.
+    """
+    client = FakeClient({(b"GET", "/capabilities"): (200, CAPABILITIES)})
+    handle = EngineHandle("tone-a", client, FakeSupervisor())  # type: ignore[arg-type]
+    app = CoreApp(Registry({"tone-a": handle}), reactor=MemoryReactorClock())
+    stub = StubTreq(app.resource())
+    call(stub, "POST", "/speak", {"engine": "tone-a", "text": "hi", "variant": "turbo"})
+    [summary] = call(stub, "GET", "/engines")[1]
+    assert (summary["id"], summary["adapter"]) == ("tone-a", "tone")

@@ -1,17 +1,25 @@
 """
-L{rhapsode.service.RhapsodeService} starting on a memory reactor: what it reports when
-it cannot start, and whether it stops the reactor for that.
+L{rhapsode.service.RhapsodeService} on a memory reactor: what it reports when it cannot
+start, and whether it stops the reactor for that; what it says as it stops; and which of
+Twisted's own lines its log observer (L{level_filtered}) lets through.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
+from twisted.internet.defer import succeed
 from twisted.internet.error import CannotListenError
-from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.protocol import Factory
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import Logger, LogLevel, capturedLogs, formatEvent, globalLogPublisher
+from twisted.python import log as legacy_log
+from twisted.web.http import HTTPChannel
 
+from rhapsode._service import level_filtered
 from rhapsode.service import RhapsodeService, parse_config
 
 
@@ -78,3 +86,170 @@ def test_a_folder_that_cannot_be_made_is_reported_before_listening(tmp_path: Pat
     failure = _failure_of(core.when_listening())
     assert f"workers.socketDir {tmp_path / 'a-file' / 'sock'} cannot be made" in failure.getErrorMessage()
     assert reactor.tcpServers == [] and not reactor.hasStopped
+
+
+class QuietFactory(Factory):
+    """
+    A factory of the core's own, as far as a namespace can tell.
+    """
+
+
+class QuietChannel(HTTPChannel):
+    """
+    A channel of the core's own, as far as a namespace can tell.
+    """
+
+
+def _logged_through(level: str, emit: Callable[[], object]) -> str:
+    """
+    What level_filtered(level) writes while C{emit} logs through Twisted's global
+    publisher, where Twisted's own code sends its events.
+    """
+    stream = io.StringIO()
+    observer = level_filtered(level, stream)
+    globalLogPublisher.addObserver(observer)
+    try:
+        emit()
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    return stream.getvalue()
+
+
+def _twisted_chatter() -> None:
+    """
+    Twisted's routine lines, most from the code that really logs them, and some of ours.
+    """
+    factory = QuietFactory()
+    factory.doStart()
+    factory.doStop()
+    channel = QuietChannel()
+    channel.makeConnection(StringTransport())
+    channel.timeoutConnection()
+    Logger(namespace="twisted.internet.base").info("Main loop terminated.")
+    legacy_log.msg("QuietFactory starting on 8080")
+    # What twisted.web's Site.log writes an access line to when it has no log file.
+    legacy_log.logfile.write('127.0.0.1 - - [01/Jan/2026:00:00:00 +0000] "GET /health HTTP/1.1" 200 2\n')
+    Logger(namespace="rhapsode._service.RhapsodeService").info("rhapsode listening on 127.0.0.1:8080")
+    # Two of a worker's lines as its supervisor relays them: the worker's namespace, its text.
+    worker = Logger(namespace="rhapsode_worker.site.DirectSite")
+    worker.info("[{engine}] {message}", engine="tone", message="Stopping factory <DirectSite object at 0x7f>")
+    worker.info("[{engine}] {message}", engine="tone", message="serving tone on unix:/run/tone.sock")
+
+
+def test_twisteds_routine_lines_are_dropped_at_info() -> None:
+    """
+    At info, Twisted's routine lines do not reach the log: a factory starting and
+    stopping and a client timed out (logged under the namespace of the core's own
+    subclass), the main loop ending (a twisted.* namespace) and a port opening (the
+    legacy API), in the core or relayed from a worker; the core's own lines, a worker's
+    and twisted.web's access lines do.
+    """
+    text = _logged_through("info", _twisted_chatter)
+    assert "rhapsode listening on 127.0.0.1:8080" in text
+    assert "[tone] serving tone on unix:/run/tone.sock" in text
+    assert '"GET /health HTTP/1.1" 200' in text
+    for chatter in ("Starting factory", "Stopping factory", "Timing out client", "Main loop terminated", "starting on 8080"):
+        assert chatter not in text, (chatter, text)
+
+
+def test_twisteds_warnings_and_errors_pass_at_info() -> None:
+    """
+    Twisted's warnings and errors are not quieted with its routine lines, whichever
+    API logged them.
+    """
+
+    def trouble() -> None:
+        Logger(namespace="twisted.web.http").warn("a warning from twisted.web")
+        legacy_log.err(ValueError("boom"), "an error through the legacy API")
+        Logger(namespace="rhapsode._admission.CoreSite").error(
+            "Starting factory failed: an error under a subclass's namespace"
+        )
+
+    text = _logged_through("info", trouble)
+    assert "a warning from twisted.web" in text
+    assert "an error through the legacy API" in text and "ValueError: boom" in text
+    assert "an error under a subclass's namespace" in text
+
+
+@pytest.mark.parametrize("level", ["debug", "trace"])
+def test_twisteds_routine_lines_show_at_debug(level: str) -> None:
+    """
+    At debug and trace, where someone is looking into the core, Twisted's routine
+    lines are shown like everything else.
+    """
+    text = _logged_through(level, _twisted_chatter)
+    for chatter in ("Starting factory", "Stopping factory", "Timing out client", "Main loop terminated", "starting on 8080"):
+        assert chatter in text, (chatter, text)
+
+
+class Listening(MemoryReactorClock):
+    """
+    A memory reactor whose ports stop listening as real ones do: with a Deferred.
+    """
+
+    def listenTCP(self, port: int, factory: Any, backlog: int = 50, interface: str = "") -> Any:
+        listening = super().listenTCP(port, factory, backlog, interface)
+        listening.stopListening = lambda: succeed(None)
+        return listening
+
+
+def _stopping_with_a_request_in_flight(tmp_path: Path) -> tuple[Listening, RhapsodeService]:
+    reactor = Listening()
+    config = parse_config(
+        {"server": {"shutdownGraceMs": 7000}, "workers": {"socketDir": "sock", "voiceDir": "voices"}}, tmp_path
+    )
+    core = RhapsodeService(config, reactor)
+    core.startService()
+    assert core.app is not None
+    core.app.requests.enter()
+    return reactor, core
+
+
+def test_stopping_says_first_what_it_waits_for(tmp_path: Path) -> None:
+    """
+    The first line of a stop says what it waits for: the requests in flight, and for
+    how long at most; when they outlast that, a warning says how many were cut off,
+    and a last line says the core stopped.
+    """
+    reactor, core = _stopping_with_a_request_in_flight(tmp_path)
+    with capturedLogs() as events:
+        stopped = core.stopService()
+        reactor.advance(6.9)
+        assert not stopped.called
+        reactor.advance(0.1)
+    assert stopped.called
+    lines = [(event["log_level"], formatEvent(event)) for event in events]
+    assert lines == [
+        (LogLevel.info, "shutting down: waiting up to 7 s for 1 request in flight to finish; no worker running"),
+        (LogLevel.warn, "1 request still in flight after 7 s: cut off"),
+        (LogLevel.info, "rhapsode stopped"),
+    ]
+
+
+def test_a_stop_whose_requests_finish_cuts_nothing_off(tmp_path: Path) -> None:
+    """
+    Requests that finish within the grace end the wait at once, with no warning.
+    """
+    _, core = _stopping_with_a_request_in_flight(tmp_path)
+    with capturedLogs() as events:
+        stopped = core.stopService()
+        assert core.app is not None
+        core.app.requests.leave()
+    assert stopped.called
+    assert [formatEvent(event) for event in events][1:] == ["rhapsode stopped"]
+
+
+def test_stopping_with_nothing_to_wait_for_says_so(tmp_path: Path) -> None:
+    """
+    A stop with no request in flight and no worker running says that, and is done.
+    """
+    reactor = Listening()
+    core = RhapsodeService(parse_config({"workers": {"socketDir": "sock", "voiceDir": "voices"}}, tmp_path), reactor)
+    core.startService()
+    with capturedLogs() as events:
+        stopped = core.stopService()
+    assert stopped.called
+    assert [formatEvent(event) for event in events] == [
+        "shutting down: no request in flight; no worker running",
+        "rhapsode stopped",
+    ]

@@ -23,7 +23,7 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from rhapsode._supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, WorkerSupervisor
-from rhapsode_worker import ModelUnavailable
+from rhapsode_worker.errors import Internal, ModelUnavailable
 
 SOCKET = "unix:/run/rhapsode/tone.sock"
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -269,37 +269,85 @@ def test_waiters_see_the_new_state() -> None:
     assert seen == [("up", SOCKET)]
 
 
-def test_exit_before_handshake_fails_start_with_stderr() -> None:
-    """A worker that exits before its handshake fails start() with ModelUnavailable carrying its stderr."""
+def failure_logged(events: list[Any]) -> str:
+    """
+    The text of the error the supervisor logged for a failure, with the worker's tail.
+    """
+    [event] = [e for e in events if e.get("log_level") == LogLevel.error and "tail" in e]
+    return f"{event['error']}\n{event['tail']}"
+
+
+def test_exit_before_handshake_fails_start_as_internal_with_stderr_in_the_log() -> None:
+    """
+    A worker that exits with a status before its handshake cannot run (an import error
+    says the same next time): start() fails as internal, not retryable, with a message
+    that names the exit and no path of the box; its stderr goes to the log.
+    """
     h = harness()
     started = h.supervisor.start()
     worker = h.reactor.worker
-    worker.err(b"Traceback (most recent call last):\n  File \"x.py\"\nModuleNotFoundError: No module named 'kok")
-    worker.err(b"oro'\n")
-    worker.exit(1)
+    with capturedLogs() as events:
+        worker.err(b"Traceback (most recent call last):\n  File \"/srv/venv/x.py\"\nModuleNotFoundError: No module named 'kok")
+        worker.err(b"oro'\n")
+        worker.exit(1)
     error = failure_of(started).value
-    assert isinstance(error, ModelUnavailable) and error.retryable
+    assert isinstance(error, Internal) and not error.retryable
     assert "exited before its handshake (exit code 1)" in error.message
-    assert "ModuleNotFoundError: No module named 'kokoro'" in error.message
+    assert "/srv" not in error.message and "Traceback" not in error.message
+    assert "ModuleNotFoundError: No module named 'kokoro'" in failure_logged(events)
     assert h.supervisor.last_error == error.message
     assert h.supervisor.restarts == 1
 
 
-def test_stderr_tail_is_bounded() -> None:
-    """The message keeps the last few lines of stderr, at most about two kilobytes, not all of it."""
+def test_a_signal_before_the_handshake_stays_retryable() -> None:
+    """
+    A worker killed by a signal before its handshake may start next time: retryable.
+    """
     h = harness()
     started = h.supervisor.start()
-    for i in range(500):
-        h.reactor.worker.err(f"line {i:04d} of noise\n".encode())
-    h.reactor.worker.exit(1)
-    message = failure_of(started).value.message
+    h.reactor.worker.exit(None, 9)
+    error = failure_of(started).value
+    assert isinstance(error, ModelUnavailable) and error.retryable and "SIGKILL" in error.message
+
+
+def test_an_interpreter_that_cannot_be_run_is_internal_without_its_path() -> None:
+    """
+    spawnProcess failing (no such interpreter) fails start() as internal, naming the
+    cause and not the interpreter's path, which goes to the log.
+    """
+    h = harness()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise FileNotFoundError(2, "No such file or directory", "/opt/venvs/tone/bin/python")
+
+    h.reactor.spawnProcess = refuse  # type: ignore[method-assign]
+    with capturedLogs() as events:
+        started = h.supervisor.start()
+    error = failure_of(started).value
+    assert isinstance(error, Internal) and "No such file or directory" in error.message
+    assert "/opt" not in error.message and "/opt" not in (h.supervisor.last_error or "")
+    assert any("/opt/venvs/tone/bin/python" in str(e.get("error")) for e in events)
+
+
+def test_stderr_tail_is_bounded() -> None:
+    """The logged failure keeps the last few lines of stderr, at most about two kilobytes, not all of it."""
+    h = harness()
+    started = h.supervisor.start()
+    with capturedLogs() as events:
+        for i in range(500):
+            h.reactor.worker.err(f"line {i:04d} of noise\n".encode())
+        h.reactor.worker.exit(1)
+    failure_of(started)
+    message = failure_logged(events)
     assert f"line {500 - TAIL_LINES:04d}" in message and f"line {499 - TAIL_LINES:04d}" not in message
     h.reactor.advance(1)
     restarted = h.supervisor.start()
-    h.reactor.worker.err(b"x" * 5000 + b" the end\n")
-    h.reactor.worker.exit(1)
-    message = failure_of(restarted).value.message
-    assert message.endswith("x the end") and len(message) < TAIL_CHARACTERS + 100
+    with capturedLogs() as events:
+        h.reactor.worker.err(b"x" * 5000 + b" the end\n")
+        h.reactor.worker.exit(1)
+    failure_of(restarted)
+    tail = failure_logged(events).split("\n", 1)[1]
+    assert tail.endswith("x the end") and len(tail) <= TAIL_CHARACTERS
 
 
 def test_startup_timeout_kills_the_group_and_fails() -> None:
@@ -312,7 +360,7 @@ def test_startup_timeout_kills_the_group_and_fails() -> None:
     h.reactor.advance(0.1)
     assert h.kills == [(1000, KILL)]
     message = failure_of(started).value.message
-    assert "did not hand-shake within 60 s" in message and "importing torch" in message
+    assert "did not hand-shake within 60 s" in message and "importing torch" not in message
     assert h.supervisor.state == "draining"
     h.reactor.worker.exit(None, 9)
     assert h.supervisor.state == "starting"  # counted as a crash: a restart is scheduled
@@ -340,7 +388,7 @@ def test_contract_above_the_core_is_refused() -> None:
     h.reactor.worker.handshake(contract=2)
     assert h.kills == [(1000, KILL)]
     error = failure_of(started).value
-    assert isinstance(error, ModelUnavailable)
+    assert isinstance(error, Internal) and not error.retryable
     assert "contract 2" in error.message and "contract 1" in error.message
     h.reactor.worker.exit(None, 9)
     assert h.supervisor.state == "failed"
@@ -351,11 +399,14 @@ def test_contract_above_the_core_is_refused() -> None:
 
 
 def test_a_first_line_that_is_not_a_handshake_is_refused() -> None:
-    """Anything but a handshake as the first stdout line is refused, quoting what was written."""
+    """Anything but a handshake as the first stdout line is refused; what was written goes to the log."""
     h = harness()
     started = h.supervisor.start()
-    h.reactor.worker.out(b"loading kokoro...\n")
-    assert "loading kokoro..." in failure_of(started).value.message
+    with capturedLogs() as events:
+        h.reactor.worker.out(b"loading kokoro...\n")
+    error = failure_of(started).value
+    assert isinstance(error, Internal) and "other than its handshake" in error.message
+    assert any(e.get("line") == "loading kokoro..." for e in events)
     h.reactor.worker.exit(None, 9)
     assert h.supervisor.state == "failed"
 
@@ -399,7 +450,7 @@ def test_partial_stderr_line_is_kept_at_exit() -> None:
         h.reactor.worker.exit(None, 11)
     assert any(e.get("line") == "Segmentation fault" for e in events)
     message = failure_of(started).value.message
-    assert "killed by SIGSEGV" in message and "Segmentation fault" in message
+    assert "killed by SIGSEGV" in message and "Segmentation fault" in failure_logged(events)
 
 
 def test_an_endless_stderr_line_is_cut_not_hoarded() -> None:
@@ -475,7 +526,7 @@ def test_too_many_crashes_within_the_window_fail() -> None:
     assert h.reactor.getDelayedCalls() == []
     error = failure_of(h.supervisor.start()).value
     assert isinstance(error, ModelUnavailable)
-    assert "failed 3 times within 60 s" in error.message and "CUDA error: device-side assert" in error.message
+    assert "failed 3 times within 60 s" in error.message and "exit code 1" in error.message
     assert h.supervisor.health()["process"] == "failed"
     assert h.supervisor.health()["restarts"] == 3
     assert len(h.reactor.spawned) == 3
@@ -725,4 +776,34 @@ def test_health_reports_pid_restarts_and_last_error() -> None:
     h.reactor.worker.exit(3)
     health = h.supervisor.health()
     assert health["process"] == "starting" and health["restarts"] == 1 and "pid" not in health
-    assert "exit code 3" in health["lastError"] and "oops" in health["lastError"]
+    assert "exit code 3" in health["lastError"] and "oops" not in health["lastError"]
+
+
+def test_a_hung_worker_is_killed_and_counted_as_a_crash() -> None:
+    """
+    A worker found not answering (the watchdog's word) is SIGKILLed as a group; its
+    exit is a crash: its model is forgotten, health names why, and a new one is started
+    after the backoff.
+    """
+    crashed: list[bool] = []
+    h = harness(on_crash=lambda: crashed.append(True))
+    up(h)
+    h.supervisor.hung("did not answer GET /health within 15 s")
+    assert h.kills == [(1000, KILL)]
+    assert h.supervisor.state == "draining"
+    h.reactor.worker.exit(None, 9)
+    assert crashed == [True]
+    health = h.supervisor.health()
+    assert health["process"] == "starting" and health["restarts"] == 1
+    assert "did not answer GET /health within 15 s" in health["lastError"]
+    h.reactor.advance(1)
+    assert len(h.reactor.spawned) == 2
+
+
+def test_a_hung_report_about_a_worker_already_gone_is_ignored() -> None:
+    """
+    The watchdog may report a worker that has since exited: nothing happens.
+    """
+    h = harness()
+    h.supervisor.hung("late")
+    assert h.supervisor.state == "down" and h.kills == []

@@ -290,6 +290,50 @@ def test_bad_chunk_fails_the_body() -> None:
     assert reader.ended.check(ResponseFailed)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("size", [b"0x5", b"0_5", b" +5", b"-5", b"5 5", b"", b"1" * 16])
+def test_a_chunk_size_is_hex_digits_only(size: bytes) -> None:
+    """
+    Python's int(x, 16) reads "0x5", "0_5" and " +5" as 5; a chunk size is hex digits
+    and nothing else, so each of these fails the body rather than framing it.
+    """
+    wire = Wire()
+    pending = wire.ask()
+    reader = Reader()
+    wire.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    result_of(pending).deliverBody(reader)
+    wire.answer(size + b"\r\nhello\r\n0\r\n\r\n")
+    assert reader.ended.check(ResponseFailed)  # type: ignore[union-attr]
+    assert reader.body == b""
+
+
+def test_trailers_are_bounded() -> None:
+    """
+    A body ending with more trailer fields than a worker ever sends fails rather than
+    growing a table without end; a malformed trailer line fails it too.
+    """
+    for trailer in (b"".join(b"X-T%d: v\r\n" % i for i in range(17)), b"no colon\r\n"):
+        wire = Wire()
+        pending = wire.ask()
+        reader = Reader()
+        wire.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        result_of(pending).deliverBody(reader)
+        wire.answer(b"5\r\nhello\r\n0\r\n" + trailer + b"\r\n")
+        assert reader.ended.check(ResponseFailed)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("encoding", [b"gzip, chunked", b"chunked, chunked", b"identity"])
+def test_only_chunked_exactly_is_a_transfer_encoding(encoding: bytes) -> None:
+    """
+    "gzip, chunked" would relay gzip bytes as audio: any transfer-encoding but exactly
+    chunked fails the request.
+    """
+    wire = Wire()
+    pending = wire.ask()
+    wire.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + encoding + b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    with pytest.raises(ProtocolError):
+        result_of(pending)
+
+
 def test_informational_answers_are_skipped() -> None:
     """
     A 100 Continue before the answer is not the answer.
@@ -501,14 +545,17 @@ def test_cancel_while_connecting() -> None:
 
 def test_unreachable_worker_is_model_unavailable() -> None:
     """
-    A worker that refuses the connection is a retryable model_unavailable naming it.
+    A worker that refuses the connection is a retryable model_unavailable saying what
+    went wrong, and not where the worker is: a socket's path or a URL stays out of a
+    message any caller can read.
     """
     pool = Pool()
     pending = pool.client.request(b"GET", "/health")
     pool.factories()[0].clientConnectionFailed(pool.reactor.connectors[0], Failure(ConnectionRefusedError("no socket")))
     with pytest.raises(ModelUnavailable) as caught:
         result_of(pending)
-    assert "unix:/tmp/w.sock" in str(caught.value)
+    assert caught.value.retryable and "ConnectionRefusedError" in str(caught.value)
+    assert "/tmp" not in str(caught.value)
 
 
 def test_close_closes_idle_connections_and_waits_for_them() -> None:

@@ -6,8 +6,17 @@ L{wire} is one connection and its narrow HTTP/1.1 reader, L{pool} the requests a
 connections kept for them, and L{body} a body read whole within a limit.
 """
 
-from .body import BodyTooLarge, collect
+from .body import BodyTooLarge, Stall, collect, stalled
 from .pool import BytesProducer, WorkerClient
 from .wire import ProtocolError, WorkerResponse
 
-__all__ = ["BodyTooLarge", "BytesProducer", "ProtocolError", "WorkerClient", "WorkerResponse", "collect"]
+__all__ = [
+    "BodyTooLarge",
+    "BytesProducer",
+    "ProtocolError",
+    "Stall",
+    "WorkerClient",
+    "WorkerResponse",
+    "collect",
+    "stalled",
+]

@@ -60,7 +60,9 @@ class _Factory(Factory):
         self._client = client
 
     def buildProtocol(self, addr: Any) -> Connection:
-        return Connection(self._client._idle_again, self._client._gone)
+        connection = Connection(self._client._idle_again, self._client._gone)
+        self._client._open.add(connection)
+        return connection
 
 
 class _Attempt:
@@ -144,6 +146,8 @@ class WorkerClient:
     def __init__(self, reactor: Any, address: str) -> None:
         self.address = address
         self._idle: list[Connection] = []
+        #: Every connection open to the worker, idle or carrying a request.
+        self._open: set[Connection] = set()
         self._factory = _Factory(self)
         if address.startswith("unix:"):
             self._host = b"worker"
@@ -171,8 +175,21 @@ class WorkerClient:
             connection.transport.loseConnection()  # type: ignore[union-attr]
 
     def _gone(self, connection: Connection) -> None:
+        self._open.discard(connection)
         if connection in self._idle:
             self._idle.remove(connection)
+
+    def abort_all(self) -> None:
+        """
+        Drop every connection to the worker now: what is in flight on them fails (a
+        stream is aborted), and the next request connects afresh.
+        """
+        self._idle = []
+        for connection in list(self._open):
+            transport = connection.transport
+            if transport is not None:
+                abort = getattr(transport, "abortConnection", None)
+                (abort or transport.loseConnection)()
 
     def _connect(self) -> "Deferred[Connection]":
         return self._endpoint.connect(self._factory)
@@ -212,7 +229,9 @@ class WorkerClient:
         inner = getattr(reason, "reasons", None)
         if inner:
             reason = inner[0].value
-        return Failure(ModelUnavailable(f"worker at {self.address} did not answer: {reason}"))
+        # The worker's address (a socket's path, a URL) stays out of a caller's message.
+        kind = type(reason).__name__
+        return Failure(ModelUnavailable(f"the worker did not answer ({kind})"))
 
     async def json(self, method: bytes, path: str, body: Any = None) -> tuple[int, Any]:
         """

@@ -9,6 +9,13 @@ framed by Content-Length, chunked encoding (trailers kept, which twisted.web's c
 discards) or the connection's end, and a response whose body is delivered to a
 protocol as it arrives, with the connection itself as that protocol's push producer so
 that a slow reader pauses the worker's socket.
+
+It parses responses from a peer the core trusts (a worker it spawned or was configured
+with), never a client's request, and it is strict where that costs nothing: a chunk size
+is hex digits only, trailers are bounded, and a transfer-encoding other than exactly
+chunked is refused.  It can go back to twisted.web's Agent the day Agent hands a client
+the trailers (twisted/twisted#12014, "Parse and make the trailing headers available to
+HTTP Agent"): the worker's duration trailer is why it exists.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ __all__ = ["Connection", "Headers", "ProtocolError", "WorkerResponse", "encode_r
 MAX_HEAD = 64 * 1024
 #: Nor is a chunk-size or trailer line longer than this.
 _MAX_LINE = 8 * 1024
+#: Nor does a worker end a body with more trailer fields than this.
+MAX_TRAILERS = 16
+#: A chunk size: hex digits only (int(x, 16) also takes "0x10", "1_0" and " +a ").
+_HEX = frozenset(b"0123456789abcdefABCDEF")
 #: How much one read from a worker's socket may take: about twice Twisted's 64 KiB.
 #: Audio comes in batches of up to 256 KiB, and each read becomes a chunk relayed to the
 #: client, with its write, send and wake-up.  Measured with interleaved runs: streamed
@@ -340,13 +351,10 @@ class Connection(Protocol):
             line = self._line("chunk-size")
             if line is None:
                 return False
-            line = line.split(b";", 1)[0].strip()
-            try:
-                size = int(line, 16)
-            except ValueError:
-                raise ProtocolError(f"bad chunk size {line[:20]!r}") from None
-            if size < 0:
-                raise ProtocolError("negative chunk size")
+            line = line.split(b";", 1)[0].rstrip(b" \t")
+            if not line or not _HEX.issuperset(line) or len(line) > 15:
+                raise ProtocolError(f"bad chunk size {line[:20]!r}")
+            size = int(line, 16)
             if size == 0:
                 self._state = _TRAILER
             else:
@@ -361,8 +369,13 @@ class Connection(Protocol):
                 self._end_body()
                 return True
             name, colon, value = line.partition(b":")
-            if colon and self._response is not None:
-                self._response.trailers[name.strip().lower()] = value.strip()
+            if not colon or not name or name != name.strip():
+                raise ProtocolError(f"bad trailer line {line[:60]!r}")
+            if self._response is not None:
+                trailers = self._response.trailers
+                if len(trailers) >= MAX_TRAILERS:
+                    raise ProtocolError(f"more than {MAX_TRAILERS} trailer fields")
+                trailers[name.lower()] = value.strip()
             return True
         # _HEAD
         end = buffer.find(b"\r\n\r\n")
@@ -413,7 +426,8 @@ class Connection(Protocol):
         if self._method == b"HEAD" or code in (204, 304):
             self._state = _DONE
         elif encoding:
-            if not encoding.endswith(b"chunked"):
+            # Exactly chunked: "gzip, chunked" would relay gzip bytes as audio.
+            if encoding.strip() != b"chunked":
                 raise ProtocolError(f"unsupported transfer-encoding {encoding!r}")
             self._state = _CHUNK_SIZE
         elif length is not None:

@@ -1,0 +1,216 @@
+"""
+The core as a real process under a hostile client and a failing worker: a stopped
+worker is found out and replaced while a busy one is left alone, a burst that must
+evict gets every answer, a slow head is cut off, and an engine's queue has an end.
+Each test bounds its own time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from _worker import engine_of, free_port, get, process_alive, wait_for
+
+HERE = Path(__file__).resolve().parent
+RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
+
+
+def speak(port: int, timeout: float = 60, **fields: Any) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/speak",
+        data=json.dumps(fields).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+@contextmanager
+def serving(tmp_path: Path, engines: dict[str, Any], **sections: Any) -> Iterator[int]:
+    port = free_port()
+    config = {
+        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 1000, **sections.pop("server", {})},
+        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices"), **sections.pop("workers", {})},
+        "engines": engines,
+        **sections,
+    }
+    path = tmp_path / "rhapsode.json"
+    path.write_text(json.dumps(config))
+    log = open(tmp_path / "core.log", "wb")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    core = subprocess.Popen([RHAPSODE, "serve", "--config", str(path)], cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: get(port, "/health"), 20, "the core to listen")
+        yield port
+    finally:
+        if core.poll() is None:
+            core.terminate()
+            try:
+                core.wait(15)
+            except subprocess.TimeoutExpired:
+                core.kill()
+                core.wait()
+        log.close()
+
+
+def chatty(seconds_per_segment: float, segment_ms: int = 500) -> dict[str, Any]:
+    return {
+        "module": "chatty_engine",
+        "env": {"CHATTY_SECONDS_PER_SEGMENT": str(seconds_per_segment), "CHATTY_SEGMENT_MS": str(segment_ms)},
+    }
+
+
+WATCHFUL = {"healthCheckSeconds": 0.5, "unresponsiveSeconds": 2, "stallSeconds": 60}
+TEXT = "One segment of talk. " * 8  # several segments of chatty's 40 characters
+
+
+def test_a_stopped_worker_is_found_out_its_stream_aborted_and_it_is_replaced(tmp_path: Path) -> None:
+    """
+    SIGSTOP a worker mid-stream: within the watchdog's bounds its stream is aborted (no
+    final chunk), /health says why, the stopped process is killed, and the next request
+    is answered by a new worker rather than hanging.
+    """
+    with serving(tmp_path, {"chatty": chatty(0.5)}, workers=WATCHFUL) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        body = json.dumps({"engine": "chatty", "text": TEXT, "format": "pcm"}).encode()
+        sock.sendall(b"POST /speak HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first[:100]
+        pid = engine_of(get(port, "/health"), "chatty")["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        received, reset = first, False
+        while True:
+            try:
+                piece = sock.recv(65536)
+            except ConnectionResetError:
+                reset = True  # an abort on TCP: the reset that says "not whole"
+                break
+            if not piece:
+                break
+            received += piece
+        waited = time.monotonic() - stopped
+        sock.close()
+        assert waited < 8, waited
+        assert reset or not received.endswith(b"0\r\n\r\n")  # aborted, never ended as if whole
+        wait_for(lambda: not process_alive(pid), 10, "the stopped worker to be killed")
+        state = engine_of(get(port, "/health"), "chatty")
+        assert "did not answer GET /health" in state["lastError"] and state["restarts"] >= 1
+        began = time.monotonic()
+        status, _, audio = speak(port, engine="chatty", text="Hello again.", stream=False)
+        assert status == 200 and len(audio) > 1000 and time.monotonic() - began < 20
+        assert engine_of(get(port, "/health"), "chatty")["pid"] != pid
+
+
+def test_a_busy_worker_is_not_mistaken_for_a_hung_one(tmp_path: Path) -> None:
+    """
+    A worker whose synthesis takes far longer than the watchdog's patience (a long
+    segment, a slow load) still answers /health from its event loop, so it is never
+    killed and its request completes.
+    """
+    with serving(tmp_path, {"chatty": chatty(3.0)}, workers=WATCHFUL) as port:
+        status, _, audio = speak(port, engine="chatty", text="A few slow segments of talk here. " * 3, stream=False)
+        assert status == 200 and len(audio) > 1000
+        state = engine_of(get(port, "/health"), "chatty")
+        assert state["restarts"] == 0 and "lastError" not in state
+
+
+def test_every_request_in_a_burst_that_must_evict_gets_an_answer(tmp_path: Path) -> None:
+    """
+    With room for one model, 100 requests at once for an engine whose first request
+    must evict another's model are all answered (the residency lock hands over without
+    recursing), each with audio.
+    """
+    engines = {"tone-a": {"module": "rhapsode_engine_tone"}, "tone-b": {"module": "rhapsode_engine_tone"}}
+    limits = {"concurrentPerEngine": 128, "queuedPerEngine": 128}
+    with serving(tmp_path, engines, limits=limits) as port:
+        assert speak(port, engine="tone-a", text="First.", stream=False)[0] == 200
+        answers: list[int] = []
+
+        def one() -> None:
+            answers.append(speak(port, timeout=120, engine="tone-b", text="Hi.", stream=False)[0])
+
+        threads = [threading.Thread(target=one) for _ in range(100)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(150)
+        assert sorted(answers) == [200] * 100
+        log = (tmp_path / "core.log").read_text()
+        assert "maximum recursion depth" not in log
+
+
+def test_an_engines_queue_has_an_end(tmp_path: Path) -> None:
+    """
+    Past an engine's turns and its queue, a request is refused at once as overloaded,
+    429, retryable, with Retry-After, while those admitted finish.
+    """
+    limits = {"concurrentPerEngine": 1, "queuedPerEngine": 1}
+    with serving(tmp_path, {"chatty": chatty(1.0)}, limits=limits) as port:
+        answers: list[tuple[int, dict[str, str], bytes]] = []
+
+        def one() -> None:
+            answers.append(speak(port, engine="chatty", text="Long enough to take a while. " * 3, stream=False))
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: get(port, "/residency")["resident"] == 1, 20, "the first request to be admitted")
+        time.sleep(0.5)  # the second is queued behind it by now; a third has no place
+        status, headers, body = speak(port, engine="chatty", text="One more.", stream=False)
+        for thread in threads:
+            thread.join(60)
+        assert status == 429 and headers.get("Retry-After") == "1"
+        error = json.loads(body)["error"]
+        assert (error["code"], error["retryable"]) == ("overloaded", True)
+        assert sorted(a[0] for a in answers) == [200, 200]
+
+
+def test_a_head_dribbled_a_byte_at_a_time_is_cut_off(tmp_path: Path) -> None:
+    """
+    An HTTP/1.0 head sent a byte every half second is answered 408 and closed at the
+    head deadline, however recently its last byte came.
+    """
+    with serving(tmp_path, {"tone": {"module": "rhapsode_engine_tone"}}, server={"headTimeoutSeconds": 2}) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        began = time.monotonic()
+        head = b"GET /health HTTP/1.0\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        answer = b""
+        for byte in head:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            sock.settimeout(0.5)
+            try:
+                answer += sock.recv(4096)
+            except socket.timeout:
+                continue
+            if answer:
+                break
+        sock.settimeout(5)
+        while True:
+            piece = sock.recv(4096)
+            if not piece:
+                break
+            answer += piece
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+        assert time.monotonic() - began < 5
