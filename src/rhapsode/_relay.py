@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -35,7 +35,7 @@ from rhapsode_worker.web import DURATION_HEADER, abort_connection, write_trailer
 from ._admission import BufferBudget, Turnstile
 from ._registry import EngineHandle
 from ._residency import Residency
-from ._upstream import BytesProducer, Stall, collect, stalled
+from ._upstream import BytesProducer, Stalls, Watched, collect, stalled
 
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
@@ -90,20 +90,19 @@ class StreamRelay(Protocol):
     fails when it did not; C{trailers} then holds the trailer fields the worker sent.
     """
 
-    def __init__(self, request: IRequest, response: Any, stall: tuple[IReactorTime, float] | None = None) -> None:
+    def __init__(self, request: IRequest, response: Any, stalls: Stalls | None = None) -> None:
         self._request = request
         self._response = response
-        self._stall_spec = stall
-        self._stall: Stall | None = None
+        self._stalls = stalls
+        self._stall: Watched | None = None
         self._stalled = False
         self.received = 0
         self.trailers: dict[bytes, bytes] = {}
         self.done: Deferred[int] = Deferred()
 
     def connectionMade(self) -> None:
-        if self._stall_spec is not None:
-            clock, seconds = self._stall_spec
-            self._stall = Stall(clock, seconds, self._give_up)
+        if self._stalls is not None:
+            self._stall = self._stalls.watch(self._give_up)
         # A full client buffer pauses reading from the worker.
         self._request.registerProducer(self, True)  # type: ignore[attr-defined]
 
@@ -121,7 +120,7 @@ class StreamRelay(Protocol):
         if getattr(self._request, "producer", None) is not None:
             self._request.unregisterProducer()  # type: ignore[attr-defined]
         if self._stalled:
-            self.done.errback(stalled(self._stall_spec[1] if self._stall_spec else 0))
+            self.done.errback(stalled(self._stalls.seconds if self._stalls else 0))
         elif isinstance(reason.value, ResponseDone):
             self.trailers = dict(getattr(self._response, "trailers", {}))
             self.done.callback(self.received)
@@ -148,10 +147,8 @@ class StreamRelay(Protocol):
         self.transport.stopProducing()  # type: ignore[union-attr]
 
 
-def relay(
-    response: Any, request: IRequest, stall: tuple[IReactorTime, float] | None = None
-) -> "Deferred[StreamRelay]":
-    stream = StreamRelay(request, response, stall)
+def relay(response: Any, request: IRequest, stalls: Stalls | None = None) -> "Deferred[StreamRelay]":
+    stream = StreamRelay(request, response, stalls)
     response.deliverBody(stream)
     return stream.done.addCallback(lambda _: stream)
 
@@ -179,14 +176,15 @@ class SpeechRelay:
         self.turnstile = turnstile
         self.budget = budget
         self._clock = clock
-        self._stall = (clock, stall_seconds)
+        self.stalls = Stalls(clock, stall_seconds)
         self._background: set[Deferred[None]] = set()
         self._measuring: set[str] = set()
 
     def close(self) -> None:
         """
-        Shutting down: stop any measurement still in flight.
+        Shutting down: stop any measurement still in flight, and the stall sweep.
         """
+        self.stalls.close()
         for task in list(self._background):
             task.cancel()
 
@@ -240,12 +238,21 @@ class SpeechRelay:
         The worker's response head, or a retryable failure once it has sent nothing
         for the stall time.
         """
-        clock, seconds = self._stall
-        pending.addTimeout(seconds, clock)
+        late: list[bool] = []
+
+        def give_up() -> None:
+            late.append(True)
+            pending.cancel()
+
+        watched = self.stalls.watch(give_up)
         try:
             return await pending
-        except DeferredTimeout:
-            raise stalled(seconds) from None
+        except CancelledError:
+            if late:
+                raise stalled(self.stalls.seconds) from None
+            raise
+        finally:
+            watched.stop()
 
     def _measure_once(self, engine: EngineHandle, variant: str) -> None:
         if self.residency.state(engine.id).get("measured", True) or engine.id in self._measuring:
@@ -275,7 +282,7 @@ class SpeechRelay:
             self.residency.record_size(engine.id, variant, health.get("modelBytes"))
 
     async def _relay_error(self, request: IRequest, response: Any) -> bytes:
-        raw = await collect(response, ERROR_LIMIT, stall=self._stall)
+        raw = await collect(response, ERROR_LIMIT, stalls=self.stalls)
         try:
             envelope = json.loads(raw)
             contract.validate(contract.ERROR, envelope)
@@ -299,7 +306,7 @@ class SpeechRelay:
         """
         if response.code != 200:
             return await self._relay_error(request, response)
-        body = await collect(response, limit, self.budget, self._stall)
+        body = await collect(response, limit, self.budget, self.stalls)
         finished.addBoth(lambda _: self.budget.give_back(len(body)))
         if len(body) < FLOOR_BYTES:
             # Not audio, whatever the status said; the headers have not gone, so say so.
@@ -322,7 +329,7 @@ class SpeechRelay:
             request.setHeader(b"Content-Type", content_type[0])
         request.setHeader(b"Trailer", DURATION_HEADER)
         try:
-            stream = await relay(response, request, self._stall)
+            stream = await relay(response, request, self.stalls)
         except Exception as error:
             if isinstance(error, SpeechError):
                 self.log.warn("aborting a stream: {why}", why=error.message)

@@ -88,7 +88,9 @@ class CoreApp:
         @param idle_timeout: how long a connection may send nothing.
         """
         self.registry = registry
-        defaults = ConfigSettings(Config)
+        # The defaults, built once: a Config works out its default paths when made.
+        default = Config()
+        defaults = ConfigSettings(lambda: default)
         if residency is None:
             residency = Residency(
                 clock=reactor,
@@ -97,7 +99,10 @@ class CoreApp:
                 unload=lambda engine: registry.get(engine).unload(),
             )
         self.residency = residency
-        limits = admission or defaults
+        if admission is None:
+            # Settings that are the config's answer for admission too.
+            admission = settings if isinstance(settings, ConfigSettings) else defaults
+        limits = admission
         self.turnstile = Turnstile(reactor, limits)
         self.speech = SpeechRelay(residency, self.turnstile, BufferBudget(limits), reactor, stall_seconds)
         self.head_timeout = head_timeout

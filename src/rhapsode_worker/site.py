@@ -171,6 +171,8 @@ class EagerChannel(http.HTTPChannel):
         self._head_lines = 0
         self._head_bytes = 0
         self._head_started = 0.0
+        #: A head has begun and is not complete: it is on its deadline.
+        self._head_pending = False
         self._head_timer: IDelayedCall | None = None
 
     # -- the connection ----------------------------------------------------------------
@@ -202,9 +204,14 @@ class EagerChannel(http.HTTPChannel):
     def dataReceived(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._head_timer is None and self._state in (_BETWEEN, _HEAD):
-            self._start_head_timer()
+        if not self._head_pending and self._state in (_BETWEEN, _HEAD):
+            self._head_pending = True
+            self._head_started = self.site.reactor.seconds() if self.site is not None else 0.0
         super().dataReceived(data)
+        # The head's deadline needs a timer only when a head is left incomplete: the
+        # usual request arrives whole in one read and costs none.
+        if self._head_pending and self._head_timer is None and not self._refused:
+            self._start_head_timer()
 
     def lineReceived(self, line: bytes) -> None:
         if self._refused:
@@ -285,7 +292,7 @@ class EagerChannel(http.HTTPChannel):
         super().requestDone(request)
 
     def timeoutConnection(self) -> None:
-        if self._state in (_HEAD, _BODY) or self._head_timer is not None:
+        if self._state in (_HEAD, _BODY) or self._head_pending:
             # Idle mid-head or mid-body: the client is told, then the connection goes.
             self.refuse(BadRequest(
                 f"the request sent nothing for {self.timeOut:g} s", field="body", status=408
@@ -295,10 +302,13 @@ class EagerChannel(http.HTTPChannel):
 
     def _start_head_timer(self) -> None:
         site = self.site
-        self._head_started = site.reactor.seconds() if site is not None else 0.0
-        self._head_timer = self.callLater(getattr(site, "head_timeout", HEAD_SECONDS), self._head_too_slow)
+        left = getattr(site, "head_timeout", HEAD_SECONDS)
+        if site is not None:
+            left -= site.reactor.seconds() - self._head_started
+        self._head_timer = self.callLater(max(left, 0.0), self._head_too_slow)
 
     def _stop_head_timer(self) -> None:
+        self._head_pending = False
         timer, self._head_timer = self._head_timer, None
         if timer is not None and timer.active():
             timer.cancel()

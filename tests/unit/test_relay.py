@@ -20,7 +20,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from rhapsode._admission import BufferBudget, Turn, Turnstile
 from rhapsode._relay import BUFFERED_LIMIT, SECONDS_PER_CHARACTER, StreamRelay, buffered_limit
-from rhapsode._upstream.body import BufferRelay
+from rhapsode._upstream.body import BufferRelay, Stalls
 from rhapsode_worker.errors import ModelUnavailable, Overloaded
 from rhapsode_worker.web import write_trailer
 
@@ -177,7 +177,7 @@ class Client:
 
 def stream(clock: Clock) -> tuple[Any, StringTransport, list[bytes]]:
     client = Client()
-    relay_ = StreamRelay(client, None, (clock, 120.0))  # type: ignore[arg-type]
+    relay_ = StreamRelay(client, None, Stalls(clock, 120.0))  # type: ignore[arg-type]
     written = client.written
     worker = StringTransport()
     relay_.makeConnection(worker)
@@ -187,16 +187,19 @@ def stream(clock: Clock) -> tuple[Any, StringTransport, list[bytes]]:
 def test_a_stream_whose_worker_goes_silent_fails_at_the_stall_time() -> None:
     """
     Audio that stops coming while the client is reading fails the stream (to be aborted)
-    as model_unavailable once stallSeconds have passed since the last piece.
+    as model_unavailable once stallSeconds have passed since the last piece, found by
+    the sweep within a quarter of that again.
     """
     clock = Clock()
     relay_, worker, written = stream(clock)
     relay_.dataReceived(b"a" * 100)
-    clock.advance(119)
+    for _ in range(4):
+        clock.advance(29)
     relay_.dataReceived(b"b" * 100)
-    clock.advance(119)
+    for _ in range(4):
+        clock.advance(29)
     assert not relay_.done.called and worker.producerState == "producing"
-    clock.advance(1)
+    clock.advance(30)
     assert worker.producerState == "stopped"
     relay_.connectionLost(Failure(ConnectionDone()))
     assert "sent nothing for 120 s" in SynchronousTestCase().failureResultOf(relay_.done, ModelUnavailable).value.message
@@ -211,7 +214,8 @@ def test_a_client_that_pauses_the_stream_is_not_a_stalled_worker() -> None:
     relay_, worker, _ = stream(clock)
     relay_.pauseProducing()
     assert worker.producerState == "paused"
-    clock.advance(1000)
+    for _ in range(40):
+        clock.advance(30)
     assert worker.producerState == "paused"
     relay_.resumeProducing()
     clock.advance(119)
@@ -219,7 +223,6 @@ def test_a_client_that_pauses_the_stream_is_not_a_stalled_worker() -> None:
     relay_.dataReceived(b"x")
     relay_.connectionLost(Failure(ResponseDone()))
     assert SynchronousTestCase().successResultOf(relay_.done) == 1
-    assert clock.getDelayedCalls() == []
 
 
 def test_durations_round_to_the_nearest_millisecond() -> None:
@@ -235,3 +238,25 @@ def test_durations_round_to_the_nearest_millisecond() -> None:
     assert NativeFormat(sample_rate=2000).duration_ms(2999 * 2) == 1500
     assert _duration_ms("pcm", {"sampleRate": 24000, "channels": 1}, 23 * 2) == 1
     assert _duration_ms("wav", {"sampleRate": 2000, "channels": 1}, 44 + 2999 * 2) == 1500
+
+
+def test_one_sweep_watches_every_wait_and_costs_no_timer_per_request() -> None:
+    """
+    The stall sweep is one timer, whatever is being waited on; a watch that ended is
+    never reported, and closing the sweep leaves no timer behind.
+    """
+    clock = Clock()
+    stalls = Stalls(clock, 8.0)
+    stalled_: list[str] = []
+    done = stalls.watch(lambda: stalled_.append("done"))
+    silent = stalls.watch(lambda: stalled_.append("silent"))
+    for _ in range(100):
+        stalls.watch(lambda: None).stop()
+    assert len(clock.getDelayedCalls()) == 1
+    done.stop()
+    clock.advance(8)
+    assert stalled_ == ["silent"]
+    clock.advance(8)
+    assert stalled_ == ["silent"]
+    stalls.close()
+    assert clock.getDelayedCalls() == []

@@ -704,7 +704,7 @@ def test_no_path_of_the_box_reaches_a_client_and_the_log_keeps_it() -> None:
         ("ffmpeg exited with status 1: /tmp/tmpab12/out.mp3: No space left on device",
          "ffmpeg exited with status 1: out.mp3: No space left on device"),
         ("Load model from C:\\Users\\bob\\kokoro\\model.onnx failed", "Load model from model.onnx failed"),
-        ("https://huggingface.co/a/b/c answered 404", "https://huggingface.co/a/b/c answered 404"),
+        ("https://weights.example/a/b/c answered 404", "https://weights.example/a/b/c answered 404"),
         ("voices/a/b and 3/4/5", "voices/a/b and 3/4/5"),
     ],
 )

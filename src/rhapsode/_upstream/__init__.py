@@ -6,7 +6,7 @@ L{wire} is one connection and its narrow HTTP/1.1 reader, L{pool} the requests a
 connections kept for them, and L{body} a body read whole within a limit.
 """
 
-from .body import BodyTooLarge, Stall, collect, stalled
+from .body import BodyTooLarge, Stalls, Watched, collect, stalled
 from .pool import BytesProducer, WorkerClient
 from .wire import ProtocolError, WorkerResponse
 
@@ -14,8 +14,9 @@ __all__ = [
     "BodyTooLarge",
     "BytesProducer",
     "ProtocolError",
-    "Stall",
+    "Stalls",
     "WorkerClient",
+    "Watched",
     "WorkerResponse",
     "collect",
     "stalled",

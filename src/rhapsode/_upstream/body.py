@@ -9,14 +9,15 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
+from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 
 from rhapsode_worker.errors import ModelUnavailable, SpeechError
 
-__all__ = ["BodyTooLarge", "BufferRelay", "Stall", "collect"]
+__all__ = ["BodyTooLarge", "BufferRelay", "Stalls", "Watched", "collect", "stalled"]
 
 
 class BodyTooLarge(ValueError):
@@ -35,46 +36,70 @@ class Budget(TypingProtocol):
     def give_back(self, size: int) -> None: ...
 
 
-class Stall:
+class Watched:
     """
-    Calls C{on_stall} once a worker has sent nothing for C{seconds} while its reader was
-    ready for more.  A reader that pauses (a slow client) stops the count until it
-    resumes: only the worker's silence counts.
-
-    Each piece of progress costs one clock reading; the one timer is re-armed for what
-    remains only when it comes due.
+    One body or answer being waited on: when it last moved, and whether its reader
+    paused it (then its silence is the reader's, and does not count).
     """
 
-    def __init__(self, clock: IReactorTime, seconds: float, on_stall: Callable[[], None]) -> None:
-        self._clock = clock
-        self._seconds = seconds
-        self._on_stall = on_stall
-        self._last = clock.seconds()
-        self._paused = False
-        self._timer: IDelayedCall | None = clock.callLater(seconds, self._due)
+    __slots__ = ("_stalls", "last", "paused", "on_stall")
+
+    def __init__(self, stalls: "Stalls", on_stall: Callable[[], None]) -> None:
+        self._stalls = stalls
+        self.last = stalls.clock.seconds()
+        self.paused = False
+        self.on_stall = on_stall
 
     def progress(self) -> None:
-        self._last = self._clock.seconds()
+        self.last = self._stalls.clock.seconds()
 
     def pause(self) -> None:
-        self._paused = True
+        self.paused = True
 
     def resume(self) -> None:
-        self._paused = False
-        self._last = self._clock.seconds()
+        self.paused = False
+        self.last = self._stalls.clock.seconds()
 
     def stop(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        self._stalls.unwatch(self)
 
-    def _due(self) -> None:
-        left = self._seconds if self._paused else self._last + self._seconds - self._clock.seconds()
-        if left > 0:
-            self._timer = self._clock.callLater(left, self._due)
-            return
-        self._timer = None
-        self._on_stall()
+
+class Stalls:
+    """
+    Notices a worker that has stopped sending: every body and answer head the core
+    waits on is watched, and one that has not moved for C{seconds} while its reader
+    was ready has its C{on_stall} called, once.
+
+    One timer sweeps them all, every quarter of C{seconds}, so a request costs no timer
+    of its own and a stall is found within a quarter of C{seconds} of its deadline.
+    """
+
+    def __init__(self, clock: IReactorTime, seconds: float) -> None:
+        self.clock = clock
+        self.seconds = seconds
+        self._watched: set[Watched] = set()
+        self._loop = LoopingCall(self._sweep)
+        self._loop.clock = clock
+
+    def watch(self, on_stall: Callable[[], None]) -> Watched:
+        watched = Watched(self, on_stall)
+        self._watched.add(watched)
+        if not self._loop.running:
+            self._loop.start(self.seconds / 4, now=False)
+        return watched
+
+    def unwatch(self, watched: Watched) -> None:
+        self._watched.discard(watched)
+
+    def close(self) -> None:
+        if self._loop.running:
+            self._loop.stop()
+
+    def _sweep(self) -> None:
+        overdue = self.clock.seconds() - self.seconds
+        for watched in [w for w in self._watched if not w.paused and w.last <= overdue]:
+            self._watched.discard(watched)
+            watched.on_stall()
 
 
 def stalled(seconds: float) -> ModelUnavailable:
@@ -89,29 +114,24 @@ class BufferRelay(Protocol):
     Collects a bounded body: for C{stream: false}, error envelopes and small answers.
 
     With a C{budget} each piece is taken from it as it arrives (and everything taken is
-    given back if the body fails); with a C{stall} clock the body fails as
+    given back if the body fails); watched by C{stalls}, the body fails as
     L{ModelUnavailable} when the worker stops sending.
     """
 
-    def __init__(
-        self,
-        limit: int,
-        budget: Budget | None = None,
-        stall: tuple[IReactorTime, float] | None = None,
-    ) -> None:
+    def __init__(self, limit: int, budget: Budget | None = None, stalls: Stalls | None = None) -> None:
         self._chunks: list[bytes] = []
         self._size = 0
         self._limit = limit
         self._budget = budget
         self._failed: SpeechError | None = None
-        self._stall_spec = stall
-        self._stall: Stall | None = None
+        self._stalls = stalls
+        self._stall: Watched | None = None
         self.done: Deferred[bytes] = Deferred()
 
     def connectionMade(self) -> None:
-        if self._stall_spec is not None:
-            clock, seconds = self._stall_spec
-            self._stall = Stall(clock, seconds, lambda: self._give_up(stalled(seconds)))
+        stalls = self._stalls
+        if stalls is not None:
+            self._stall = stalls.watch(lambda: self._give_up(stalled(stalls.seconds)))
 
     def dataReceived(self, data: bytes) -> None:
         if self._failed is not None:
@@ -152,15 +172,13 @@ class BufferRelay(Protocol):
 
 
 def collect(
-    response: Any,
-    limit: int,
-    budget: Budget | None = None,
-    stall: tuple[IReactorTime, float] | None = None,
+    response: Any, limit: int, budget: Budget | None = None, stalls: Stalls | None = None
 ) -> "Deferred[bytes]":
     """
     The whole body of C{response}, within C{limit} bytes.  With a C{budget}, the caller
-    gives back the body's length once it is done with it.
+    gives back the body's length once it is done with it; with C{stalls}, a worker that
+    stops sending fails it.
     """
-    relay = BufferRelay(limit, budget, stall)
+    relay = BufferRelay(limit, budget, stalls)
     response.deliverBody(relay)
     return relay.done
