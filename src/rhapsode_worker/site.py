@@ -32,7 +32,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
 from twisted.web.http_headers import Headers
@@ -682,7 +682,11 @@ class DirectSite(server.Site):
         started = getattr(request, "head_started", 0.0)
         duration = (self.reactor.seconds() - started) * 1000 if started else 0.0
         reason = getattr(request, "error_reason", None)
-        _log.info(
+        # A health check that is answered is routine (the core's watchdog asks every few
+        # seconds, and so does a monitor): at debug, so info shows what happened.
+        routine = request.code == 200 and request.method == b"GET" and getattr(request, "path", b"") == b"/health"
+        _log.emit(
+            LogLevel.debug if routine else LogLevel.info,
             "{method} {path} {status}{aborted} {sent} B {duration:.1f} ms{reason}",
             method=_text(request.method),
             path=_shown(_text(request.uri)),

@@ -319,6 +319,32 @@ def test_each_request_is_logged_once_with_status_duration_and_reason() -> None:
     assert "no route" in access[1]["reason"]
 
 
+def test_an_answered_health_check_is_logged_at_debug() -> None:
+    """
+    GET /health answered 200 is routine (the watchdog asks every few seconds): its access
+    line is at debug, so the info log shows the requests that did something.
+    """
+
+    class Health:
+        app = Klein()
+
+        @app.route("/health", methods=["GET"])
+        def health(self, request: IRequest) -> bytes:
+            return b"{}"
+
+    events: list[dict[str, Any]] = []
+    site = DirectSite(Health().app.resource(), reactor=MemoryReactorClock(), routes=Routes(Health.app.url_map))
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
+    channel.makeConnection(StringTransport())
+    globalLogPublisher.addObserver(events.append)
+    try:
+        channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    [line] = [e for e in events if e.get("log_namespace") == "rhapsode.access"]
+    assert (line["path"], line["log_level"]) == ("/health", LogLevel.debug)
+
+
 def test_a_channel_is_a_plain_http11_channel() -> None:
     """
     Connections are twisted.web's HTTP/1.1 channel itself, not the proxy that waits for a
