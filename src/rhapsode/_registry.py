@@ -117,7 +117,7 @@ class EngineHandle:
             # A remote worker's process is somebody else's: up or down as last seen.
             state = {"process": "down" if self.answering is False else "up", "restarts": 0, "remote": True}
         if self.unresponsive is not None:
-            state["lastError"] = f"{self.unresponsive}"
+            state["lastError"] = self.unresponsive
         return state
 
     def cached_capabilities(self) -> dict[str, Any] | None:

@@ -17,7 +17,8 @@ still an error envelope.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Mapping
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer, IReactorTime
@@ -199,39 +200,71 @@ class SpeechRelay:
         keep_alive: int | None,
     ) -> Any:
         """
-        Take a turn and a lease on the model for as long as the answer streams, then
-        speak.
+        Speak C{forward} through the worker's C{path}, holding a turn and a lease on the
+        model for as long as the answer takes.
         """
         variant = forward["variant"]
-        turn = await self.turnstile.enter(engine.id)
+        body = BytesProducer(json.dumps(forward).encode())
+        async with self._speaking(engine.id, variant, keep_alive):
+            response = await self._ask(engine, finished, b"POST", path, body)
+            if not self._answered(engine, variant, response.code):
+                return await self._relay_error(request, response)
+            if not forward.get("stream", True):
+                turns = len(forward.get("turns", ())) or 1
+                return await self.buffered(request, response, finished, buffered_limit(caps, variant, turns))
+            return await self._streamed(request, finished, response, forward.get("format", "wav"), caps)
+
+    async def preview(
+        self, request: IRequest, finished: Any, engine: EngineHandle, voice_id: str, caps: dict[str, Any], variant: str
+    ) -> bytes:
+        """
+        A voice's preview, which speaks, so takes a turn and a lease as speech does.
+        """
+        async with self._speaking(engine.id, variant, None):
+            response = await self._ask(engine, finished, b"GET", f"/voices/{voice_id}/preview", None)
+            self._answered(engine, variant, response.code)
+            return await self.buffered(request, response, finished, buffered_limit(caps, variant))
+
+    @asynccontextmanager
+    async def _speaking(self, engine: str, variant: str, keep_alive: int | None) -> AsyncIterator[None]:
+        """
+        A turn on C{engine}, then a lease on its model in C{variant}, both held until the
+        block ends, however it ends.
+        """
+        turn = await self.turnstile.enter(engine)
         try:
-            lease = await self.residency.acquire(engine.id, variant, keep_alive)
+            lease = await self.residency.acquire(engine, variant, keep_alive)
             try:
-                client = await engine.ready()
-                pending = client.request(
-                    b"POST", path, BytesProducer(json.dumps(forward).encode()),
-                    {b"Content-Type": [b"application/json"]},
-                )
-                # A client that hangs up before the worker answers cancels the upstream request.
-                finished.addErrback(lambda _: pending.cancel())
-                response = await self._head(pending)
-                if response.code != 200:
-                    if not self.residency.loaded(engine.id) and response.code >= 500:
-                        # The first answer since the lease was a failure: the model is
-                        # not on the card, whatever was admitted.
-                        self.residency.forget(engine.id)
-                    return await self._relay_error(request, response)
-                self.residency.mark_loaded(engine.id, variant)
-                self._measure_once(engine, variant)
-                fmt = forward.get("format", "wav")
-                if not forward.get("stream", True):
-                    turns = len(forward.get("turns", ())) or 1
-                    return await self.buffered(request, response, finished, buffered_limit(caps, variant, turns))
-                return await self._streamed(request, finished, response, fmt, caps)
+                yield
             finally:
                 lease.release()
         finally:
             turn.leave()
+
+    async def _ask(self, engine: EngineHandle, finished: Any, method: bytes, path: str, body: Any) -> Any:
+        """
+        Send a request to the worker; its response once the head is in.  A client that
+        hangs up before then cancels it.
+        """
+        client = await engine.ready()
+        headers = {b"Content-Type": [b"application/json"]} if body is not None else None
+        pending = client.request(method, path, body, headers)
+        finished.addErrback(lambda _: pending.cancel())
+        return await self._head(pending)
+
+    def _answered(self, engine: EngineHandle, variant: str, code: int) -> bool:
+        """
+        What the worker's status says of its model: a 200 means it is loaded (and what
+        the load cost is asked for once); a server error before it ever answered means
+        the load failed and the model is not on the card, whatever was admitted.
+        """
+        if code == 200:
+            self.residency.mark_loaded(engine.id, variant)
+            self._measure_once(engine, variant)
+            return True
+        if code >= 500 and not self.residency.loaded(engine.id):
+            self.residency.forget(engine.id)
+        return False
 
     async def _head(self, pending: "Deferred[Any]") -> Any:
         """

@@ -31,7 +31,7 @@ from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, I
 from ._config import Config, ConfigSettings
 from ._preflight import forward_dialogue, forward_speak, voices_to_check
 from ._registry import EngineHandle, Registry
-from ._relay import ERROR_LIMIT, SpeechRelay, buffered_limit
+from ._relay import ERROR_LIMIT, SpeechRelay
 from ._residency import IResidencySettings, Residency
 from ._upstream import collect
 
@@ -102,9 +102,9 @@ class CoreApp:
         if admission is None:
             # Settings that are the config's answer for admission too.
             admission = settings if isinstance(settings, ConfigSettings) else defaults
-        limits = admission
-        self.turnstile = Turnstile(reactor, limits)
-        self.speech = SpeechRelay(residency, self.turnstile, BufferBudget(limits), reactor, stall_seconds)
+        self.speech = SpeechRelay(
+            residency, Turnstile(reactor, admission), BufferBudget(admission), reactor, stall_seconds
+        )
         self.head_timeout = head_timeout
         self.idle_timeout = idle_timeout
         #: Voice uploads streaming to each engine's worker now: an unload waits for none.
@@ -274,19 +274,7 @@ class CoreApp:
             variant = engine.effective_variant(None, self._resident(engine))
             # A preview speaks: an unknown voice is refused before it costs a load.
             await self._check_voices(engine, {"voice": voice_id, "variant": variant})
-            turn = await self.turnstile.enter(engine.id)
-            try:
-                lease = await self.residency.acquire(engine.id, variant, None)
-                try:
-                    client = await engine.ready()
-                    response = await client.request(b"GET", f"/voices/{voice_id}/preview")
-                    if response.code == 200:
-                        self.residency.mark_loaded(engine.id, variant)
-                    return await self.speech.buffered(request, response, finished, buffered_limit(caps, variant))
-                finally:
-                    lease.release()
-            finally:
-                turn.leave()
+            return await self.speech.preview(request, finished, engine, voice_id, caps, variant)
 
         return await self._answer(request, handle)
 
@@ -364,14 +352,7 @@ class CoreApp:
 
         async def handle() -> Any:
             body = _body(request, contract.PUBLIC_SPEAK_REQUEST)
-            engine = self.registry.get(body["engine"])
-            caps = await engine.capabilities()
-            variant = engine.effective_variant(body.get("variant"), self._resident(engine))
-            forward = forward_speak(body, caps, variant)
-            await self._check_voices(engine, forward)
-            return await self.speech.dispatch(
-                request, finished, engine, "/speak", forward, caps, body.get("keepAliveSeconds")
-            )
+            return await self._speech(request, finished, body["engine"], body, "/speak", forward_speak)
 
         return await self._answer(request, handle)
 
@@ -381,16 +362,31 @@ class CoreApp:
 
         async def handle() -> Any:
             body = _body(request, contract.PUBLIC_DIALOGUE_REQUEST)
-            engine = self.registry.get(engine_id)
-            caps = await engine.capabilities()
-            variant = engine.effective_variant(body.get("variant"), self._resident(engine))
-            forward = forward_dialogue(body, caps, variant)
-            await self._check_voices(engine, forward)
-            return await self.speech.dispatch(
-                request, finished, engine, "/dialogue", forward, caps, body.get("keepAliveSeconds")
-            )
+            return await self._speech(request, finished, engine_id, body, "/dialogue", forward_dialogue)
 
         return await self._answer(request, handle)
+
+    async def _speech(
+        self,
+        request: IRequest,
+        finished: Any,
+        engine_id: str,
+        body: dict[str, Any],
+        path: str,
+        forward: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]],
+    ) -> Any:
+        """
+        What /speak and dialogue share: the effective variant (section 4's rule), every
+        check that can refuse before a lease (preflight), then the speech relay.
+        """
+        engine = self.registry.get(engine_id)
+        caps = await engine.capabilities()
+        variant = engine.effective_variant(body.get("variant"), self._resident(engine))
+        forwarded = forward(body, caps, variant)
+        await self._check_voices(engine, forwarded)
+        return await self.speech.dispatch(
+            request, finished, engine, path, forwarded, caps, body.get("keepAliveSeconds")
+        )
 
     async def _check_voices(self, engine: EngineHandle, forward: dict[str, Any]) -> None:
         """

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -55,7 +55,9 @@ __all__ = [
     "HandlerResource",
     "Route",
     "Routes",
+    "no_such_path",
     "send_now",
+    "wrong_method",
 ]
 
 #: The longest request line (method, target, version): 414 past it.
@@ -223,9 +225,7 @@ class EagerChannel(http.HTTPChannel):
                 super().lineReceived(line)
                 return
             if len(line) > MAX_REQUEST_LINE:
-                self.refuse(BadRequest(
-                    f"the request line is over {MAX_REQUEST_LINE} bytes", field="path", status=414
-                ))
+                self._request_line_too_long()
                 return
             self._state = _HEAD
             parts = line.split()
@@ -249,13 +249,14 @@ class EagerChannel(http.HTTPChannel):
         if self._refused:
             return
         if self._state == _BETWEEN:
-            self.refuse(BadRequest(
-                f"the request line is over {MAX_REQUEST_LINE} bytes", field="path", status=414
-            ))
+            self._request_line_too_long()
         else:
             self.refuse(BadRequest(
                 f"a header line is over {MAX_HEAD_BYTES} bytes", field="headers", status=431
             ))
+
+    def _request_line_too_long(self) -> None:
+        self.refuse(BadRequest(f"the request line is over {MAX_REQUEST_LINE} bytes", field="path", status=414))
 
     def allHeadersReceived(self) -> None:
         self._stop_head_timer()
@@ -264,7 +265,9 @@ class EagerChannel(http.HTTPChannel):
         if isinstance(request, EagerRequest):
             request.head_started = self._head_started
             if self._line is None:
-                return super().allHeadersReceived()  # twisted.web refuses it as malformed
+                # Not three words: twisted.web has refused the line already, or, should it
+                # read the line otherwise, the request is refused unadmitted when handed over.
+                return super().allHeadersReceived()
             method, target, _ = self._line
             request.line = (method, target)
             try:
@@ -452,17 +455,30 @@ class Routes:
             refusal.headers = ((b"Location", location.encode("utf-8") + (b"?" + query if query else b"")),)
             raise refusal from None
         except MethodNotAllowed as wrong:
-            allowed = sorted(wrong.valid_methods or ())
-            refusal = BadRequest(
-                f"{_shown(verb)} is not a method of {shown} (allowed: {', '.join(allowed)})",
-                field="method",
-                status=405,
-            )
-            refusal.headers = ((b"Allow", ", ".join(allowed).encode("ascii")),)
-            raise refusal from None
+            raise wrong_method(verb, path_info, wrong.valid_methods or ()) from None
         except NotFound:
-            raise BadRequest(f"no route {shown}", field="path", status=404) from None
+            raise no_such_path(path_info) from None
         return Route(verb, rule.rule, arguments, self.limit(verb, rule.rule))
+
+
+def no_such_path(path: str) -> BadRequest:
+    """
+    The refusal of a path no route has: 404, bad_request on the path.
+    """
+    return BadRequest(f"no route {_shown(path)}", field="path", status=404)
+
+
+def wrong_method(method: str, path: str, allowed: Iterable[str]) -> BadRequest:
+    """
+    The refusal of a method C{path} does not take: 405, naming what it takes in the
+    message and in C{Allow}.
+    """
+    methods = ", ".join(sorted(allowed))
+    refusal = BadRequest(
+        f"{_shown(method)} is not a method of {_shown(path)} (allowed: {methods})", field="method", status=405
+    )
+    refusal.headers = ((b"Allow", methods.encode("ascii")),)
+    return refusal
 
 
 def _shown(text: str) -> str:

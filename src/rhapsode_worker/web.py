@@ -16,6 +16,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from .errors import BadRequest, SpeechError, as_speech_error
+from .site import no_such_path, wrong_method
 from .validation import parse_json_body
 
 __all__ = [
@@ -127,15 +128,9 @@ def no_route(request: IRequest, failure: Any = None) -> bytes:
     is what the router answers should one reach it some other way.
     """
     method = request.method.decode("ascii", "replace")
-    path = request.path.decode("utf-8", "replace")[:200]
-    allowed = sorted(getattr(getattr(failure, "value", None), "valid_methods", None) or ())
-    if allowed:
-        error = BadRequest(
-            f"{method} is not a method of {path} (allowed: {', '.join(allowed)})", field="method", status=405
-        )
-        error.headers = ((b"Allow", ", ".join(allowed).encode("ascii")),)
-    else:
-        error = BadRequest(f"no route {path}", field="path", status=404)
+    path = request.path.decode("utf-8", "replace")
+    allowed = getattr(getattr(failure, "value", None), "valid_methods", None)
+    error = wrong_method(method, path, allowed) if allowed else no_such_path(path)
     return error_response(request, error)
 
 

@@ -10,11 +10,13 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
@@ -379,3 +381,39 @@ def wait_for(predicate: Any, seconds: float, what: str) -> Any:
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextmanager
+def serving_core(tmp_path: Path, engines: dict[str, Any], **sections: Any) -> Iterator[tuple["subprocess.Popen[bytes]", int]]:
+    """
+    A real `rhapsode serve` on a free loopback port with C{engines} (this folder's test
+    adapters importable), its config's other C{sections} merged over the defaults a test
+    wants; yields the process and the port once it answers, and stops it after.
+    """
+    port = free_port()
+    config = {
+        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 1000, **sections.pop("server", {})},
+        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices"), **sections.pop("workers", {})},
+        "engines": engines,
+        **sections,
+    }
+    path = tmp_path / "rhapsode.json"
+    path.write_text(json.dumps(config))
+    log = open(tmp_path / "core.log", "wb")
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    rhapsode = str(Path(sys.executable).parent / "rhapsode")
+    core = subprocess.Popen([rhapsode, "serve", "--config", str(path)], cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: get(port, "/health"), 20, "the core to listen")
+        yield core, port
+    finally:
+        if core.poll() is None:
+            core.terminate()
+            try:
+                core.wait(15)
+            except subprocess.TimeoutExpired:
+                core.kill()
+                core.wait()
+        log.close()

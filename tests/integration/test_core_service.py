@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from _worker import engine_of, free_port, get, process_alive, resident_kib, wait_for
+from _worker import engine_of, free_port, get, process_alive, resident_kib, serving_core, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
@@ -49,29 +49,13 @@ def serving(
     grace_ms: int = 2000,
     residency: dict[str, Any] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    port = free_port()
-    config = {
-        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": grace_ms},
-        "residency": residency or {},
-        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")},
-        "engines": engines or {"tone": {"module": "rhapsode_engine_tone"}},
-    }
-    path = tmp_path / "rhapsode.json"
-    path.write_text(json.dumps(config))
-    log = open(tmp_path / "core.log", "wb")
-    core = subprocess.Popen([RHAPSODE, "serve", "--config", str(path)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: get(port, "/health"), 20, "the core to listen")
-        yield core, port
-    finally:
-        if core.poll() is None:
-            core.terminate()
-            try:
-                core.wait(15)
-            except subprocess.TimeoutExpired:
-                core.kill()
-                core.wait()
-        log.close()
+    with serving_core(
+        tmp_path,
+        engines or {"tone": {"module": "rhapsode_engine_tone"}},
+        server={"shutdownGraceMs": grace_ms},
+        residency=residency or {},
+    ) as running:
+        yield running
 
 
 def serve_once(tmp_path: Path, port: int, socket_dir: Path) -> subprocess.CompletedProcess[str]:

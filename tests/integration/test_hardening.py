@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,10 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from _worker import engine_of, free_port, get, process_alive, wait_for
+from _worker import engine_of, get, process_alive, serving_core, wait_for
 
-HERE = Path(__file__).resolve().parent
-RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
 
 
 def speak(port: int, timeout: float = 60, **fields: Any) -> tuple[int, dict[str, str], bytes]:
@@ -42,31 +38,8 @@ def speak(port: int, timeout: float = 60, **fields: Any) -> tuple[int, dict[str,
 
 @contextmanager
 def serving(tmp_path: Path, engines: dict[str, Any], **sections: Any) -> Iterator[int]:
-    port = free_port()
-    config = {
-        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 1000, **sections.pop("server", {})},
-        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices"), **sections.pop("workers", {})},
-        "engines": engines,
-        **sections,
-    }
-    path = tmp_path / "rhapsode.json"
-    path.write_text(json.dumps(config))
-    log = open(tmp_path / "core.log", "wb")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    core = subprocess.Popen([RHAPSODE, "serve", "--config", str(path)], cwd=tmp_path, stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_for(lambda: get(port, "/health"), 20, "the core to listen")
+    with serving_core(tmp_path, engines, **sections) as (_, port):
         yield port
-    finally:
-        if core.poll() is None:
-            core.terminate()
-            try:
-                core.wait(15)
-            except subprocess.TimeoutExpired:
-                core.kill()
-                core.wait()
-        log.close()
 
 
 def chatty(seconds_per_segment: float, segment_ms: int = 500) -> dict[str, Any]:
