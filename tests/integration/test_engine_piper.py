@@ -235,11 +235,19 @@ async def test_deliveries_are_heard_relative_to_the_voice(piper: Worker) -> None
     assert 1.05 < seconds(hushed) / seconds(plain) < 1.2
     assert 0.25 < rms(hushed) / rms(plain) < 0.45
     assert 0.75 < seconds(frantic) / seconds(plain) < 0.9
-    plain = await speak_pcm(piper, TWO_SENTENCES)
-    hushed = await speak_pcm(piper, TWO_SENTENCES, delivery="hushed")
-    frantic = await speak_pcm(piper, TWO_SENTENCES, delivery="frantic")
-    assert rms(hushed) < 0.6 * rms(plain) and seconds(hushed) > seconds(plain)
-    assert seconds(frantic) < 0.92 * seconds(plain)
+    # At the voice's own noise each take's length varies by several per cent, so each
+    # reading is the mean of three takes (one each failed once in CI: 0.947 for 0.85).
+    takes: dict[str | None, list[bytes]] = {None: [], "hushed": [], "frantic": []}
+    for delivery, pcm in takes.items():
+        for _ in range(3):
+            extra = {"delivery": delivery} if delivery else {}
+            pcm.append(await speak_pcm(piper, TWO_SENTENCES, **extra))
+
+    def mean(measure: Any, delivery: str | None) -> float:
+        return sum(measure(pcm) for pcm in takes[delivery]) / 3
+
+    assert mean(rms, "hushed") < 0.6 * mean(rms, None) and mean(seconds, "hushed") > mean(seconds, None)
+    assert mean(seconds, "frantic") < 0.92 * mean(seconds, None)
 
 
 @pytest_twisted.ensureDeferred
