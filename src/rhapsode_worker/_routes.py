@@ -160,6 +160,11 @@ class _AudioResponse:
         return bool(getattr(self._request, "startedWriting", False))
 
     def pcm(self, data: bytes) -> None:
+        if self._stream and getattr(self._request, "_disconnected", False):
+            # The client went while this piece was on its way (the core cancels a
+            # request it no longer needs): its job is being stopped, and a gone
+            # request has no connection to take a producer.
+            return
         if self._encoder is None:
             self._start()
         self.pcm_bytes += len(data)

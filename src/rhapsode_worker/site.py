@@ -590,8 +590,9 @@ class HandlerResource(resource.Resource):
 
 
 def _finish(request: Any, body: bytes | None, gone: list[bool]) -> None:
-    # A request whose connection has gone is never written to or finished.
-    if request.finished or gone:
+    # A request whose connection has gone is never written to or finished: the route's
+    # own notifyFinish may have resumed its handler before the hang-up below was told.
+    if request.finished or gone or getattr(request, "_disconnected", False):
         return
     if body:
         request.write(body)

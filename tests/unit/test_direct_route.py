@@ -54,6 +54,30 @@ def test_a_client_that_hangs_up_cancels_the_handler() -> None:
     assert seen == ["cancelled"] and request.written == []
 
 
+def test_a_handler_resumed_by_the_hang_up_itself_does_not_finish_the_gone_request() -> None:
+    """
+    A handler that waits on the request's own notifyFinish (as the speech relay does)
+    is resumed by the hang-up before the route hears of it: what it returns is neither
+    written nor finished on the gone request, and nothing is logged.
+    """
+    failures: list[Any] = []
+    log = Logger(observer=lambda event: failures.append(event) if event.get("log_failure") else None)
+
+    async def handler(request: Any) -> bytes:
+        try:
+            await request.notifyFinish()
+        except Exception:
+            pass
+        return b"after the end"
+
+    request = DummyRequest([b"speak"])
+    HandlerResource(handler, log).render(request)
+    # As twisted.web's Request.connectionLost: marked gone, then its notifications fail.
+    request._disconnected = True
+    request.processingFailed(Failure(ConnectionError("client gone")))
+    assert request.written == [] and request.finished == 0 and failures == []
+
+
 def test_a_handler_that_breaks_is_logged_not_lost() -> None:
     """
     A handler that raises (it should have mapped its own failure) is logged.

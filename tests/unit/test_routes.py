@@ -718,3 +718,24 @@ def test_internal_envelopes_cut_absolute_paths_and_leave_urls(message: str, seen
 
     error = Internal(message)
     assert error.envelope()["error"]["message"] == seen and error.message == message
+
+
+def test_audio_arriving_after_the_client_went_is_dropped_not_a_crash() -> None:
+    """
+    A piece of PCM that reaches a streamed answer whose client has already gone (the
+    core cancelled the request as the job yielded) is dropped: no header is set, no
+    producer registered on the gone connection, nothing raised.
+    """
+    from types import SimpleNamespace
+
+    from twisted.web.test.requesthelper import DummyRequest
+
+    from rhapsode_worker._routes import _AudioResponse
+
+    request = DummyRequest([b"speak"])
+    request._disconnected = True
+    request.channel = None
+    worker = SimpleNamespace(engine=None, reactor=None, ffmpeg=None, blocking=None)
+    answer = _AudioResponse(worker, request, "pcm", True, object())  # type: ignore[arg-type]
+    answer.pcm(b"\x00\x01" * 100)
+    assert request.responseCode is None and request.written == [] and answer.pcm_bytes == 0
