@@ -35,8 +35,11 @@ venv: $(STAMP)
 
 engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
+# The trial run keeps rhapsode.testing working for programs that test with trial, as
+# Twisted programs do (tests/conftest.py keeps pytest from collecting it).
 test: $(STAMP) engines
 	$(PY) -m pytest
+	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

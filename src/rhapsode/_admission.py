@@ -13,6 +13,7 @@ connection, which is then closed: the body it refuses is never read.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from typing import Any, Collection, Protocol
 
@@ -21,10 +22,12 @@ from twisted.internet.interfaces import IConsumer, IReactorTime
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_worker.errors import ModelUnavailable, Overloaded, SpeechError, as_speech_error
+from twisted.web import resource
+
+from rhapsode_worker.errors import Forbidden, ModelUnavailable, Overloaded, SpeechError, as_speech_error
 from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, DirectSite, EagerRequest, Route, Routes
 
-from ._guard import check_management
+from ._guard import check_management, check_origin, origin_key
 
 #: A voice upload above this is refused (protocol.md section 7): generous for any clip.
 MAX_UPLOAD_BYTES = 25 * 1000 * 1000
@@ -113,6 +116,8 @@ class CoreRequest(EagerRequest):
 
     #: Set once the management guard has admitted this request.
     guarded = False
+    #: For a CORS preflight admitted at its head: the methods and headers to allow.
+    preflight: tuple[bytes, bytes] | None = None
     upload: Upload | None = None
     upstream: "Deferred[Any] | None" = None
     _received = False
@@ -173,6 +178,11 @@ class CoreSite(DirectSite):
 
     @param management: the (method, rule) of every management route.
     @param upload: the (method, rule) of the route whose body streams to a worker.
+    @param origin_checked: the (method, rule) of the routes open to anybody but a
+        browser page whose Origin is neither this machine's nor in
+        C{management.origins} (C{/mcp}, section 12; the speech WebSocket).
+    @param cors: the (method, rule) of the public routes a page on one of the core's
+        C{cors_origins} may call from a browser, preflight included.
     """
 
     requestFactory = CoreRequest
@@ -188,6 +198,8 @@ class CoreSite(DirectSite):
         routes: Routes | None = None,
         management: Collection[tuple[str, str]] = (),
         upload: tuple[str, str] | None = None,
+        origin_checked: Collection[tuple[str, str]] = (),
+        cors: Collection[tuple[str, str]] = (),
         timeout: float = IDLE_SECONDS,
         head_timeout: float = HEAD_SECONDS,
     ) -> None:
@@ -197,10 +209,81 @@ class CoreSite(DirectSite):
         self.core = core
         self.management = frozenset(management)
         self.upload = upload
+        self.origin_checked = frozenset(origin_checked)
+        self.cors = frozenset(cors)
         self.displayTracebacks = False
+
+    # -- CORS (the cors.origins setting) ---------------------------------------------
+
+    def _cors_origin(self, request: EagerRequest, route: Route) -> bytes | None:
+        """
+        The Origin to allow on C{request}'s answer: its own, when it names one of the
+        core's C{cors_origins} and C{route} is one a page may call; else None.
+        """
+        if (route.method, route.rule) not in self.cors:
+            return None
+        values = request.requestHeaders.getRawHeaders(b"origin") or []
+        if len(values) != 1:
+            return None
+        origin = values[0].decode("latin-1").strip()
+        allowed = getattr(self.core, "cors_origins", ())
+        if "*" in allowed:
+            return origin.encode("latin-1")
+        key = origin_key(origin)
+        if key is not None and key in {origin_key(o) for o in allowed}:
+            return origin.encode("latin-1")
+        return None
+
+    def admit(self, request: EagerRequest, method: bytes, target: bytes, length: int | None) -> None:
+        assert isinstance(request, CoreRequest)
+        wanted = request.requestHeaders.getRawHeaders(b"access-control-request-method")
+        if method.upper() == b"OPTIONS" and wanted and self.routes is not None:
+            # A browser's preflight: allowed for the route it asks about, or refused.
+            route = self.routes.resolve(wanted[0][:16], target)
+            origin = self._cors_origin(request, route)
+            if origin is None:
+                path = target.partition(b"?")[0].decode("utf-8", "replace")[:200]
+                raise Forbidden(
+                    f"no cross-origin call of {route.method} {path} from this page's origin is allowed"
+                    " (cors.origins)"
+                )
+            asked = b", ".join(request.requestHeaders.getRawHeaders(b"access-control-request-headers") or [])
+            request.preflight = (origin, asked[:1024])
+            request.route = Route("OPTIONS", route.rule, route.arguments, 0)
+            return
+        super().admit(request, method, target, length)
+
+    def getResourceFor(self, request: Any) -> Any:
+        if getattr(request, "preflight", None) is not None:
+            request.site = self
+            return _PREFLIGHT
+        return super().getResourceFor(request)
+
+    def shape_refusal(self, request: Any, error: SpeechError) -> tuple[bytes, Any]:
+        """
+        The body and headers of a refusal at the head: the OpenAI envelope on the
+        OpenAI routes (their clients parse only that), the taxonomy's elsewhere; with
+        the CORS headers a page on an allowed origin needs to read it.
+        """
+        line = getattr(request, "line", None)
+        headers = list(error.headers)
+        route = getattr(request, "route", None)
+        if route is not None:
+            origin = self._cors_origin(request, route)
+            if origin is not None:
+                headers.extend(cors_headers(origin))
+        if line is not None and line[1].startswith(b"/v1/"):
+            from ._openai import openai_envelope, should_retry
+
+            return json.dumps(openai_envelope(error)).encode(), headers + [should_retry(error)]
+        return json.dumps(error.envelope()).encode(), headers
 
     def guard(self, request: EagerRequest, route: Route) -> None:
         assert isinstance(request, CoreRequest)
+        # Set first, so a refusal below can carry the CORS headers a page needs to read it.
+        request.route = route
+        if (route.method, route.rule) in self.origin_checked and self._cors_origin(request, route) is None:
+            check_origin(_headers(request), self.core.management_origins)
         if (route.method, route.rule) in self.management:
             core = self.core
             check_management(
@@ -216,11 +299,54 @@ class CoreSite(DirectSite):
     def admitted(self, request: EagerRequest, route: Route, length: int | None) -> None:
         assert isinstance(request, CoreRequest)
         core = self.core
+        origin = self._cors_origin(request, route)
+        if origin is not None:
+            for name, value in cors_headers(origin):
+                request.responseHeaders.setRawHeaders(name, [value])
         if (route.method, route.rule) == self.upload:
             request.upload = Upload(request, length)
             engine_id = str(route.arguments["engine_id"])
             request.upstream = Deferred.fromCoroutine(core.start_upload(engine_id, request))
             request.upstream.addErrback(request.upstream_failed)
+
+
+#: What a page's script may read of an answer beyond the CORS-safelisted headers.
+_EXPOSED = b"Content-Length, X-Rhapsode-Duration-Ms, Retry-After, x-should-retry"
+
+
+def cors_headers(origin: bytes) -> list[tuple[bytes, bytes]]:
+    """
+    The headers that let a page on C{origin} read an answer.
+    """
+    return [
+        (b"Access-Control-Allow-Origin", origin),
+        (b"Vary", b"Origin"),
+        (b"Access-Control-Expose-Headers", _EXPOSED),
+    ]
+
+
+class _Preflight(resource.Resource):
+    """
+    The answer to a preflight admitted at its head: 204, allowing the method the route
+    takes and the headers the page asked to send, for ten minutes.
+    """
+
+    isLeaf = True
+
+    def render(self, request: Any) -> bytes:
+        origin, asked = request.preflight
+        request.setResponseCode(204)
+        for name, value in cors_headers(origin):
+            request.setHeader(name, value)
+        wanted = request.requestHeaders.getRawHeaders(b"access-control-request-method")[0]
+        request.setHeader(b"Access-Control-Allow-Methods", wanted.upper())
+        if asked:
+            request.setHeader(b"Access-Control-Allow-Headers", asked)
+        request.setHeader(b"Access-Control-Max-Age", b"600")
+        return b""
+
+
+_PREFLIGHT = _Preflight()
 
 
 class IAdmissionSettings(Protocol):

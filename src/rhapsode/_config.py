@@ -102,6 +102,13 @@ class ManagementConfig:
 
 
 @dataclass(frozen=True)
+class CorsConfig:
+    #: Browser origins whose pages may call the public speech and discovery routes;
+    #: "*" for any.  None by default: a page on another origin is refused.
+    origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """
     One engine: a C{module} the core spawns with C{python}, or the C{url} of a worker
@@ -127,6 +134,7 @@ class Config:
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     management: ManagementConfig = field(default_factory=ManagementConfig)
+    cors: CorsConfig = field(default_factory=CorsConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -228,6 +236,12 @@ def _origins(value: Any, where: str, base: Path) -> tuple[str, ...]:
             must = "an absolute http or https origin with nothing after the host and port"
             raise _fail(f"{where}[{index}]", must, origin)
     return tuple(value)
+
+
+def _cors_origins(value: Any, where: str, base: Path) -> tuple[str, ...]:
+    if isinstance(value, list) and value == ["*"]:
+        return ("*",)
+    return _origins(value, where, base)
 
 
 def _module(value: Any, where: str, base: Path) -> str:
@@ -373,6 +387,7 @@ _TOP: dict[str, _Check] = {
         },
     ),
     "management": _section(ManagementConfig, {"token": _token, "origins": _origins}),
+    "cors": _section(CorsConfig, {"origins": _cors_origins}),
     "limits": _section(
         LimitsConfig,
         {

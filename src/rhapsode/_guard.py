@@ -108,6 +108,25 @@ def _forwarded_remote(values: Iterable[str]) -> bool:
     return False
 
 
+def check_origin(headers: Mapping[str, Sequence[str]], origins: Sequence[str]) -> set[tuple[str, str, int]]:
+    """
+    Raise L{Forbidden} if the request carries an Origin that is neither this machine's
+    nor one of C{origins} (C{management.origins}): the rule of the management routes,
+    and the only one C{/mcp} applies (protocol.md section 12).  A request with no
+    Origin (an agent, curl) passes.
+
+    @return: the configured origins as (scheme, host, port).
+    """
+    configured = {key for key in map(origin_key, origins) if key is not None}
+    origin = _single(headers, "Origin")
+    if origin is not None:
+        key = origin_key(origin)
+        own = key is not None and (key[1] == "localhost" or _loopback_ip(key[1]))
+        if not own and key not in configured:
+            raise Forbidden(f"origin {origin} is not this machine's and not in management.origins")
+    return configured
+
+
 def check_management(
     *,
     peer: str | None,
@@ -123,13 +142,7 @@ def check_management(
     @param token: C{management.token}; without one only local callers are admitted.
     @param origins: C{management.origins}, as validated by the config.
     """
-    configured = {key for key in map(origin_key, origins) if key is not None}
-    origin = _single(headers, "Origin")
-    if origin is not None:
-        key = origin_key(origin)
-        own = key is not None and (key[1] == "localhost" or _loopback_ip(key[1]))
-        if not own and key not in configured:
-            raise Forbidden(f"origin {origin} is not this machine's and not in management.origins")
+    configured = check_origin(headers, origins)
 
     authorization = _single(headers, "Authorization")
     if token and authorization is not None:

@@ -171,6 +171,9 @@ class Registry:
     def ids(self) -> list[str]:
         return list(self._handles)
 
+    def __contains__(self, engine_id: object) -> bool:
+        return engine_id in self._handles
+
     def get(self, engine_id: str) -> EngineHandle:
         try:
             return self._handles[engine_id]

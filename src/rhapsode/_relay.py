@@ -16,6 +16,7 @@ still an error envelope.
 
 from __future__ import annotations
 
+import base64
 import json
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
@@ -30,7 +31,7 @@ from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
 from rhapsode_worker import contract
-from rhapsode_worker.errors import Internal, SpeechError
+from rhapsode_worker.errors import Internal, SpeechError, error_from_envelope
 from rhapsode_worker.web import DURATION_HEADER, abort_connection, write_trailer
 
 from ._admission import BufferBudget, Turnstile
@@ -148,8 +149,43 @@ class StreamRelay(Protocol):
         self.transport.stopProducing()  # type: ignore[union-attr]
 
 
-def relay(response: Any, request: IRequest, stalls: Stalls | None = None) -> "Deferred[StreamRelay]":
-    stream = StreamRelay(request, response, stalls)
+class SseRelay(StreamRelay):
+    """
+    A worker's audio as OpenAI's server-sent events: each piece that arrives goes out as
+    a C{speech.audio.delta} event carrying it in base64, with the same backpressure.
+    Nothing goes out before the floor's worth has arrived, so a body that is not audio
+    can still be refused with an envelope rather than announced as speech.
+    """
+
+    def __init__(self, request: IRequest, response: Any, stalls: Stalls | None = None) -> None:
+        super().__init__(request, response, stalls)
+        self._held: list[bytes] = []
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += len(data)
+        if self._stall is not None:
+            self._stall.progress()
+        if self.received < FLOOR_BYTES:
+            self._held.append(data)
+            return
+        if self._held:
+            data = b"".join(self._held) + data
+            self._held = []
+        self._request.write(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
+
+
+def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
+    """
+    One server-sent event named C{kind}; its data is C{payload} with C{type} as JSON.
+    """
+    data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
+    return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
+
+
+def relay(
+    response: Any, request: IRequest, stalls: Stalls | None = None, kind: type[StreamRelay] = StreamRelay
+) -> "Deferred[StreamRelay]":
+    stream = kind(request, response, stalls)
     response.deliverBody(stream)
     return stream.done.addCallback(lambda _: stream)
 
@@ -198,10 +234,13 @@ class SpeechRelay:
         forward: dict[str, Any],
         caps: dict[str, Any],
         keep_alive: int | None,
+        *,
+        sse: bool = False,
     ) -> Any:
         """
         Speak C{forward} through the worker's C{path}, holding a turn and a lease on the
-        model for as long as the answer takes.
+        model for as long as the answer takes; with C{sse}, a stream goes out as
+        server-sent events (L{SseRelay}).
         """
         variant = forward["variant"]
         body = BytesProducer(json.dumps(forward).encode())
@@ -212,6 +251,8 @@ class SpeechRelay:
             if not forward.get("stream", True):
                 turns = len(forward.get("turns", ())) or 1
                 return await self.buffered(request, response, finished, buffered_limit(caps, variant, turns))
+            if sse:
+                return await self._events(request, finished, response)
             return await self._streamed(request, finished, response, forward.get("format", "wav"), caps)
 
     async def preview(
@@ -315,20 +356,20 @@ class SpeechRelay:
             self.residency.record_size(engine.id, variant, health.get("modelBytes"))
 
     async def _relay_error(self, request: IRequest, response: Any) -> bytes:
+        """
+        Raise the refusal the worker answered with, its status kept, for the route to
+        write in its own envelope (the taxonomy's, or a translation's).
+        """
         raw = await collect(response, ERROR_LIMIT, stalls=self.stalls)
         try:
             envelope = json.loads(raw)
             contract.validate(contract.ERROR, envelope)
         except (ValueError, SpeechError):
             raise Internal(f"worker answered {response.code} without an error envelope") from None
-        request.setResponseCode(response.code)
-        request.setHeader(b"Content-Type", b"application/json")
-        try:
-            error = envelope["error"]
-            request.error_reason = f"{error['code']}: {error['message']}"  # type: ignore[attr-defined]
-        except (AttributeError, KeyError):
-            pass
-        return raw
+        error = error_from_envelope(envelope, response.code)
+        if error.status != response.code:
+            error = type(error)(error.message, error.field, status=response.code)
+        raise error
 
     async def buffered(
         self, request: IRequest, response: Any, finished: "Deferred[Any]", limit: int = BUFFERED_LIMIT
@@ -383,6 +424,35 @@ class SpeechRelay:
         duration = int(told) if told.isdigit() else _duration_ms(fmt, caps.get("nativeFormat", {}), received)
         write_trailer(request, duration)
         return None
+
+
+    async def _events(self, request: IRequest, finished: Any, response: Any) -> bytes | None:
+        """
+        A stream as server-sent events (OpenAI's C{stream_format: "sse"}): a delta per
+        piece, then C{speech.audio.done}.  A failure before the first event is still an
+        envelope; one after it is a C{speech.audio.error} event and a clean end, which
+        an event stream, unlike raw audio, can say.
+        """
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"text/event-stream")
+        request.setHeader(b"Cache-Control", b"no-cache")
+        try:
+            stream = await relay(response, request, self.stalls, SseRelay)
+        except Exception as exc:
+            error = exc if isinstance(exc, SpeechError) else Internal(f"the worker's stream broke off: {exc}")
+            if not getattr(request, "startedWriting", False):
+                raise error from None
+            self.log.warn("ending an event stream early: {why}", why=error.message)
+            late = error.envelope()["error"]
+            kind = "invalid_request_error" if error.status < 500 and not error.retryable else "server_error"
+            request.write(sse_event("speech.audio.error", {"error": {
+                "message": late["message"], "type": kind, "code": error.code, "retryable": error.retryable,
+            }}))
+            return b""
+        if stream.received < FLOOR_BYTES:
+            raise Internal(f"the worker answered 200 with {stream.received} bytes, which is not audio")
+        request.write(sse_event("speech.audio.done", {}))
+        return b""
 
 
 async def _settled(finished: Any) -> None:

@@ -29,10 +29,13 @@ from rhapsode_worker.web import InFlight, answer, json_response, no_route, read_
 from . import __version__
 from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, IAdmissionSettings, Turnstile
 from ._config import Config, ConfigSettings
+from ._mcp import McpServer
+from ._openai import OpenAIShim
 from ._preflight import forward_dialogue, forward_speak, voices_to_check
 from ._registry import EngineHandle, Registry
 from ._relay import ERROR_LIMIT, SpeechRelay
 from ._residency import IResidencySettings, Residency
+from ._stream import SpeechStreams
 from ._upstream import collect
 
 _JSON_LIMIT = 1024 * 1024
@@ -42,6 +45,14 @@ _VOICES = "/engines/<string:engine_id>/voices"
 _VOICE = "/engines/<string:engine_id>/voices/<string:voice_id>"
 _UNLOAD = "/engines/<string:engine_id>/unload"
 _DIALOGUE = "/engines/<string:engine_id>/dialogue"
+# The translations on top of the public API (protocol.md sections 11 and 12).
+OPENAI_SPEECH = "/v1/audio/speech"
+OPENAI_BATCH = "/v1/audio/speech/batch"
+OPENAI_STREAM = "/v1/audio/speech/stream"
+MCP = "/mcp"
+#: At most this many items in one batch, and this much JSON in its body.
+BATCH_ITEMS = 32
+_BATCH_LIMIT = 4 * 1024 * 1024
 #: The management routes (protocol.md section 10): guarded at their heads.
 MANAGEMENT = frozenset({("POST", _VOICES), ("DELETE", _VOICE), ("POST", _UNLOAD)})
 #: The most body each route takes; the rest take the site's default (64 KiB).
@@ -49,7 +60,30 @@ BODY_LIMITS = {
     ("POST", "/speak"): _JSON_LIMIT,
     ("POST", _DIALOGUE): _JSON_LIMIT,
     ("POST", _VOICES): MAX_UPLOAD_BYTES,
+    ("POST", OPENAI_SPEECH): _JSON_LIMIT,
+    ("POST", OPENAI_BATCH): _BATCH_LIMIT,
+    ("POST", MCP): _JSON_LIMIT,
 }
+#: Routes that answer anybody but a browser page from an origin not allowed
+#: (protocol.md section 12's rule for /mcp; a WebSocket is never preflighted).
+ORIGIN_CHECKED = frozenset({("POST", MCP), ("GET", OPENAI_STREAM)})
+#: The public routes a browser page on an allowed origin may call (cors.origins).
+CORS_ROUTES = frozenset({
+    ("POST", "/speak"),
+    ("POST", _DIALOGUE),
+    ("GET", "/engines"),
+    ("GET", "/engines/<string:engine_id>/capabilities"),
+    ("GET", _VOICES),
+    ("GET", "/engines/<string:engine_id>/voices/<string:voice_id>/preview"),
+    ("GET", "/health"),
+    ("POST", OPENAI_SPEECH),
+    ("POST", OPENAI_BATCH),
+    ("GET", OPENAI_STREAM),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/<string:model_id>"),
+    ("GET", "/v1/audio/models"),
+    ("GET", "/v1/audio/voices"),
+})
 
 
 def _body(request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +106,7 @@ class CoreApp:
         contract_version: int = 1,
         management_token: str | None = None,
         management_origins: Sequence[str] = (),
+        cors_origins: Sequence[str] = (),
         settings: IResidencySettings | None = None,
         residency: Residency | None = None,
         admission: IAdmissionSettings | None = None,
@@ -86,6 +121,8 @@ class CoreApp:
         @param stall_seconds: how long a worker may send nothing while answering.
         @param head_timeout: how long a request's head may take from its first byte.
         @param idle_timeout: how long a connection may send nothing.
+        @param cors_origins: the browser origins, beside this machine's, whose pages
+            may call the public speech and discovery routes (C{cors.origins}).
         """
         self.registry = registry
         # The defaults, built once: a Config works out its default paths when made.
@@ -113,12 +150,17 @@ class CoreApp:
         self.contract_version = contract_version
         self.management_token = management_token
         self.management_origins = tuple(management_origins)
+        self.cors_origins = tuple(cors_origins)
         self.requests = InFlight()
+        self.openai = OpenAIShim(self)
+        self.mcp = McpServer(self, __version__)
+        self.streams = SpeechStreams(self)
 
     def close(self) -> None:
         """
         Shutting down: stop keep-alive timers and any measurement still in flight.
         """
+        self.streams.close()
         self.speech.close()
         self.residency.close()
 
@@ -130,15 +172,21 @@ class CoreApp:
         The site to listen with: its requests are guarded and stripped at their headers.
         Without C{access_log} no access line is even formatted (a log level above info).
         """
-        speak = HandlerResource(self.speak, self.log)
+        # The speech routes skip Klein's routing: they are matched on every utterance.
+        direct = {
+            (b"POST", b"/speak"): HandlerResource(self.speak, self.log),
+            (b"POST", OPENAI_SPEECH.encode()): HandlerResource(self.openai.speech, self.log),
+        }
         return CoreSite(
             self.resource(),
             self,
-            {(b"POST", b"/speak"): speak},
+            direct,
             access_log=access_log,
             reactor=self.reactor,
             routes=Routes(self.app.url_map, BODY_LIMITS),
             management=MANAGEMENT,
+            origin_checked=ORIGIN_CHECKED,
+            cors=CORS_ROUTES,
             upload=("POST", _VOICES),
             timeout=self.idle_timeout,
             head_timeout=self.head_timeout,
@@ -374,10 +422,14 @@ class CoreApp:
         body: dict[str, Any],
         path: str,
         forward: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]],
+        *,
+        sse: bool = False,
     ) -> Any:
         """
-        What /speak and dialogue share: the effective variant (section 4's rule), every
-        check that can refuse before a lease (preflight), then the speech relay.
+        What /speak and dialogue share (and every translation into them): the effective
+        variant (section 4's rule), every check that can refuse before a lease
+        (preflight), then the speech relay; with C{sse}, a stream goes out as OpenAI's
+        server-sent audio events.
         """
         engine = self.registry.get(engine_id)
         caps = await engine.capabilities()
@@ -385,7 +437,7 @@ class CoreApp:
         forwarded = forward(body, caps, variant)
         await self._check_voices(engine, forwarded)
         return await self.speech.dispatch(
-            request, finished, engine, path, forwarded, caps, body.get("keepAliveSeconds")
+            request, finished, engine, path, forwarded, caps, body.get("keepAliveSeconds"), sse=sse
         )
 
     async def _check_voices(self, engine: EngineHandle, forward: dict[str, Any]) -> None:
@@ -406,3 +458,37 @@ class CoreApp:
         for field, voice_id in wanted.items():
             if voice_id not in known:
                 raise UnknownVoice(f'no voice "{voice_id}"', field=field)
+
+    # -- the translations on top (protocol.md sections 11 and 12, and the peer's modes) ---
+
+    @app.route(OPENAI_SPEECH, methods=["POST"])
+    async def _openai_speech(self, request: IRequest) -> Any:
+        return await self.openai.speech(request)
+
+    @app.route(OPENAI_BATCH, methods=["POST"])
+    async def _openai_batch(self, request: IRequest) -> Any:
+        return await self.openai.batch(request)
+
+    @app.route(OPENAI_STREAM, methods=["GET"])
+    def _openai_stream(self, request: IRequest) -> Any:
+        return self.streams.resource()
+
+    @app.route("/v1/models", methods=["GET"])
+    async def _openai_models(self, request: IRequest) -> Any:
+        return await self.openai.models(request)
+
+    @app.route("/v1/models/<string:model_id>", methods=["GET"])
+    async def _openai_model(self, request: IRequest, model_id: str) -> Any:
+        return await self.openai.model(request, model_id)
+
+    @app.route("/v1/audio/models", methods=["GET"])
+    async def _openai_audio_models(self, request: IRequest) -> Any:
+        return await self.openai.audio_models(request)
+
+    @app.route("/v1/audio/voices", methods=["GET"])
+    async def _openai_voices(self, request: IRequest) -> Any:
+        return await self.openai.voices(request)
+
+    @app.route(MCP, methods=["POST"])
+    async def _mcp(self, request: IRequest) -> Any:
+        return await self.mcp.post(request)

@@ -146,6 +146,7 @@ class RhapsodeService(service.Service):
             contract_version=CONTRACT,
             management_token=self.config.management.token,
             management_origins=self.config.management.origins,
+            cors_origins=self.config.cors.origins,
             residency=residency,
             admission=settings,
             stall_seconds=workers.stall_seconds,

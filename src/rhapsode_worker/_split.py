@@ -20,7 +20,10 @@ Boundaries, in brief:
   - Clause marks: , ; : and their Arabic forms and the en dash before whitespace; an
     ellipsis or ?/! that did not end a sentence; the em dash and CJK 、，；： anywhere.
 
-Pure Python and free of state: the same text and limits always give the same pieces.
+Pure Python and free of state: the same text and limits always give the same pieces.  The
+incremental cutter of text that arrives in pieces (L{rhapsode_worker.text}) reads the same
+rules through L{_sentence_spans}, L{_clauses} and L{_undecided_from}, so a stream is cut
+where its whole text would have been.
 """
 
 from __future__ import annotations
@@ -148,8 +151,7 @@ def _refine(text: str, sentence: Span, cap: int) -> Iterator[Span]:
     if end - start <= cap:
         yield sentence
         return
-    clauses = (m.end() for m in _CLAUSE.finditer(text, start, end))
-    for c_start, c_end in _spans(text, start, end, clauses):
+    for c_start, c_end in _clauses(text, start, end):
         if c_end - c_start <= cap:
             yield c_start, c_end
         else:
@@ -161,6 +163,16 @@ def _sentences(text: str) -> Iterator[Span]:
     Sentence spans of C{text}, stripped and in order: paragraphs, then the marks that need
     no space, then Latin-style terminators.
     """
+    for start, end, _ in _sentence_spans(text):
+        yield start, end
+
+
+def _sentence_spans(text: str) -> Iterator[tuple[int, int, bool]]:
+    """
+    L{_sentences}, each span with whether a blank line or a mark that needs no space ends
+    it (true also of the last), rather than a Latin-style terminator.  Such an end is
+    settled as soon as anything follows it; a terminator's waits on the next word.
+    """
     paragraphs = (m.end() for m in _PARAGRAPH.finditer(text))
     for p_start, p_end in _spans(text, 0, len(text), paragraphs):
         marks = (m.end() for m in _SCRIPT_END.finditer(text, p_start, p_end))
@@ -171,7 +183,46 @@ def _sentences(text: str) -> Iterator[Span]:
                 for token, following in zip(tokens, tokens[1:])
                 if _ends_sentence(token.group(), following.group())
             )
-            yield from _spans(text, s_start, s_end, cuts)
+            last: Span | None = None
+            for span in _spans(text, s_start, s_end, cuts):
+                if last is not None:
+                    yield last[0], last[1], False
+                last = span
+            if last is not None:
+                yield last[0], last[1], True
+
+
+def _clauses(text: str, start: int, end: int) -> Iterator[Span]:
+    """
+    The clause spans of the sentence C{text[start:end]}, stripped and in order.
+    """
+    cuts = (m.end() for m in _CLAUSE.finditer(text, start, end))
+    return _spans(text, start, end, cuts)
+
+
+#: Quotes and brackets: a word made only of them does not yet say how a sentence ends.
+_FRAMING = frozenset(_OPENERS + _CLOSERS)
+
+
+def _undecided_from(text: str) -> int:
+    """
+    Where text that may still grow stops deciding its own boundaries: the start of its
+    last whitespace-delimited word holding something besides quotes and brackets, or -1
+    when it holds no such word.
+
+    A boundary before that word is settled whatever is appended: a terminator's cut
+    depends on the word that follows it, and that word has already begun with its
+    first letter (or is complete), so neither a lower-case start nor a lone closing
+    quote, which would join the sentence before, can still arrive in its place.
+    """
+    at = len(text) - 1
+    while at >= 0 and (text[at].isspace() or text[at] in _FRAMING):
+        at -= 1
+    if at < 0:
+        return -1
+    while at > 0 and not text[at - 1].isspace():
+        at -= 1
+    return at
 
 
 def _ends_sentence(token: str, following: str) -> bool:

@@ -334,14 +334,18 @@ class EagerChannel(http.HTTPChannel):
             return
         self._refused = True
         self._stop_head_timer()
-        body = json.dumps(error.envelope()).encode()
+        shape = getattr(self.site, "shape_refusal", None)
+        if shape is not None:
+            body, headers = shape(request, error)
+        else:
+            body, headers = json.dumps(error.envelope()).encode(), error.headers
         reason = http.RESPONSES.get(error.status, b"Error")
         head = [
             b"HTTP/1.1 %d %s\r\n" % (error.status, reason),
             b"Content-Type: application/json\r\nConnection: close\r\n",
             b"Content-Length: %d\r\n" % len(body),
         ]
-        for name, value in error.headers:
+        for name, value in headers:
             head.append(b"%s: %s\r\n" % (name, value))
         self.transport.write(b"".join(head) + b"\r\n" + body)
         site = self.site

@@ -1,6 +1,7 @@
 """
 The HTTP habits the worker and the core share (protocol.md section 6): JSON answers and
-error envelopes, JSON bodies read within a limit, failures mapped onto the taxonomy
+error envelopes, JSON bodies read within a limit, multipart forms read within the
+SDK's caps (L{read_form}), failures mapped onto the taxonomy
 before headers and turned into an abort after them, and the duration trailer that
 twisted.web has no API for.
 """
@@ -15,6 +16,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
+from ._form import read_form
 from .errors import BadRequest, SpeechError, as_speech_error
 from .site import no_such_path, wrong_method
 from .validation import parse_json_body
@@ -28,6 +30,7 @@ __all__ = [
     "error_response",
     "json_response",
     "no_route",
+    "read_form",
     "read_json",
     "transport_of",
     "write_trailer",
@@ -80,10 +83,16 @@ def abort_connection(request: IRequest) -> None:
     (abort or transport.loseConnection)()
 
 
-def answer_failure(request: IRequest, exc: Exception, log: Logger) -> bytes | None:
+def answer_failure(
+    request: IRequest,
+    exc: Exception,
+    log: Logger,
+    render: Callable[[IRequest, SpeechError], bytes] = error_response,
+) -> bytes | None:
     """
-    What to do with a failure: an error envelope while no header has gone, an aborted
-    connection after.  Only an adapter's or the core's own bug is logged as one.
+    What to do with a failure: an error envelope (as C{render} writes one) while no
+    header has gone, an aborted connection after.  Only an adapter's or the core's own
+    bug is logged as one.
     """
     error = as_speech_error(exc)
     if error.code == "internal":
@@ -91,7 +100,7 @@ def answer_failure(request: IRequest, exc: Exception, log: Logger) -> bytes | No
     if getattr(request, "startedWriting", False):
         abort_connection(request)
         return None
-    return error_response(request, error)
+    return render(request, error)
 
 
 async def answer(
@@ -100,23 +109,25 @@ async def answer(
     log: Logger,
     enter: Callable[[], None] = lambda: None,
     leave: Callable[[], None] = lambda: None,
+    render: Callable[[IRequest, SpeechError], bytes] = error_response,
 ) -> Any:
     """
     Run a route's handler: counted in flight between C{enter} (which may refuse, raising
     a L{SpeechError}) and C{leave}; a failure before any header is the taxonomy's
     envelope, one after it an aborted connection.  A cancelled handler (its client hung
-    up) stays cancelled.
+    up) stays cancelled.  C{render} writes an envelope: the taxonomy's by default, or
+    another shape for a translation whose clients read another (the OpenAI shim).
     """
     try:
         enter()
     except SpeechError as error:
-        return error_response(request, error)
+        return render(request, error)
     try:
         return await handler()
     except CancelledError:
         raise
     except Exception as exc:
-        return answer_failure(request, exc, log)
+        return answer_failure(request, exc, log, render)
     finally:
         leave()
 

@@ -99,7 +99,8 @@ def test_the_readmes_embedding_program_runs_as_shown(tmp_path: Path) -> None:
     program.wav, stops it and exits 0, leaving no worker behind.
     """
     readme = (ROOT / "README.md").read_text()
-    (program,) = re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+    (program,) = [block for block in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+                  if "RhapsodeService" in block]
     port = _free_port()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "rhapsode.json").write_text(json.dumps({

@@ -1,0 +1,549 @@
+"""
+MCP at C{POST /mcp} (protocol.md section 12): the public routes as five tools, over
+stateless Streamable HTTP.
+
+Each POST carries one JSON-RPC message and gets one JSON answer, or 202 and no body for
+a notification or a client's response; no session is kept and no C{Mcp-Session-Id} is
+sent.  A tool builds the request of the route it stands for and runs it through that
+route's own handler in process (L{rhapsode._inprocess}), so the validation, the
+ceiling, the residency lease and the error taxonomy are the route's.  A route's refusal
+is a tool result with C{isError}; a message that is not JSON-RPC, an unknown method and
+an unknown tool are JSON-RPC errors.
+
+The tools' input schemas are the request contract's and the read-only tools' output
+schemas the response contract's (L{rhapsode_worker.contract}), with every C{$ref}
+inlined, because a tool's schema must stand alone.  What happens at the head (the
+Origin rule, Authorization stripped, 405 for GET and DELETE, the body limit) is the
+site's (L{rhapsode._admission}).
+
+The dicts are written by hand: the SDK's server is ASGI, and its types would bring
+pydantic into the core and into every engine's virtualenv.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+from twisted.web.iweb import IRequest
+
+from rhapsode_worker import contract
+from rhapsode_worker.errors import SpeechError, as_speech_error
+
+from ._inprocess import Answer, InProcessRequest, run
+
+if TYPE_CHECKING:
+    from ._router import CoreApp
+
+__all__ = ["McpServer", "PROTOCOL_VERSIONS", "tool_definitions"]
+
+#: The handshake revisions answered in kind; any other is answered with the last.
+PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25")
+LATEST_VERSION = PROTOCOL_VERSIONS[-1]
+
+# JSON-RPC 2.0's error codes.
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+
+_DURATION = b"X-Rhapsode-Duration-Ms"
+_REF_PREFIX = "#/components/schemas/"
+_JSON = b"application/json"
+
+Schema = dict[str, Any]
+Result = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RawJson:
+    """
+    A result already written as JSON: the audio's base64 is spliced in as bytes rather
+    than escaped again by the encoder (which, for a sentence of audio, costs more than
+    all the rest of the call), and the tool listing is written once.
+    """
+
+    body: bytes
+
+
+Answered = Result | RawJson
+
+
+class _Malformed(Exception):
+    """
+    A body that is not one JSON-RPC message: HTTP 400, answered with a null id.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _RpcError(Exception):
+    """
+    A request that is JSON-RPC but cannot be answered: a JSON-RPC error under its id.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# -- the tools' schemas, from the contract --------------------------------------------------
+
+
+def inline(schema: Any, components: Mapping[str, Any], within: tuple[str, ...] = ()) -> Any:
+    """
+    A copy of C{schema} with every C{#/components/schemas/...} reference replaced by the
+    component it names (keywords beside a C{$ref} kept over the component's).
+
+    @raise ValueError: a reference that does not resolve, or one that reaches itself
+        (which no inlining can write out).
+    """
+    if isinstance(schema, list):
+        return [inline(item, components, within) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    ref = schema.get("$ref")
+    if ref is None:
+        return {key: inline(value, components, within) for key, value in schema.items()}
+    name = ref[len(_REF_PREFIX):] if isinstance(ref, str) and ref.startswith(_REF_PREFIX) else None
+    if name is None or name not in components:
+        raise ValueError(f"unresolvable $ref {ref!r}")
+    if name in within:
+        raise ValueError(f"$ref {ref!r} refers to itself")
+    target = inline(components[name], components, (*within, name))
+    beside = {key: inline(value, components, within) for key, value in schema.items() if key != "$ref"}
+    return {**target, **beside}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """
+    One tool as C{tools/list} shows it: what it takes, and for a read-only tool what
+    its structured result is.
+    """
+
+    name: str
+    title: str
+    description: str
+    input_schema: Schema
+    output_schema: Schema | None = None
+
+    def listing(self) -> dict[str, Any]:
+        tool: dict[str, Any] = {
+            "name": self.name,
+            "title": self.title,
+            "description": self.description,
+            "inputSchema": self.input_schema,
+        }
+        if self.output_schema is not None:
+            tool["outputSchema"] = self.output_schema
+            tool["annotations"] = {"readOnlyHint": True, "openWorldHint": False}
+        else:
+            # Speaking loads a model and changes nothing a caller owns.
+            tool["annotations"] = {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": False}
+        return tool
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> Schema:
+    schema: Schema = {"type": "object", "properties": properties, "additionalProperties": False}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _items(schema: Schema) -> Schema:
+    # MCP's structured content is an object, so a route's list goes out under "items".
+    return {"type": "object", "properties": {"items": schema}, "required": ["items"]}
+
+
+def _speech_input(request: Schema, engine: Schema | None) -> Schema:
+    """
+    A speech route's request shape as a tool takes it: without C{stream} (a tool
+    result is one message, so the route runs buffered) and with C{format} defaulting to
+    wav; with C{engine}, that field added and required (the dialogue route takes it in
+    its path).  The engine comes first either way, as an agent picks it first.
+    """
+    properties = {key: value for key, value in request["properties"].items() if key != "stream"}
+    if "engine" in properties:
+        properties = {"engine": properties.pop("engine"), **properties}
+    properties["format"] = dict(
+        properties["format"],
+        default="wav",
+        description="wav when absent (not what /speak would choose: wav needs no encoder on "
+        "the worker's box); mp3, opus, flac or pcm where the engine produces them.",
+    )
+    required = [key for key in request.get("required", ()) if key != "stream"]
+    if engine is not None:
+        properties = {"engine": engine, **properties}
+        required = ["engine", *required]
+    schema = dict(request, properties=properties)
+    schema["required"] = required
+    return schema
+
+
+@functools.cache
+def tool_definitions() -> tuple[ToolSpec, ...]:
+    """
+    The five tools of section 12, their schemas from the contract with every reference
+    inlined; built once, since the contract does not change while the process runs.
+    """
+    components = contract.public_openapi("0")["components"]["schemas"]
+    engine = inline(contract.PUBLIC_SPEAK_REQUEST["properties"]["engine"], components)
+    by_engine = _object({"engine": engine}, ["engine"])
+    return (
+        ToolSpec(
+            "list_engines",
+            "List engines",
+            "The engines this server speaks with (GET /engines): each one's id, licences, "
+            "default variant, and what its process and model are doing now. Reading it "
+            "starts nothing.",
+            _object({}, []),
+            _items(inline(contract.ENGINE_LIST, components)),
+        ),
+        ToolSpec(
+            "engine_capabilities",
+            "Engine capabilities",
+            "One engine's capability document (GET /engines/{engine}/capabilities): its "
+            "variants with their cues, deliveries, dials, languages and maxCharacters, the "
+            "formats it produces, and its licences. May start the engine's worker process, "
+            "never a model.",
+            by_engine,
+            inline(contract.CAPABILITIES, components),
+        ),
+        ToolSpec(
+            "list_voices",
+            "List voices",
+            "The voices of one engine (GET /engines/{engine}/voices). A voice id is scoped "
+            "to its engine: pass it as speak's voice with that engine.",
+            by_engine,
+            _items(inline(contract.VOICE_LIST, components)),
+        ),
+        ToolSpec(
+            "speak",
+            "Speak",
+            "Say text with an engine (POST /speak, buffered) and answer the audio, wav "
+            "unless format says otherwise. Cues are written in brackets, e.g. [laugh]; "
+            "those the variant does not perform are dropped. A refusal (unknown voice, "
+            "text over maxCharacters, an unsupported format) is a tool error naming its "
+            "code and whether a retry can help.",
+            inline(_speech_input(contract.PUBLIC_SPEAK_REQUEST, None), components),
+        ),
+        ToolSpec(
+            "speak_dialogue",
+            "Speak a dialogue",
+            "Perform a conversation of turns by speakers with one engine (POST "
+            "/engines/{engine}/dialogue, buffered), for variants that perform dialogue "
+            "(see engine_capabilities). voices maps a speaker to a voice id; an unvoiced "
+            "speaker gets a voice the model picks. Answers the audio, wav unless format "
+            "says otherwise.",
+            inline(_speech_input(contract.PUBLIC_DIALOGUE_REQUEST, engine), components),
+        ),
+    )
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+def refusal_text(code: str, message: str, retryable: bool) -> str:
+    return f"{code}: {message} (retryable: {'true' if retryable else 'false'})"
+
+
+def refused(error: SpeechError) -> Result:
+    """
+    A tool that ran and was refused: the envelope's code, message and retryable, as
+    the text an agent reads.
+    """
+    envelope = error.envelope()["error"]
+    text = refusal_text(envelope["code"], envelope["message"], error.retryable)
+    return {"content": [{"type": "text", "text": text}], "isError": True}
+
+
+def _route_refused(answer: Answer) -> Result:
+    """
+    A route's refusal, read from its envelope.
+    """
+    try:
+        envelope = answer.json()["error"]
+        text = refusal_text(str(envelope["code"]), str(envelope["message"]), bool(envelope["retryable"]))
+    except (ValueError, KeyError, TypeError):
+        text = refusal_text("internal", f"the route answered HTTP {answer.code} without an error envelope", False)
+    return {"content": [{"type": "text", "text": text}], "isError": True}
+
+
+def _structured(answer: Answer, wrap: bool) -> Result:
+    """
+    A read-only route's answer as structured content, and the same JSON as text.
+    """
+    if answer.code != 200:
+        return _route_refused(answer)
+    document = answer.json()
+    if wrap:
+        structured = {"items": document}
+        text = json.dumps(structured)
+    else:
+        structured = document
+        text = answer.body.decode("utf-8")
+    return {"content": [{"type": "text", "text": text}], "structuredContent": structured, "isError": False}
+
+
+def _audio(answer: Answer, said: str) -> Answered:
+    """
+    A speech route's buffered answer as audio content (its Content-Type verbatim) and a
+    line saying what it is.
+    """
+    if answer.code != 200:
+        return _route_refused(answer)
+    mime = answer.content_type or "application/octet-stream"
+    line = f"Spoke {said}: {mime}, {len(answer.body)} bytes"
+    duration = answer.header(_DURATION)
+    if duration is not None and duration.isdigit():
+        line += f", {duration} ms"
+    # Base64's alphabet needs no escaping in a JSON string.
+    return RawJson(b"".join((
+        b'{"content":[{"type":"audio","data":"',
+        base64.b64encode(answer.body),
+        b'","mimeType":',
+        _dumps(mime),
+        b'},{"type":"text","text":',
+        _dumps(line + "."),
+        b'}],"isError":false}',
+    )))
+
+
+def _voice_named(arguments: Mapping[str, Any]) -> str:
+    voice = arguments.get("voice")
+    return f'voice "{voice}"' if isinstance(voice, str) else "the engine's default voice"
+
+
+def _voices_named(arguments: Mapping[str, Any]) -> str:
+    voices = arguments.get("voices") or {}
+    if not voices:
+        return "voices the model picks"
+    return "voices " + ", ".join(f"{speaker}={voice}" for speaker, voice in voices.items())
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+Tool = Callable[[dict[str, Any]], Awaitable[Answered]]
+
+
+class McpServer:
+    """
+    The MCP endpoint over a core's router (L{rhapsode._router.CoreApp}).
+    """
+
+    log = Logger()
+
+    def __init__(self, core: "CoreApp", version: str) -> None:
+        self.core = core
+        self.version = version
+        self.specs = {spec.name: spec for spec in tool_definitions()}
+        self._listing = RawJson(_dumps({"tools": [spec.listing() for spec in self.specs.values()]}))
+        self._tools: dict[str, Tool] = {
+            "list_engines": self._list_engines,
+            "engine_capabilities": self._engine_capabilities,
+            "list_voices": self._list_voices,
+            "speak": self._speak,
+            "speak_dialogue": self._speak_dialogue,
+        }
+        self._methods: dict[str, Callable[[Any], Awaitable[Answered]]] = {
+            "initialize": self._initialize,
+            "ping": self._ping,
+            "tools/list": self._tools_list,
+            "tools/call": self._tools_call,
+        }
+
+    async def post(self, request: IRequest) -> bytes:
+        """
+        Answer one JSON-RPC message.
+        """
+        request.content.seek(0)
+        raw = request.content.read()  # the site held it to the route's limit
+        try:
+            request_id, method, params = _read(raw)
+        except _Malformed as malformed:
+            request.setResponseCode(400)
+            return _error(request, None, malformed.code, malformed.message)
+        if method is None:
+            # A notification, or a client's answer to a request of ours (we send none):
+            # nothing is owed.
+            request.setResponseCode(202)
+            request.setHeader(b"Content-Length", b"0")
+            return b""
+        handler = self._methods.get(method)
+        try:
+            if handler is None:
+                raise _RpcError(METHOD_NOT_FOUND, f'method "{method[:64]}" is not served here')
+            if not isinstance(params, dict):
+                raise _RpcError(INVALID_PARAMS, "params must be an object")
+            result = await handler(params)
+        except _RpcError as error:
+            return _error(request, request_id, error.code, error.message)
+        if isinstance(result, RawJson):
+            head = b'{"jsonrpc":"2.0","id":' + _dumps(request_id) + b',"result":'
+            return _sized(request, b"".join((head, result.body, b"}")))
+        if result.get("isError"):
+            _reason(request, result["content"][0]["text"])
+        return _sized(request, _dumps({"jsonrpc": "2.0", "id": request_id, "result": result}))
+
+    # -- methods -------------------------------------------------------------------------
+
+    async def _initialize(self, params: dict[str, Any]) -> Result:
+        asked = params.get("protocolVersion")
+        return {
+            "protocolVersion": asked if asked in PROTOCOL_VERSIONS else LATEST_VERSION,
+            "capabilities": {"tools": {"listChanged": False}},
+            "serverInfo": {"name": "rhapsode", "title": "Rhapsode", "version": self.version},
+            "instructions": "Text to speech. list_engines, then list_voices for an engine, then "
+            "speak with that engine and one of its voices; audio comes back as wav unless "
+            "format says otherwise.",
+        }
+
+    async def _ping(self, params: dict[str, Any]) -> Result:
+        return {}
+
+    async def _tools_list(self, params: dict[str, Any]) -> Answered:
+        return self._listing
+
+    async def _tools_call(self, params: dict[str, Any]) -> Answered:
+        name = params.get("name")
+        if not isinstance(name, str) or name not in self._tools:
+            shown = json.dumps(name)[:80]
+            raise _RpcError(INVALID_PARAMS, f"no tool {shown}; tools: {', '.join(self._tools)}")
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise _RpcError(INVALID_PARAMS, "arguments must be an object")
+        try:
+            # Held to the tool's own schema first: it is the route's without stream, so a
+            # stream argument is refused rather than quietly overridden.
+            contract.validate(self.specs[name].input_schema, arguments)
+            return await self._tools[name](arguments)
+        except SpeechError as error:
+            return refused(error)
+        except CancelledError:
+            raise  # the client hung up: nobody is waiting for a result
+        except Exception as exc:
+            failed = as_speech_error(exc)
+            if failed.code == "internal":
+                self.log.failure("MCP tool {tool} failed", tool=name)
+            return refused(failed)
+
+    # -- tools ---------------------------------------------------------------------------
+
+    async def _list_engines(self, arguments: dict[str, Any]) -> Result:
+        async def engines(request: Any) -> bytes:
+            return self.core._engines(request)
+
+        return _structured(await run(engines, InProcessRequest(b"GET", "/engines")), wrap=True)
+
+    async def _engine_capabilities(self, arguments: dict[str, Any]) -> Result:
+        engine = arguments["engine"]
+        request = InProcessRequest(b"GET", f"/engines/{engine}/capabilities")
+        return _structured(await run(self.core._capabilities, request, engine), wrap=False)
+
+    async def _list_voices(self, arguments: dict[str, Any]) -> Result:
+        engine = arguments["engine"]
+        request = InProcessRequest(b"GET", f"/engines/{engine}/voices")
+        return _structured(await run(self.core._voices, request, engine), wrap=True)
+
+    async def _speak(self, arguments: dict[str, Any]) -> Answered:
+        body = {"format": "wav", **arguments, "stream": False}
+        said = f'with engine "{arguments["engine"]}", {_voice_named(arguments)}'
+
+        async def encode(answer: Answer) -> Answered:
+            return _audio(answer, said)
+
+        # Encoded under hold: the audio stays counted against the buffer budget until then.
+        return await run(self.core.speak, InProcessRequest(b"POST", "/speak", body), hold=encode)
+
+    async def _speak_dialogue(self, arguments: dict[str, Any]) -> Answered:
+        engine = arguments["engine"]
+        body = {"format": "wav", **{k: v for k, v in arguments.items() if k != "engine"}, "stream": False}
+        turns = len(arguments["turns"])
+        said = f'a dialogue of {turns} turn{"" if turns == 1 else "s"} with engine "{engine}", '
+        said += _voices_named(arguments)
+
+        async def encode(answer: Answer) -> Answered:
+            return _audio(answer, said)
+
+        request = InProcessRequest(b"POST", f"/engines/{engine}/dialogue", body)
+        return await run(self.core._dialogue, request, engine, hold=encode)
+
+
+# -- the wire -------------------------------------------------------------------------------
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read(raw: bytes) -> tuple[str | int | None, str | None, Any]:
+    """
+    The message in a POST body: its id, its method and its params for a request; no
+    method for a notification or a response.  Params are as sent (an object where the
+    message is MCP's; anything else is the method's to refuse, under the id).
+
+    @raise _Malformed: not JSON, a batch, or not a JSON-RPC 2.0 message.
+    """
+    try:
+        message = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise _Malformed(PARSE_ERROR, f"the body is not JSON: {error}") from None
+    if isinstance(message, list):
+        raise _Malformed(INVALID_REQUEST, "one JSON-RPC message per POST: batches are not taken")
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+        raise _Malformed(INVALID_REQUEST, 'not a JSON-RPC 2.0 message (an object with "jsonrpc": "2.0")')
+    if "method" not in message:
+        if "id" in message and ("result" in message or "error" in message):
+            return None, None, {}
+        raise _Malformed(INVALID_REQUEST, "neither a request, a notification nor a response")
+    method = message["method"]
+    if not isinstance(method, str):
+        raise _Malformed(INVALID_REQUEST, "method must be a string")
+    if "id" not in message:
+        return None, None, {}
+    request_id = message["id"]
+    if not _is_id(request_id):
+        raise _Malformed(INVALID_REQUEST, "id must be a string or an integer")
+    params = message.get("params")
+    return request_id, method, {} if params is None else params
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def _error(request: IRequest, request_id: str | int | None, code: int, message: str) -> bytes:
+    _reason(request, f"JSON-RPC {code}: {message}")
+    error = {"code": code, "message": message}
+    return _sized(request, _dumps({"jsonrpc": "2.0", "id": request_id, "error": error}))
+
+
+def _sized(request: IRequest, body: bytes) -> bytes:
+    # With its length known the answer goes out in one piece rather than chunked.
+    request.setHeader(b"Content-Type", _JSON)
+    request.setHeader(b"Content-Length", b"%d" % len(body))
+    return body
+
+
+def _reason(request: IRequest, reason: str) -> None:
+    try:
+        request.error_reason = reason  # type: ignore[attr-defined]
+    except AttributeError:
+        pass  # a request that keeps no attributes of ours
