@@ -101,11 +101,32 @@ def test_models_lists_every_engine_and_its_variants(port: int) -> None:
         assert engine in ids and all(f"{engine}:{v}" in ids for v in caps["variants"])
 
 
-def test_a_batch_across_formats(port: int) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_engine_speaks_through_mcp(port: int, engine: str) -> None:
     """
-    A batch on Piper answers each item in its own format, each decoding to speech.
+    MCP's speak tool on each engine answers a WAV of speech as audio content, its
+    mimeType the route's Content-Type, and a line naming the engine.
     """
-    body = json.dumps({"model": "piper", "items": [
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "speak", "arguments": {"engine": engine, "text": "Hello from an agent."}}}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/mcp", data=json.dumps(call).encode(), headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream"})
+    with urllib.request.urlopen(request, timeout=180) as response:
+        result = json.loads(response.read())["result"]
+    assert result["isError"] is False, result
+    audio, line = result["content"]
+    wav = base64.b64decode(audio["data"])
+    assert audio["type"] == "audio" and audio["mimeType"] == "audio/wav" and wav[:4] == b"RIFF"
+    assert rms(decode_pcm(wav, "wav", int.from_bytes(wav[24:28], "little"))) > SILENCE_RMS
+    assert f'engine "{engine}"' in line["text"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_batch_across_formats(port: int, engine: str) -> None:
+    """
+    A batch on each engine answers each item in its own format, each decoding to speech.
+    """
+    body = json.dumps({"model": engine, "items": [
         {"input": "One line of a batch."}, {"input": "And another.", "response_format": "mp3"}]}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/audio/speech/batch", data=body,
                                      headers={"Content-Type": "application/json"})
