@@ -102,6 +102,13 @@ class ManagementConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    #: Whether GET /metrics answers everybody; otherwise only whom the management
+    #: routes answer (it names every engine and what each model costs).
+    public: bool = False
+
+
+@dataclass(frozen=True)
 class CorsConfig:
     #: Browser origins whose pages may call the public speech and discovery routes;
     #: "*" for any.  None by default: a page on another origin is refused.
@@ -135,6 +142,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     management: ManagementConfig = field(default_factory=ManagementConfig)
     cors: CorsConfig = field(default_factory=CorsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -236,6 +244,12 @@ def _origins(value: Any, where: str, base: Path) -> tuple[str, ...]:
             must = "an absolute http or https origin with nothing after the host and port"
             raise _fail(f"{where}[{index}]", must, origin)
     return tuple(value)
+
+
+def _flag(value: Any, where: str, base: Path) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, "true or false", value)
+    return value
 
 
 def _cors_origins(value: Any, where: str, base: Path) -> tuple[str, ...]:
@@ -388,6 +402,7 @@ _TOP: dict[str, _Check] = {
     ),
     "management": _section(ManagementConfig, {"token": _token, "origins": _origins}),
     "cors": _section(CorsConfig, {"origins": _cors_origins}),
+    "metrics": _section(MetricsConfig, {"public": _flag}),
     "limits": _section(
         LimitsConfig,
         {

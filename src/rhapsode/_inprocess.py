@@ -32,6 +32,8 @@ class InProcessRequest:
     """
 
     channel = None
+    #: The route a speech request is counted under in the metrics (mcp, batch).
+    metrics_route: str | None = None
     startedWriting = False
     finished = False
     error_reason: str | None = None

@@ -466,7 +466,9 @@ class McpServer:
             return _audio(answer, said)
 
         # Encoded under hold: the audio stays counted against the buffer budget until then.
-        return await run(self.core.speak, InProcessRequest(b"POST", "/speak", body), hold=encode)
+        request = InProcessRequest(b"POST", "/speak", body)
+        request.metrics_route = "mcp"
+        return await run(self.core.speak, request, hold=encode)
 
     async def _speak_dialogue(self, arguments: dict[str, Any]) -> Answered:
         engine = arguments["engine"]
@@ -479,6 +481,7 @@ class McpServer:
             return _audio(answer, said)
 
         request = InProcessRequest(b"POST", f"/engines/{engine}/dialogue", body)
+        request.metrics_route = "mcp"
         return await run(self.core._dialogue, request, engine, hold=encode)
 
 

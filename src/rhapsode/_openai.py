@@ -245,7 +245,7 @@ class OpenAIShim:
                     f'stream_format "sse" carries pcm or wav, not "{native["format"]}"', field="stream_format"
                 )
             return await self.core._speech(
-                request, finished, native["engine"], native, "/speak", forward_speak, sse=sse
+                request, finished, native["engine"], native, "/speak", forward_speak, sse=sse, route="openai"
             )
 
         return await self._answer(request, handle)
@@ -291,6 +291,7 @@ class OpenAIShim:
         except SpeechError as refused:
             return {"index": index, "status": "error", "error": openai_envelope(refused)["error"]}
         inner = InProcessRequest(b"POST", "/speak", native)
+        inner.metrics_route = "batch"
         held.append(inner)
         answered = await run(self.core.speak, inner)
         if answered.code != 200:

@@ -35,6 +35,7 @@ from rhapsode_worker.errors import Internal, SpeechError, error_from_envelope
 from rhapsode_worker.web import DURATION_HEADER, abort_connection, write_trailer
 
 from ._admission import BufferBudget, Turnstile
+from ._metrics import Measured
 from ._registry import EngineHandle
 from ._residency import Residency
 from ._upstream import BytesProducer, Stalls, Watched, collect, stalled
@@ -92,10 +93,13 @@ class StreamRelay(Protocol):
     fails when it did not; C{trailers} then holds the trailer fields the worker sent.
     """
 
-    def __init__(self, request: IRequest, response: Any, stalls: Stalls | None = None) -> None:
+    def __init__(
+        self, request: IRequest, response: Any, stalls: Stalls | None = None, measured: Measured | None = None
+    ) -> None:
         self._request = request
         self._response = response
         self._stalls = stalls
+        self._measured = measured
         self._stall: Watched | None = None
         self._stalled = False
         self.received = 0
@@ -109,6 +113,8 @@ class StreamRelay(Protocol):
         self._request.registerProducer(self, True)  # type: ignore[attr-defined]
 
     def dataReceived(self, data: bytes) -> None:
+        if not self.received and self._measured is not None:
+            self._measured.first_audio()
         self.received += len(data)
         if self._stall is not None:
             self._stall.progress()
@@ -157,8 +163,10 @@ class SseRelay(StreamRelay):
     can still be refused with an envelope rather than announced as speech.
     """
 
-    def __init__(self, request: IRequest, response: Any, stalls: Stalls | None = None) -> None:
-        super().__init__(request, response, stalls)
+    def __init__(
+        self, request: IRequest, response: Any, stalls: Stalls | None = None, measured: Measured | None = None
+    ) -> None:
+        super().__init__(request, response, stalls, measured)
         self._held: list[bytes] = []
 
     def dataReceived(self, data: bytes) -> None:
@@ -171,6 +179,8 @@ class SseRelay(StreamRelay):
         if self._held:
             data = b"".join(self._held) + data
             self._held = []
+        if self._measured is not None:
+            self._measured.first_audio()
         self._request.write(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
 
 
@@ -183,9 +193,13 @@ def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
 
 
 def relay(
-    response: Any, request: IRequest, stalls: Stalls | None = None, kind: type[StreamRelay] = StreamRelay
+    response: Any,
+    request: IRequest,
+    stalls: Stalls | None = None,
+    kind: type[StreamRelay] = StreamRelay,
+    measured: Measured | None = None,
 ) -> "Deferred[StreamRelay]":
-    stream = kind(request, response, stalls)
+    stream = kind(request, response, stalls, measured)
     response.deliverBody(stream)
     return stream.done.addCallback(lambda _: stream)
 
@@ -236,6 +250,7 @@ class SpeechRelay:
         keep_alive: int | None,
         *,
         sse: bool = False,
+        measured: Measured | None = None,
     ) -> Any:
         """
         Speak C{forward} through the worker's C{path}, holding a turn and a lease on the
@@ -250,10 +265,11 @@ class SpeechRelay:
                 return await self._relay_error(request, response)
             if not forward.get("stream", True):
                 turns = len(forward.get("turns", ())) or 1
-                return await self.buffered(request, response, finished, buffered_limit(caps, variant, turns))
+                limit = buffered_limit(caps, variant, turns)
+                return await self.buffered(request, response, finished, limit, measured)
             if sse:
-                return await self._events(request, finished, response)
-            return await self._streamed(request, finished, response, forward.get("format", "wav"), caps)
+                return await self._events(request, finished, response, measured)
+            return await self._streamed(request, finished, response, forward.get("format", "wav"), caps, measured)
 
     async def preview(
         self, request: IRequest, finished: Any, engine: EngineHandle, voice_id: str, caps: dict[str, Any], variant: str
@@ -372,7 +388,12 @@ class SpeechRelay:
         raise error
 
     async def buffered(
-        self, request: IRequest, response: Any, finished: "Deferred[Any]", limit: int = BUFFERED_LIMIT
+        self,
+        request: IRequest,
+        response: Any,
+        finished: "Deferred[Any]",
+        limit: int = BUFFERED_LIMIT,
+        measured: Measured | None = None,
     ) -> bytes:
         """
         A worker's whole answer, held within C{limit} and the core's buffer budget until
@@ -392,10 +413,21 @@ class SpeechRelay:
             if value:
                 request.setHeader(name, value[0])
         request.setHeader(b"Content-Length", b"%d" % len(body))
+        if measured is not None:
+            measured.first_audio()
+            measured.sent = len(body)
+            told = headers.getRawHeaders(DURATION_HEADER)
+            measured.audio_ms = int(told[0]) if told and told[0].isdigit() else None
         return body
 
     async def _streamed(
-        self, request: IRequest, finished: Any, response: Any, fmt: str, caps: dict[str, Any]
+        self,
+        request: IRequest,
+        finished: Any,
+        response: Any,
+        fmt: str,
+        caps: dict[str, Any],
+        measured: Measured | None = None,
     ) -> Any:
         request.setResponseCode(200)
         content_type = response.headers.getRawHeaders(b"Content-Type")
@@ -403,30 +435,38 @@ class SpeechRelay:
             request.setHeader(b"Content-Type", content_type[0])
         request.setHeader(b"Trailer", DURATION_HEADER)
         try:
-            stream = await relay(response, request, self.stalls)
+            stream = await relay(response, request, self.stalls, measured=measured)
         except Exception as error:
             if isinstance(error, SpeechError):
                 self.log.warn("aborting a stream: {why}", why=error.message)
             abort_connection(request)
+            _aborted(measured, error)
             await _settled(finished)
             return None
         received = stream.received
+        if measured is not None:
+            measured.sent = received
         if received < FLOOR_BYTES:
             # Too late for an envelope: the status is on the wire.  An abort is the only
             # way left to say this was not audio.
             self.log.warn("aborting a {n}-byte stream: under the floor", n=received)
             abort_connection(request)
+            _aborted(measured, None)
             await _settled(finished)
             return None
         # The worker's own trailer is authoritative (it counted the PCM); where it cannot
         # be read, pcm and wav can still be counted from the bytes.
         told = stream.trailers.get(DURATION_HEADER.lower(), b"")
         duration = int(told) if told.isdigit() else _duration_ms(fmt, caps.get("nativeFormat", {}), received)
+        if measured is not None:
+            measured.audio_ms = duration
         write_trailer(request, duration)
         return None
 
 
-    async def _events(self, request: IRequest, finished: Any, response: Any) -> bytes | None:
+    async def _events(
+        self, request: IRequest, finished: Any, response: Any, measured: Measured | None = None
+    ) -> bytes | None:
         """
         A stream as server-sent events (OpenAI's C{stream_format: "sse"}): a delta per
         piece, then C{speech.audio.done}.  A failure before the first event is still an
@@ -437,12 +477,13 @@ class SpeechRelay:
         request.setHeader(b"Content-Type", b"text/event-stream")
         request.setHeader(b"Cache-Control", b"no-cache")
         try:
-            stream = await relay(response, request, self.stalls, SseRelay)
+            stream = await relay(response, request, self.stalls, SseRelay, measured)
         except Exception as exc:
             error = exc if isinstance(exc, SpeechError) else Internal(f"the worker's stream broke off: {exc}")
             if not getattr(request, "startedWriting", False):
                 raise error from None
             self.log.warn("ending an event stream early: {why}", why=error.message)
+            _aborted(measured, error)
             late = error.envelope()["error"]
             kind = "invalid_request_error" if error.status < 500 and not error.retryable else "server_error"
             request.write(sse_event("speech.audio.error", {"error": {
@@ -451,8 +492,19 @@ class SpeechRelay:
             return b""
         if stream.received < FLOOR_BYTES:
             raise Internal(f"the worker answered 200 with {stream.received} bytes, which is not audio")
+        if measured is not None:
+            measured.sent = stream.received
         request.write(sse_event("speech.audio.done", {}))
         return b""
+
+
+def _aborted(measured: Measured | None, error: BaseException | None) -> None:
+    """
+    A stream that ended after its headers without being whole: counted as aborted, or
+    as cancelled where its client went first.
+    """
+    if measured is not None:
+        measured.end("cancelled" if isinstance(error, CancelledError) else "aborted")
 
 
 async def _settled(finished: Any) -> None:

@@ -64,6 +64,27 @@ class IResidencySettings(Interface):
         """
 
 
+class IResidencyObserver(Interface):
+    """
+    Told of what happens to models, as it happens (the core's metrics).
+    """
+
+    def load_started(engine: str, variant: str) -> None:
+        """
+        A model was admitted to load (a new one, or a worker switching variant).
+        """
+
+    def load_finished(engine: str, variant: str, seconds: float) -> None:
+        """
+        Its worker first answered in it, C{seconds} after its admission.
+        """
+
+    def evicted(engine: str, reason: str) -> None:
+        """
+        A model left: C{room}, C{expired}, C{unload} or C{crash}.
+        """
+
+
 class _Turns:
     """
     A lock handed from one holder to the next without nesting.
@@ -140,6 +161,8 @@ class _Model:
         #: Whether the worker has answered a request in this variant, so has loaded it:
         #: until then the model is admitted, and loading.
         self.loaded = False
+        #: When it was admitted to load (for how long the load took).
+        self.admitted = 0.0
         self.expiry: IDelayedCall | None = None
 
     def disarm(self) -> None:
@@ -219,6 +242,8 @@ class Residency:
         self._models: OrderedDict[str, _Model] = OrderedDict()
         self._tickets: list[_Ticket] = []
         self._room: list[Deferred[bool]] = []
+        #: Told of loads and evictions (the core's metrics); None tells nobody.
+        self.observer: Any = None
 
     # -- what the router calls ----------------------------------------------------------
 
@@ -280,6 +305,8 @@ class Residency:
         """
         model = self._models.get(engine)
         if model is not None and model.variant == variant:
+            if not model.loaded and self.observer is not None:
+                self.observer.load_finished(engine, variant, self._clock.seconds() - model.admitted)
             model.loaded = True
 
     def loaded(self, engine: str) -> bool:
@@ -291,9 +318,9 @@ class Residency:
         C{engine}'s worker process has gone, and its model with it.  Leases still held on
         it end quietly when released.
         """
-        model = self._models.pop(engine, None)
+        model = self._models.get(engine)
         if model is not None:
-            model.disarm()
+            self._drop(model, "crash")
             self.log.info("{engine} ({variant}) is no longer resident", engine=engine, variant=model.variant)
             self._wake()
 
@@ -404,10 +431,12 @@ class Residency:
                     model.size_bytes = None
                     model.measured = False
                     model.loaded = False
+                    self._loading(model)
                 return self._lease(model, ticket.keep_alive)
             if len(self._models) < self._settings.max_resident_models():
                 model = _Model(ticket.engine, ticket.variant)
                 self._models[ticket.engine] = model
+                self._loading(model)
                 return self._lease(model, ticket.keep_alive)
             idle = next((m for m in self._models.values() if m.leases == 0), None)
             if idle is None:
@@ -419,7 +448,7 @@ class Residency:
                 return None
             self.log.info("evicting {engine} ({variant}) to make room for {wanted}",
                           engine=idle.engine, variant=idle.variant, wanted=ticket.engine)
-            self._drop(idle)
+            self._drop(idle, "room")
             await self._terminate_quietly(idle)
         return None
 
@@ -433,7 +462,7 @@ class Residency:
             return
         self.log.info("{engine} ({variant}) idle for {seconds} s: terminating its worker",
                       engine=model.engine, variant=model.variant, seconds=keep_alive)
-        self._drop(model)
+        self._drop(model, "expired")
         await self._terminate_quietly(model)
         self._wake()
 
@@ -447,16 +476,23 @@ class Residency:
         if model is not None:
             self.log.info("{mode} {engine} ({variant}) on request",
                           mode=mode, engine=engine, variant=model.variant)
-            self._drop(model)
+            self._drop(model, "unload")
         action = self._terminate if mode == "terminate" else self._unload
         try:
             await action(engine)
         finally:
             self._wake()
 
-    def _drop(self, model: _Model) -> None:
+    def _drop(self, model: _Model, reason: str) -> None:
         del self._models[model.engine]
         model.disarm()
+        if self.observer is not None:
+            self.observer.evicted(model.engine, reason)
+
+    def _loading(self, model: _Model) -> None:
+        model.admitted = self._clock.seconds()
+        if self.observer is not None:
+            self.observer.load_started(model.engine, model.variant)
 
     async def _terminate_quietly(self, model: _Model) -> None:
         """

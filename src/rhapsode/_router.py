@@ -15,6 +15,7 @@ import json
 from typing import Any, Awaitable, Callable, Sequence
 
 from klein import Klein
+from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
@@ -22,14 +23,15 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from rhapsode_worker import contract
-from rhapsode_worker.errors import Conflict, Forbidden, Internal, UnknownVoice
+from rhapsode_worker.errors import Conflict, Forbidden, Internal, UnknownVoice, as_speech_error
 from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, HandlerResource, Routes
-from rhapsode_worker.web import InFlight, answer, json_response, no_route, read_json
+from rhapsode_worker.web import InFlight, answer, error_response, json_response, no_route, read_json
 
 from . import __version__
 from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, IAdmissionSettings, Turnstile
 from ._config import Config, ConfigSettings
 from ._mcp import McpServer
+from ._metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from ._openai import OpenAIShim
 from ._preflight import forward_dialogue, forward_speak, voices_to_check
 from ._registry import EngineHandle, Registry
@@ -50,6 +52,7 @@ OPENAI_SPEECH = "/v1/audio/speech"
 OPENAI_BATCH = "/v1/audio/speech/batch"
 OPENAI_STREAM = "/v1/audio/speech/stream"
 MCP = "/mcp"
+METRICS = "/metrics"
 #: At most this many items in one batch, and this much JSON in its body.
 BATCH_ITEMS = 32
 _BATCH_LIMIT = 4 * 1024 * 1024
@@ -107,6 +110,7 @@ class CoreApp:
         management_token: str | None = None,
         management_origins: Sequence[str] = (),
         cors_origins: Sequence[str] = (),
+        metrics_public: bool = False,
         settings: IResidencySettings | None = None,
         residency: Residency | None = None,
         admission: IAdmissionSettings | None = None,
@@ -121,6 +125,8 @@ class CoreApp:
         @param stall_seconds: how long a worker may send nothing while answering.
         @param head_timeout: how long a request's head may take from its first byte.
         @param idle_timeout: how long a connection may send nothing.
+        @param metrics_public: whether C{/metrics} answers everybody; otherwise it is
+            guarded as the management routes are (it names engines and sizes).
         @param cors_origins: the browser origins, beside this machine's, whose pages
             may call the public speech and discovery routes (C{cors.origins}).
         """
@@ -155,6 +161,9 @@ class CoreApp:
         self.openai = OpenAIShim(self)
         self.mcp = McpServer(self, __version__)
         self.streams = SpeechStreams(self)
+        self.metrics = Metrics(self, reactor)
+        self.residency.observer = self.metrics
+        self.metrics_public = metrics_public
 
     def close(self) -> None:
         """
@@ -184,7 +193,7 @@ class CoreApp:
             access_log=access_log,
             reactor=self.reactor,
             routes=Routes(self.app.url_map, BODY_LIMITS),
-            management=MANAGEMENT,
+            management=MANAGEMENT if self.metrics_public else MANAGEMENT | {("GET", METRICS)},
             origin_checked=ORIGIN_CHECKED,
             cors=CORS_ROUTES,
             upload=("POST", _VOICES),
@@ -256,6 +265,14 @@ class CoreApp:
                 "residency": {key: residency[key] for key in ("resident", "max", "waiting")},
             },
         )
+
+    @app.route(METRICS, methods=["GET"])
+    def _metrics(self, request: IRequest) -> bytes:
+        # Rendered here, on the reactor thread: the collector reads the core's own state.
+        if not (self.metrics_public or getattr(request, "guarded", False)):
+            return error_response(request, Forbidden("/metrics reached without passing the management guard"))
+        request.setHeader(b"Content-Type", METRICS_TYPE)
+        return self.metrics.render()
 
     @app.route("/residency", methods=["GET"])
     def _residency(self, request: IRequest) -> bytes:
@@ -424,21 +441,35 @@ class CoreApp:
         forward: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]],
         *,
         sse: bool = False,
+        route: str | None = None,
     ) -> Any:
         """
         What /speak and dialogue share (and every translation into them): the effective
         variant (section 4's rule), every check that can refuse before a lease
         (preflight), then the speech relay; with C{sse}, a stream goes out as OpenAI's
-        server-sent audio events.
+        server-sent audio events.  Measured as one request on C{route} (by default
+        the request's own C{metrics_route}, else the path's).
         """
-        engine = self.registry.get(engine_id)
-        caps = await engine.capabilities()
-        variant = engine.effective_variant(body.get("variant"), self._resident(engine))
-        forwarded = forward(body, caps, variant)
-        await self._check_voices(engine, forwarded)
-        return await self.speech.dispatch(
-            request, finished, engine, path, forwarded, caps, body.get("keepAliveSeconds"), sse=sse
-        )
+        route = route or getattr(request, "metrics_route", None) or path.strip("/")
+        measured = self.metrics.begin(route, engine_id)
+        try:
+            engine = self.registry.get(engine_id)
+            caps = await engine.capabilities()
+            variant = engine.effective_variant(body.get("variant"), self._resident(engine))
+            forwarded = forward(body, caps, variant)
+            await self._check_voices(engine, forwarded)
+            answer = await self.speech.dispatch(
+                request, finished, engine, path, forwarded, caps, body.get("keepAliveSeconds"),
+                sse=sse, measured=measured,
+            )
+        except CancelledError:
+            measured.end("cancelled")
+            raise
+        except Exception as exc:
+            measured.end(as_speech_error(exc).code)
+            raise
+        measured.end("ok")
+        return answer
 
     async def _check_voices(self, engine: EngineHandle, forward: dict[str, Any]) -> None:
         """

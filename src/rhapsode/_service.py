@@ -147,6 +147,7 @@ class RhapsodeService(service.Service):
             management_token=self.config.management.token,
             management_origins=self.config.management.origins,
             cors_origins=self.config.cors.origins,
+            metrics_public=self.config.metrics.public,
             residency=residency,
             admission=settings,
             stall_seconds=workers.stall_seconds,

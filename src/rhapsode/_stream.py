@@ -536,7 +536,8 @@ class StreamSession:
             native = await self._core.openai.native({**piece.config.fields, "input": piece.text}, stream=True)
             native.update(piece.config.native)
             await self._core._speech(
-                sentence.as_request(), sentence.finished, native["engine"], native, "/speak", forward_speak
+                sentence.as_request(), sentence.finished, native["engine"], native, "/speak", forward_speak,
+                route="stream",
             )
         except CancelledError:
             raise

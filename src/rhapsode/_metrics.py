@@ -1,0 +1,201 @@
+"""
+The core's metrics, for C{GET /metrics} in Prometheus's text format.
+
+Counters and histograms are recorded as speech happens (L{Metrics.begin} gives each
+speech request a L{Measured} to fill in); what is a state rather than an event (queue
+depth, models resident and their bytes, workers and their restarts) is read at scrape
+time from the core's own structures by a collector, so nothing is updated per event that
+only a scrape reads.  The registry is this core's own, never prometheus_client's global
+one, and it is rendered on the reactor thread: its collector reads reactor-owned state.
+prometheus_client's Twisted resource is not used (it imports the global reactor and
+renders in a thread).
+
+Every label value is bounded: a route from a fixed set, an engine id from the registry
+(a request naming an engine the registry lacks is counted under C{"-"}), an outcome from
+the taxonomy's codes plus C{ok}, C{aborted} and C{cancelled}.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from rhapsode_worker.errors import ERROR_TABLE
+
+if TYPE_CHECKING:
+    from ._router import CoreApp
+
+__all__ = ["CONTENT_TYPE", "Measured", "Metrics", "ROUTES"]
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+#: The speech routes a request is counted under.
+ROUTES = frozenset({"speak", "dialogue", "preview", "openai", "stream", "mcp", "batch"})
+#: An engine the registry does not have (the request was refused as unknown_engine).
+UNKNOWN = "-"
+_OUTCOMES = frozenset(ERROR_TABLE) | {"ok", "aborted", "cancelled"}
+# Buckets are few on purpose: each is a series per engine, and a scrape's cost is its
+# series (bench/metrics.py).
+#: Seconds to first audio: the first chunk of a fast engine to a cold start.
+_FIRST = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Seconds for a whole answer, a sentence to a chapter.
+_WHOLE = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: Seconds for a model's load, small ONNX to large torch models.
+_LOAD = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: Audio seconds per wall second: under 1 is slower than real time.
+_RATIO = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
+
+
+class Measured:
+    """
+    One speech request as it goes: when it began, when its first audio went out, how
+    many bytes and how much audio it carried.  L{end} records it once.
+    """
+
+    __slots__ = ("_metrics", "route", "engine", "started", "first", "sent", "audio_ms", "_ended")
+
+    def __init__(self, metrics: "Metrics", route: str, engine: str, started: float) -> None:
+        self._metrics = metrics
+        self.route = route
+        self.engine = engine
+        self.started = started
+        self.first: float | None = None
+        self.sent = 0
+        self.audio_ms: int | None = None
+        self._ended = False
+
+    def first_audio(self) -> None:
+        if self.first is None:
+            self.first = self._metrics.clock.seconds()
+
+    def end(self, outcome: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._metrics._record(self, outcome if outcome in _OUTCOMES else "internal")
+
+
+class Metrics:
+    """
+    The metrics of one core (L{rhapsode._router.CoreApp}); its clock times requests.
+    """
+
+    def __init__(self, core: "CoreApp", clock: Any) -> None:
+        # The _created series say when a label set was first seen, which nobody reads.
+        disable_created_metrics()
+        self.core = core
+        self.clock = clock
+        self.registry = CollectorRegistry(auto_describe=False)
+        registry = self.registry
+        self.requests = Counter(
+            "rhapsode_requests", "Speech requests answered, by route, engine and outcome (ok or the error code).",
+            ["route", "engine", "code"], registry=registry)
+        self.sent = Counter(
+            "rhapsode_audio_bytes", "Audio bytes sent to clients, by route and engine.",
+            ["route", "engine"], registry=registry)
+        self.first_audio = Histogram(
+            "rhapsode_time_to_first_audio_seconds", "From a speech request's arrival to its first audio byte.",
+            ["engine"], buckets=_FIRST, registry=registry)
+        self.duration = Histogram(
+            "rhapsode_request_duration_seconds", "A speech request's whole time, by engine.",
+            ["engine"], buckets=_WHOLE, registry=registry)
+        self.realtime = Histogram(
+            "rhapsode_realtime_factor", "Audio seconds per wall second of a whole answer (over 1 is faster "
+            "than real time), where the audio's length is known.", ["engine"], buckets=_RATIO, registry=registry)
+        self.loads = Counter("rhapsode_model_loads", "Models admitted to load, by engine.", ["engine"],
+                             registry=registry)
+        self.load_time = Histogram(
+            "rhapsode_model_load_seconds", "From a model's admission to its worker's first answer in it.",
+            ["engine"], buckets=_LOAD, registry=registry)
+        self.evictions = Counter(
+            "rhapsode_model_evictions", "Models that left the card, by engine and why (room, expired, unload, crash).",
+            ["engine", "reason"], registry=registry)
+        registry.register(_StateCollector(core))
+
+    def engine_label(self, engine_id: str) -> str:
+        return engine_id if engine_id in self.core.registry else UNKNOWN
+
+    def begin(self, route: str, engine_id: str) -> Measured:
+        """
+        Start measuring one speech request on C{route} for C{engine_id}.
+        """
+        return Measured(self, route if route in ROUTES else "speak", self.engine_label(engine_id), self.clock.seconds())
+
+    def _record(self, measured: Measured, outcome: str) -> None:
+        engine, route = measured.engine, measured.route
+        now = self.clock.seconds()
+        self.requests.labels(route, engine, outcome).inc()
+        if measured.sent:
+            self.sent.labels(route, engine).inc(measured.sent)
+        if outcome != "ok":
+            return
+        elapsed = now - measured.started
+        self.duration.labels(engine).observe(elapsed)
+        if measured.first is not None:
+            self.first_audio.labels(engine).observe(measured.first - measured.started)
+        if measured.audio_ms and elapsed > 0:
+            self.realtime.labels(engine).observe(measured.audio_ms / 1000 / elapsed)
+
+    # -- residency, as it happens (rhapsode._residency's observer) ------------------------
+
+    def load_started(self, engine: str, variant: str) -> None:
+        self.loads.labels(self.engine_label(engine)).inc()
+
+    def load_finished(self, engine: str, variant: str, seconds: float) -> None:
+        self.load_time.labels(self.engine_label(engine)).observe(seconds)
+
+    def evicted(self, engine: str, reason: str) -> None:
+        self.evictions.labels(self.engine_label(engine), reason).inc()
+
+    def render(self) -> bytes:
+        """
+        Every series now, in the text format.
+        """
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """
+    What is a state rather than an event, read from the core at scrape time.
+    """
+
+    def __init__(self, core: "CoreApp") -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.core
+        speaking = GaugeMetricFamily("rhapsode_requests_speaking", "Speech requests holding a turn, by engine.",
+                                     labels=["engine"])
+        queued = GaugeMetricFamily("rhapsode_requests_queued", "Speech requests waiting for a turn, by engine.",
+                                   labels=["engine"])
+        up = GaugeMetricFamily("rhapsode_worker_up", "1 where the engine's worker process is up.",
+                               labels=["engine", "state"])
+        restarts = CounterMetricFamily("rhapsode_worker_restarts", "Worker restarts after a crash, by engine.",
+                                       labels=["engine"])
+        turnstile = core.speech.turnstile
+        for handle in core.registry:
+            line = turnstile.state(handle.id)
+            speaking.add_metric([handle.id], line["speaking"])
+            queued.add_metric([handle.id], line["queued"])
+            health = handle.health()
+            state = str(health.get("process", "remote"))
+            up.add_metric([handle.id, state], 1.0 if state == "up" else 0.0)
+            restarts.add_metric([handle.id], float(health.get("restarts", 0)))
+        resident = GaugeMetricFamily("rhapsode_model_resident", "1 for each model resident now.",
+                                     labels=["engine", "variant", "loaded"])
+        size = GaugeMetricFamily("rhapsode_model_bytes", "What a resident model's load cost, where measured.",
+                                 labels=["engine", "variant"])
+        leases = GaugeMetricFamily("rhapsode_model_leases", "Requests holding a resident model.", labels=["engine"])
+        for handle in core.registry:
+            model = core.residency.state(handle.id)
+            if not model["resident"]:
+                continue
+            resident.add_metric([handle.id, model["variant"], "true" if model["loaded"] else "false"], 1.0)
+            leases.add_metric([handle.id], float(model["leases"]))
+            if model.get("sizeBytes") is not None:
+                size.add_metric([handle.id, model["variant"]], float(model["sizeBytes"]))
+        in_flight = GaugeMetricFamily("rhapsode_requests_in_flight", "Requests being answered, every route.",
+                                      value=float(core.requests.count))
+        yield from (speaking, queued, up, restarts, resident, size, leases, in_flight)
