@@ -1,17 +1,32 @@
 """
-The C{rhapsode} command: C{rhapsode serve [--config FILE]} is C{twistd -n rhapsode}, with
-one difference: while it stops, a second Ctrl-C (or SIGTERM) quits at once.
+The C{rhapsode} command.  C{rhapsode serve [--config FILE]} is C{twistd -n rhapsode}, with
+one difference: while it stops, a second Ctrl-C (or SIGTERM) quits at once.  The other
+subcommands (C{engines}, C{voices}, C{say}, C{catalog}, C{ps}, C{unload}, C{version}) are
+clients of a running server's public routes through L{rhapsode.client.RhapsodeClient}:
+listings print aligned plain tables, or the server's JSON with C{--json}; a refusal
+prints the taxonomy's C{code: message} on stderr and exits 1.  docs/cli.md has the rest.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
 from types import FrameType
-from typing import Any, Callable
+from typing import IO, Any, Awaitable, Callable, Mapping, Sequence
 
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectError, DNSLookupError
 from twisted.logger import Logger
+
+from rhapsode_worker.errors import SpeechError
+
+from . import __version__
 
 #: What a forced quit exits with: not the signal, which is how a clean stop ends.
 FORCED_EXIT = 1
@@ -107,20 +122,387 @@ def _write_stderr(line: str) -> None:
         pass
 
 
+#: Where the client subcommands find the server without C{--url} or C{RHAPSODE_URL}.
+DEFAULT_URL = "http://127.0.0.1:8080"
+#: What a refusal, or a server that does not answer, exits with; a bad command line is 2.
+FAILED = 1
+USAGE = 2
+
+
+def parser() -> argparse.ArgumentParser:
+    """
+    The command line of every subcommand but C{serve}, whose options are the twistd
+    plugin's (L{rhapsode._tap.Options}) and are handed to it as they are.
+    """
+    top = argparse.ArgumentParser(
+        prog="rhapsode",
+        description="Rhapsode, a multi-engine speech server, and a client of one.",
+    )
+    commands = top.add_subparsers(dest="command", metavar="COMMAND")
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument(
+        "--url",
+        default=None,
+        help=f"the server (default: $RHAPSODE_URL, else {DEFAULT_URL})",
+    )
+    listing = argparse.ArgumentParser(add_help=False)
+    listing.add_argument("--json", action="store_true", help="print the server's JSON as it is")
+    commands.add_parser("serve", help="run the server: rhapsode serve [--config FILE]")
+    commands.add_parser("engines", parents=[client, listing], help="the engines this server has")
+    voices = commands.add_parser("voices", parents=[client, listing], help="an engine's voices")
+    voices.add_argument("engine")
+    say = commands.add_parser("say", parents=[client], help="speak TEXT and write the audio")
+    say.add_argument("engine")
+    say.add_argument("text")
+    say.add_argument("-o", "--output", metavar="FILE", help="where the audio goes (default: stdout)")
+    say.add_argument("--voice", help="a voice id the engine lists")
+    say.add_argument("--format", help="wav, mp3, opus, flac, aac or pcm (default: the server's)")
+    say.add_argument("--variant", help="the engine's variant (default: the resident one, else its default)")
+    commands.add_parser(
+        "catalog", parents=[client, listing], help="every engine that exists, with both licences"
+    )
+    commands.add_parser("ps", parents=[client, listing], help="the models loaded now")
+    unload = commands.add_parser(
+        "unload", parents=[client], help="end an engine's worker (a management route)"
+    )
+    unload.add_argument("engine")
+    unload.add_argument(
+        "--mode",
+        choices=("terminate", "unload"),
+        default=None,
+        help="terminate (the default) ends the worker; unload frees the model and keeps it",
+    )
+    unload.add_argument(
+        "--token",
+        default=None,
+        help="the management token, for a server on another machine "
+        "(default: $RHAPSODE_MANAGEMENT_TOKEN)",
+    )
+    commands.add_parser("version", parents=[client], help="this client's version and the server's")
+    return top
+
+
+def server_url(given: str | None, environ: Mapping[str, str]) -> str:
+    """
+    C{--url}, else C{RHAPSODE_URL}, else L{DEFAULT_URL}.
+    """
+    return (given or environ.get("RHAPSODE_URL") or DEFAULT_URL).rstrip("/")
+
+
+# -- plain text ----------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """
+    Borderless, left-aligned columns three spaces apart, as C{ollama ps} prints them;
+    no line ends in spaces.
+    """
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = []
+    for row in [list(headers), *rows]:
+        lines.append("   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def size(count: int | None) -> str:
+    """
+    A byte count in binary units: C{512 B}, C{1.5 KiB}, C{310 MiB}, C{2.1 GiB}.
+    """
+    if count is None:
+        return "-"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{count} B"
+    return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+
+
+def _plural(count: int, unit: str) -> str:
+    return f"{count} {unit}" + ("" if count == 1 else "s")
+
+
+def until(model: dict[str, Any], now: float) -> str:
+    """
+    When a resident model goes, in words: C{speaking (n)} while leased, C{Never} for a
+    keep-alive of -1, C{4 minutes from now}, and C{Stopping...} once its time is up.
+    """
+    leases = model.get("leases") or 0
+    if leases:
+        return f"speaking ({leases})"
+    if model.get("keepAliveSeconds") == -1:
+        return "Never"
+    expires = model.get("expiresAt")
+    if not isinstance(expires, str):
+        return "-"
+    try:
+        left = datetime.fromisoformat(expires.replace("Z", "+00:00")).timestamp() - now
+    except ValueError:
+        return expires
+    if left <= 0:
+        return "Stopping..."
+    seconds = int(left)
+    if seconds < 1:
+        return "a moment from now"
+    for unit, length in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= length:
+            return _plural(seconds // length, unit) + " from now"
+    return _plural(seconds, "second") + " from now"
+
+
+def _licence(entry: dict[str, Any]) -> tuple[str, str]:
+    licence = entry.get("license")
+    if not isinstance(licence, dict):
+        return "-", "-"
+    weights = str(licence.get("weights", "-"))
+    if licence.get("weightsCommercialUse") is False:
+        weights += " (non-commercial)"
+    return str(licence.get("code", "-")), weights
+
+
+def _worker(entry: dict[str, Any]) -> str:
+    version = entry.get("workerVersion")
+    if not isinstance(version, str):
+        return "-"
+    return version + (" (outdated)" if entry.get("outdated") else "")
+
+
+def engines_table(engines: list[dict[str, Any]]) -> str:
+    """
+    C{GET /engines} as C{rhapsode engines} prints it.
+    """
+    rows = []
+    for engine in engines:
+        model = str(engine.get("model", "-"))
+        if engine.get("variant"):
+            model += f" ({engine['variant']})"
+        rows.append(
+            [
+                str(engine.get("id", "-")),
+                str(engine.get("displayName", "-")),
+                str(engine.get("process", "-")),
+                model,
+                *_licence(engine),
+                _worker(engine),
+            ]
+        )
+    return table(["ENGINE", "NAME", "PROCESS", "MODEL", "CODE", "WEIGHTS", "WORKER"], rows)
+
+
+def voices_table(voices: list[dict[str, Any]]) -> str:
+    """
+    C{GET /engines/{id}/voices} as C{rhapsode voices} prints it.
+    """
+    rows = [
+        [
+            str(voice.get("id", "-")),
+            str(voice.get("label", "-")),
+            "yes" if voice.get("builtin") else "no",
+            ", ".join(str(tag) for tag in voice.get("tags") or []) or "-",
+        ]
+        for voice in voices
+    ]
+    return table(["VOICE", "LABEL", "BUILTIN", "TAGS"], rows)
+
+
+def catalog_table(entries: list[dict[str, Any]]) -> str:
+    """
+    C{GET /catalog} as C{rhapsode catalog} prints it.
+    """
+    rows = [
+        [
+            str(entry.get("id", "-")),
+            str(entry.get("displayName", "-")),
+            str(entry.get("installed", "-")),
+            *_licence(entry),
+            str(entry.get("defaultVariant", "-")),
+            str(entry.get("python", "-")),
+            _worker(entry),
+        ]
+        for entry in entries
+    ]
+    return table(["ENGINE", "NAME", "INSTALLED", "CODE", "WEIGHTS", "DEFAULT", "PYTHON", "WORKER"], rows)
+
+
+def residency_table(residency: dict[str, Any], now: float) -> str:
+    """
+    C{GET /residency} as C{rhapsode ps} prints it: what is loaded, the next to go first.
+    """
+    rows = [
+        [
+            str(model.get("engine", "-")),
+            str(model.get("variant", "-")),
+            size(model.get("sizeBytes")),
+            until(model, now),
+        ]
+        for model in residency.get("models") or []
+    ]
+    return table(["ENGINE", "VARIANT", "SIZE", "UNTIL"], rows)
+
+
+# -- running a client subcommand -----------------------------------------------------
+
+
+@dataclass
+class Output:
+    """
+    Where a subcommand writes: text to C{stdout} and C{stderr}, audio to C{binary}
+    (stdout's bytes).  Tests give buffers.
+    """
+
+    stdout: IO[str]
+    stderr: IO[str]
+    binary: IO[bytes]
+
+    def line(self, text: str) -> None:
+        self.stdout.write(text if text.endswith("\n") else text + "\n")
+
+    def error(self, text: str) -> None:
+        self.stderr.write(text + "\n")
+
+
+def _listing(ns: argparse.Namespace, out: Output, document: Any, plain: Callable[[], str]) -> None:
+    if ns.json:
+        out.line(json.dumps(document, indent=2, ensure_ascii=False))
+    else:
+        out.line(plain())
+
+
+async def _engines(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    engines = await client.engines()
+    _listing(ns, out, engines, lambda: engines_table(engines))
+    return 0
+
+
+async def _voices(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    voices = await client.voices(ns.engine)
+    _listing(ns, out, voices, lambda: voices_table(voices))
+    return 0
+
+
+async def _catalog(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    entries = await client.catalog()
+    _listing(ns, out, entries, lambda: catalog_table(entries))
+    return 0
+
+
+async def _ps(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    residency = await client.residency()
+    _listing(ns, out, residency, lambda: residency_table(residency, now))
+    return 0
+
+
+async def _say(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    if ns.output is None and out.binary.isatty():
+        # Audio on a terminal is noise and can leave it in a strange state.
+        out.error("rhapsode: say writes audio: give -o FILE, or redirect stdout to a file or a player")
+        return USAGE
+    fields = {k: v for k, v in (("voice", ns.voice), ("format", ns.format), ("variant", ns.variant)) if v}
+    audio = await client.speak(ns.engine, ns.text, **fields)
+    if ns.output is None:
+        out.binary.write(audio.data)
+        out.binary.flush()
+        return 0
+    with open(ns.output, "wb") as file:
+        file.write(audio.data)
+    seconds = f", {audio.duration_ms / 1000:g} s" if audio.duration_ms is not None else ""
+    out.line(f"{ns.output}: {size(len(audio.data))} of {audio.content_type}{seconds}")
+    return 0
+
+
+async def _unload(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    summary = await client.unload(ns.engine, ns.mode)
+    out.line(f"{ns.engine}: process {summary.get('process', '-')}, model {summary.get('model', '-')}")
+    return 0
+
+
+async def _version(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    out.line(f"client version {__version__}")
+    health = await client.health()
+    out.line(f"server version {health.get('version', '-')} (contract {health.get('contract', '-')})")
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Any, Output, float], Awaitable[int]]] = {
+    "engines": _engines,
+    "voices": _voices,
+    "say": _say,
+    "catalog": _catalog,
+    "ps": _ps,
+    "unload": _unload,
+    "version": _version,
+}
+
+
+async def run(ns: argparse.Namespace, client: Any, out: Output, url: str, now: float | None = None) -> int:
+    """
+    Run the client subcommand C{ns} names against C{client} (a
+    L{rhapsode.client.RhapsodeClient}); the exit status.  A refusal is the taxonomy's
+    C{code: message} on stderr; a server that does not answer says so and how to start one.
+    """
+    try:
+        return await _COMMANDS[ns.command](ns, client, out, time.time() if now is None else now)
+    except SpeechError as refusal:
+        out.error(f"{refusal.code}: {refusal.message}")
+    except (ConnectError, DNSLookupError) as failure:
+        out.error(f"rhapsode: nothing is answering at {url} ({failure.__class__.__name__}). "
+                  "Start it with `rhapsode serve`, or give --url")
+    except OSError as failure:
+        # -o naming a file that cannot be written.
+        out.error(f"rhapsode: {failure}")
+    except Exception as failure:
+        # Anything else the connection did (a reset, a truncated body): said, not a traceback.
+        out.error(f"rhapsode: talking to {url} failed: {failure}")
+    return FAILED
+
+
+def _client_main(reactor: Any, ns: argparse.Namespace) -> "Deferred[None]":
+    from .client import RhapsodeClient
+
+    url = server_url(ns.url, os.environ)
+    token = getattr(ns, "token", None) or os.environ.get("RHAPSODE_MANAGEMENT_TOKEN") or None
+    client = RhapsodeClient(url, reactor=reactor, token=token)
+    out = Output(sys.stdout, sys.stderr, sys.stdout.buffer)
+
+    async def go() -> None:
+        try:
+            code = await run(ns, client, out, url)
+        finally:
+            await client.close()
+        sys.stdout.flush()
+        if code:
+            raise SystemExit(code)
+
+    return Deferred.fromCoroutine(go())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print("usage: rhapsode serve [--config FILE]")
-        raise SystemExit(0 if args else 2)
-    if args[0] != "serve":
-        print(f"rhapsode: unknown command {args[0]!r}; try: rhapsode serve --config FILE", file=sys.stderr)
-        raise SystemExit(2)
+    if args and args[0] == "serve":
+        _serve(args[1:])
+        return
+    options = parser()
+    if not args:
+        options.print_usage(sys.stderr)
+        raise SystemExit(USAGE)
+    ns = options.parse_args(args)
+    from twisted.internet.task import react
+
+    react(_client_main, (ns,))
+
+
+def _serve(args: list[str]) -> None:
     # The reactor twistd would install by itself (this command passes it no --reactor).
     from twisted.internet import reactor
     from twisted.scripts.twistd import run
 
     reactor.callWhenRunning(SecondInterrupt(reactor).arm)
-    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode", *args[1:]]
+    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode", *args]
     run()
     from ._tap import made
 

@@ -301,6 +301,29 @@ class RhapsodeClient:
         )
         return voices
 
+    async def catalog(self) -> list[dict[str, Any]]:
+        """GET /catalog: every engine that exists, installed or not, with both licences."""
+        entries: list[dict[str, Any]] = await self._json("GET", "/catalog")
+        return entries
+
+    async def residency(self) -> dict[str, Any]:
+        """GET /residency: the models loaded now, the next to be evicted first."""
+        residency: dict[str, Any] = await self._json("GET", "/residency")
+        return residency
+
+    async def unload(self, engine: str, mode: str | None = None) -> dict[str, Any]:
+        """
+        POST /engines/{engine}/unload, a management route: end the engine's worker, or
+        with C{mode="unload"} free its model and keep the process.
+
+        @return: the engine's summary afterwards.
+        """
+        query = f"?mode={quote(mode, safe='')}" if mode is not None else ""
+        summary: dict[str, Any] = await self._json(
+            "POST", f"/engines/{_segment(engine)}/unload{query}"
+        )
+        return summary
+
     # -- speaking --------------------------------------------------------------------
 
     async def speak(self, engine: str, text: str, **fields: Any) -> Audio:

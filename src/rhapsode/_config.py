@@ -27,6 +27,7 @@ from zope.interface import implementer
 
 from rhapsode_worker.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
 
+from ._catalog import default_source_dir
 from ._guard import origin_key
 from ._residency import IResidencySettings
 
@@ -116,6 +117,13 @@ class CorsConfig:
 
 
 @dataclass(frozen=True)
+class InstallConfig:
+    #: Where the catalog records the core ships are (C{<id>/catalog.json}): by default
+    #: the C{engines} folder of the checkout the core was installed from, else none.
+    source_dir: Path | None = field(default_factory=default_source_dir)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """
     One engine: a C{module} the core spawns with C{python}, or the C{url} of a worker
@@ -144,6 +152,7 @@ class Config:
     cors: CorsConfig = field(default_factory=CorsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    install: InstallConfig = field(default_factory=InstallConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def engine(self, engine_id: str) -> EngineConfig:
@@ -412,6 +421,7 @@ _TOP: dict[str, _Check] = {
             "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
         },
     ),
+    "install": _section(InstallConfig, {"sourceDir": _path}),
     "engines": _engines,
 }
 

@@ -29,6 +29,7 @@ from rhapsode_worker.web import InFlight, answer, error_response, json_response,
 
 from . import __version__
 from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, IAdmissionSettings, Turnstile
+from ._catalog import Catalog
 from ._config import Config, ConfigSettings
 from ._mcp import McpServer
 from ._metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
@@ -79,6 +80,7 @@ CORS_ROUTES = frozenset({
     ("GET", _VOICES),
     ("GET", "/engines/<string:engine_id>/voices/<string:voice_id>/preview"),
     ("GET", "/health"),
+    ("GET", "/catalog"),
     ("POST", OPENAI_SPEECH),
     ("POST", OPENAI_BATCH),
     ("GET", OPENAI_STREAM),
@@ -117,6 +119,7 @@ class CoreApp:
         stall_seconds: float = 120.0,
         head_timeout: float = HEAD_SECONDS,
         idle_timeout: float = IDLE_SECONDS,
+        catalog: Catalog | None = None,
     ) -> None:
         """
         @param residency: the residency manager (the service builds it); without one,
@@ -127,10 +130,14 @@ class CoreApp:
         @param idle_timeout: how long a connection may send nothing.
         @param metrics_public: whether C{/metrics} answers everybody; otherwise it is
             guarded as the management routes are (it names engines and sizes).
+        @param catalog: the catalog records and each engine's C{workerVersion}, read
+            when the engines were declared; without one, C{GET /catalog} lists nothing
+            and no summary carries a version.
         @param cors_origins: the browser origins, beside this machine's, whose pages
             may call the public speech and discovery routes (C{cors.origins}).
         """
         self.registry = registry
+        self.catalog = catalog if catalog is not None else Catalog((), __version__)
         # The defaults, built once: a Config works out its default paths when made.
         default = Config()
         defaults = ConfigSettings(lambda: default)
@@ -232,6 +239,8 @@ class CoreApp:
                 if key in handle.catalog:
                     summary[key] = handle.catalog[key]
         summary.update(handle.health())
+        # Section 9's pair, read when the engine was declared: nothing is asked per request.
+        summary.update(self.catalog.versions(handle.id))
         # Model state is the residency manager's, so /health, /engines and /residency agree.
         model = self.residency.state(handle.id)
         summary["model"] = "unloaded"
@@ -523,3 +532,9 @@ class CoreApp:
     @app.route(MCP, methods=["POST"])
     async def _mcp(self, request: IRequest) -> Any:
         return await self.mcp.post(request)
+
+    # -- the catalog (protocol.md section 10): open to everybody, it only reads --------
+
+    @app.route("/catalog", methods=["GET"])
+    def _catalog(self, request: IRequest) -> bytes:
+        return json_response(request, 200, self.catalog.entries())

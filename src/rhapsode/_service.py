@@ -27,7 +27,8 @@ from twisted.python.failure import Failure
 
 from rhapsode_worker.contract import CONTRACT_VERSIONS
 
-from ._catalog import read_catalog
+from . import __version__
+from ._catalog import Catalog, read_catalog, read_source
 from ._config import Config, ConfigSettings
 from ._registry import EngineHandle, Registry
 from ._router import CoreApp
@@ -103,8 +104,11 @@ class RhapsodeService(service.Service):
         reactor = self.reactor
         workers = self.config.workers
         handles: dict[str, EngineHandle] = {}
+        # Each engine's workerVersion is read here, as it is declared, never per request.
+        catalog = Catalog(read_source(self.config.install.source_dir), __version__)
         for engine_id, engine in self.config.engines.items():
             if engine.url is not None:
+                catalog.declare(engine_id, None, None)
                 client = WorkerClient(reactor, engine.url)
                 handles[engine_id] = EngineHandle(engine_id, client, None)
             else:
@@ -128,8 +132,8 @@ class RhapsodeService(service.Service):
                     on_crash=partial(self._crashed, engine_id),
                 )
                 python = engine.python or sys.executable
-                catalog = read_catalog(engine.module, python)
-                handles[engine_id] = EngineHandle(engine_id, client, supervisor, catalog)
+                catalog.declare(engine_id, engine.module, python)
+                handles[engine_id] = EngineHandle(engine_id, client, supervisor, read_catalog(engine.module, python))
             self._clients.append(client)
         registry = self.registry = Registry(handles)
         # Read when used, so a settings API can change them live.
@@ -153,6 +157,7 @@ class RhapsodeService(service.Service):
             stall_seconds=workers.stall_seconds,
             head_timeout=self.config.server.head_timeout_seconds,
             idle_timeout=self.config.server.idle_timeout_seconds,
+            catalog=catalog,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
