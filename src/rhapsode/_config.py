@@ -375,8 +375,11 @@ def _engines(value: Any, where: str, base: Path) -> Mapping[str, EngineConfig]:
     )
 
 
-_TOP: dict[str, _Check] = {
-    "server": _section(
+#: Each section of the file: its dataclass and the check of each of its keys, by the
+#: key's name in the file.  The settings API (L{rhapsode._settings}) checks a value
+#: written through it with these same checks.
+SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyType({
+    "server": (
         ServerConfig,
         {
             "port": _integer(1, 65535),
@@ -386,8 +389,8 @@ _TOP: dict[str, _Check] = {
             "idleTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
         },
     ),
-    "log": _section(LogConfig, {"level": _level}),
-    "residency": _section(
+    "log": (LogConfig, {"level": _level}),
+    "residency": (
         ResidencyConfig,
         {
             "maxResidentModels": _integer(1, 64),
@@ -395,7 +398,7 @@ _TOP: dict[str, _Check] = {
             "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
         },
     ),
-    "workers": _section(
+    "workers": (
         WorkersConfig,
         {
             "socketDir": _path,
@@ -409,10 +412,10 @@ _TOP: dict[str, _Check] = {
             "stallSeconds": _number(0, inclusive=False, maximum=3600),
         },
     ),
-    "management": _section(ManagementConfig, {"token": _token, "origins": _origins}),
-    "cors": _section(CorsConfig, {"origins": _cors_origins}),
-    "metrics": _section(MetricsConfig, {"public": _flag}),
-    "limits": _section(
+    "management": (ManagementConfig, {"token": _token, "origins": _origins}),
+    "cors": (CorsConfig, {"origins": _cors_origins}),
+    "metrics": (MetricsConfig, {"public": _flag}),
+    "limits": (
         LimitsConfig,
         {
             "concurrentPerEngine": _integer(1, 10_000),
@@ -421,7 +424,17 @@ _TOP: dict[str, _Check] = {
             "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
         },
     ),
-    "install": _section(InstallConfig, {"sourceDir": _path}),
+    "install": (InstallConfig, {"sourceDir": _path}),
+})
+
+#: The keys of an engine's entry that tune it rather than say what it is: the settings
+#: API writes these per engine; the rest of an entry is the operator's or an install's.
+ENGINE_SETTINGS: Mapping[str, _Check] = MappingProxyType(
+    {key: _ENGINE_KEYS[key] for key in ("keepAliveSeconds", "maxConcurrent", "maxQueued")}
+)
+
+_TOP: dict[str, _Check] = {
+    **{name: _section(cls, checks) for name, (cls, checks) in SECTIONS.items()},
     "engines": _engines,
 }
 
@@ -464,7 +477,30 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"{where}: is not JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
-    return parse_config(raw, where.parent)
+    config = parse_config(raw, where.parent)
+    # Kept beside the fields (not one of them: a Config compares by its settings) so
+    # that a service given only the Config can find the file's directory, where the
+    # state database lives, and the document the database's settings layer over.
+    object.__setattr__(config, "_source", ConfigSource(where, raw))
+    return config
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """
+    The file a L{Config} was read from and the document it held.
+    """
+
+    path: Path
+    raw: Mapping[str, Any]
+
+
+def config_source(config: Config) -> ConfigSource | None:
+    """
+    Where L{load_config} read C{config} from; C{None} for one built any other way.
+    """
+    source = getattr(config, "_source", None)
+    return source if isinstance(source, ConfigSource) else None
 
 
 @implementer(IResidencySettings)

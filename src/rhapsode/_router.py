@@ -23,7 +23,7 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from rhapsode_worker import contract
-from rhapsode_worker.errors import Conflict, Forbidden, Internal, UnknownVoice, as_speech_error
+from rhapsode_worker.errors import Conflict, Forbidden, Internal, UnknownVoice, Unsupported, as_speech_error
 from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, HandlerResource, Routes
 from rhapsode_worker.web import InFlight, answer, error_response, json_response, no_route, read_json
 
@@ -38,6 +38,7 @@ from ._preflight import forward_dialogue, forward_speak, voices_to_check
 from ._registry import EngineHandle, Registry
 from ._relay import ERROR_LIMIT, SpeechRelay
 from ._residency import IResidencySettings, Residency
+from ._settings import Settings, caller_of, read_patch
 from ._stream import SpeechStreams
 from ._upstream import collect
 
@@ -58,7 +59,9 @@ METRICS = "/metrics"
 BATCH_ITEMS = 32
 _BATCH_LIMIT = 4 * 1024 * 1024
 #: The management routes (protocol.md section 10): guarded at their heads.
-MANAGEMENT = frozenset({("POST", _VOICES), ("DELETE", _VOICE), ("POST", _UNLOAD)})
+MANAGEMENT = frozenset({
+    ("POST", _VOICES), ("DELETE", _VOICE), ("POST", _UNLOAD), ("GET", "/settings"), ("PATCH", "/settings")
+})
 #: The most body each route takes; the rest take the site's default (64 KiB).
 BODY_LIMITS = {
     ("POST", "/speak"): _JSON_LIMIT,
@@ -120,6 +123,7 @@ class CoreApp:
         head_timeout: float = HEAD_SECONDS,
         idle_timeout: float = IDLE_SECONDS,
         catalog: Catalog | None = None,
+        settings_api: Settings | None = None,
     ) -> None:
         """
         @param residency: the residency manager (the service builds it); without one,
@@ -171,6 +175,9 @@ class CoreApp:
         self.metrics = Metrics(self, reactor)
         self.residency.observer = self.metrics
         self.metrics_public = metrics_public
+        #: The settings and the state database they live in; without one, /settings
+        #: answers unsupported (a core embedded without a config file has nowhere to keep one).
+        self.settings_api = settings_api
 
     def close(self) -> None:
         """
@@ -538,3 +545,28 @@ class CoreApp:
     @app.route("/catalog", methods=["GET"])
     def _catalog(self, request: IRequest) -> bytes:
         return json_response(request, 200, self.catalog.entries())
+
+    # -- settings (protocol.md section 10): guarded at their heads, reading included ----
+
+    def _settings_or_refuse(self, request: IRequest) -> Settings:
+        self._require_guard(request)
+        if self.settings_api is None:
+            raise Unsupported("this server has no state database to keep settings in (it was started without a config file)")
+        return self.settings_api
+
+    @app.route("/settings", methods=["GET"])
+    async def _get_settings(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            return json_response(request, 200, self._settings_or_refuse(request).document())
+
+        return await self._answer(request, handle)
+
+    @app.route("/settings", methods=["PATCH"])
+    async def _patch_settings(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            settings = self._settings_or_refuse(request)
+            request.content.seek(0)
+            document = await settings.patch(read_patch(request.content.read()), caller_of(request))
+            return json_response(request, 200, document)
+
+        return await self._answer(request, handle)

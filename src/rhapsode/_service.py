@@ -8,8 +8,10 @@ to embed the core as a library.
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
+from pathlib import Path
 from typing import Any, Mapping
 
 from twisted.application import service
@@ -29,10 +31,12 @@ from rhapsode_worker.contract import CONTRACT_VERSIONS
 
 from . import __version__
 from ._catalog import Catalog, read_catalog, read_source
-from ._config import Config, ConfigSettings
+from ._config import Config, ConfigError, ConfigSettings, config_source
 from ._registry import EngineHandle, Registry
 from ._router import CoreApp
 from ._residency import Residency
+from ._settings import Settings
+from ._state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._supervisor import WorkerSupervisor
 from ._upstream import WorkerClient
 from ._watchdog import Watchdog
@@ -64,8 +68,20 @@ class RhapsodeService(service.Service):
 
     log = Logger()
 
-    def __init__(self, config: Config, reactor: Any = None, *, stop_reactor_if_unable: bool = False) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any = None,
+        *,
+        stop_reactor_if_unable: bool = False,
+        config_path: str | os.PathLike[str] | None = None,
+    ) -> None:
         """
+        @param config_path: the config file C{config} was read from; the state database
+            (settings written through the API, engines it installed) is C{rhapsode.db}
+            beside it.  By default, the file L{load_config} read C{config} from, if it
+            did; a service with neither keeps no state and answers C{/settings} with
+            C{unsupported}.
         @param stop_reactor_if_unable: stop the reactor when the service cannot start
             (a folder it needs cannot be made, its port cannot be bound), which is what
             C{twistd rhapsode} wants; a program embedding the core leaves it off and
@@ -82,6 +98,16 @@ class RhapsodeService(service.Service):
         #: Why the service could not start (a folder, its port), once that has happened.
         self.failed_to_start: Any = None
         self._listen_waiters: list[Deferred[Any]] = []
+        source = config_source(config)
+        self._config_path = Path(os.path.abspath(config_path)) if config_path is not None else (
+            source.path if source is not None else None
+        )
+        self._raw: Mapping[str, Any] = source.raw if source is not None else {}
+        if self._config_path is not None and (source is None or source.path != self._config_path):
+            self._raw = _read_raw(self._config_path)
+        self.state: StateDatabase | None = None
+        self.settings: Settings | None = None
+        self._state_error: Failure | None = None
 
     @property
     def reactor(self) -> Any:
@@ -93,9 +119,54 @@ class RhapsodeService(service.Service):
         asks the application for one before it falls back to its own.
         """
         super().setServiceParent(parent)
+        # Read now, before twistd asks for its log observer, so a log.level saved in
+        # the database is the one it gets; a failure is reported as the service starts.
+        self._open_state()
+        if self.state is not None:
+            # twistd may fork to daemonize before it starts the service: no open file
+            # crosses that.  The service opens the database again as it starts.
+            self.state.close()
+            self.state = self.settings = None
         get = getattr(parent, "getComponent", None)
         if get is not None and get(ILogObserver, None) is None:
             parent.setComponent(ILogObserver, level_filtered(self.config.log.level))
+
+    def _open_state(self) -> None:
+        """
+        Open the state database beside the config file, once, and take the config in
+        use from the three layers (defaults, the file, the database).
+        """
+        if self._config_path is None or self.state is not None or self._state_error is not None:
+            return
+        path = self._config_path.parent / FILE_NAME
+        try:
+            store = StateStore.open(path, __version__)
+        except StateError as error:
+            self._state_error = Failure(ServiceStartError(str(error)))
+            return
+        installed = {engine.id: engine.entry for engine in store.engines().values()}
+        state = StateDatabase(store, self.reactor)
+        try:
+            settings = Settings(
+                raw=self._raw,
+                base=self._config_path.parent,
+                database=state,
+                engine_ids=lambda: self.registry.ids() if self.registry is not None else (),
+                on_change=self._settings_changed,
+                installed=installed,
+            )
+        except ConfigError as error:
+            state.close()
+            self._state_error = Failure(ServiceStartError(f"state database {path}: {error}"))
+            return
+        self.state, self.settings = state, settings
+        self.config = settings.config
+
+    def _settings_changed(self, config: Config) -> None:
+        # ConfigSettings reads self.config when a setting is used: the swap is the change.
+        self.config = config
+        if self.app is not None:
+            self.app.residency.settings_changed()
 
     def build(self) -> CoreApp:
         """
@@ -158,6 +229,7 @@ class RhapsodeService(service.Service):
             head_timeout=self.config.server.head_timeout_seconds,
             idle_timeout=self.config.server.idle_timeout_seconds,
             catalog=catalog,
+            settings_api=self.settings,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
@@ -170,6 +242,10 @@ class RhapsodeService(service.Service):
         super().startService()
         from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 
+        self._open_state()
+        if self._state_error is not None:
+            self._cannot_start(self._state_error)
+            return
         app = self.build()
         server = self.config.server
         endpoint_type = TCP6ServerEndpoint if ":" in server.host else TCP4ServerEndpoint
@@ -190,20 +266,7 @@ class RhapsodeService(service.Service):
             for waiter in waiters:
                 waiter.callback(address)
 
-        def failed(failure: Any) -> None:
-            if failure.check(ServiceStartError):
-                self.log.critical("{why}", why=failure.getErrorMessage())
-            else:
-                self.log.failure("cannot listen", failure)
-            self.failed_to_start = failure
-            waiters, self._listen_waiters = self._listen_waiters, []
-            for waiter in waiters:
-                waiter.errback(failure)
-            if self._stop_reactor_if_unable:
-                # twistd starts services before it runs the reactor, and a TCP port
-                # fails to bind at once: stopping then would be refused and the
-                # process would run on, listening nowhere.
-                self.reactor.callWhenRunning(self.reactor.stop)
+        failed = self._cannot_start
 
         workers = self.config.workers
         for key, folder in (("workers.socketDir", workers.socket_dir), ("workers.voiceDir", workers.voice_dir)):
@@ -216,6 +279,25 @@ class RhapsodeService(service.Service):
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
         endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
+
+    def _cannot_start(self, failure: Any) -> None:
+        """
+        The service cannot start: say why, fail whoever waits to hear it listens, and
+        under twistd stop the reactor.
+        """
+        if failure.check(ServiceStartError):
+            self.log.critical("{why}", why=failure.getErrorMessage())
+        else:
+            self.log.failure("cannot listen", failure)
+        self.failed_to_start = failure
+        waiters, self._listen_waiters = self._listen_waiters, []
+        for waiter in waiters:
+            waiter.errback(failure)
+        if self._stop_reactor_if_unable:
+            # twistd starts services before it runs the reactor, and a TCP port
+            # fails to bind at once: stopping then would be refused and the
+            # process would run on, listening nowhere.
+            self.reactor.callWhenRunning(self.reactor.stop)
 
     def when_listening(self) -> "Deferred[Any]":
         """
@@ -286,6 +368,9 @@ class RhapsodeService(service.Service):
             ]
             await DeferredList(stopping, consumeErrors=True)
             await DeferredList([c.close() for c in self._clients], consumeErrors=True)
+            if self.state is not None:
+                # After everything else: a PATCH in flight finishes its transaction first.
+                self.state.close()
             self.log.info("rhapsode stopped")
 
         return Deferred.fromCoroutine(stop())
@@ -357,3 +442,17 @@ def _terminate_verb(client: WorkerClient) -> Any:
         return Deferred.fromCoroutine(ask())
 
     return terminate
+
+
+def _read_raw(path: Path) -> Mapping[str, Any]:
+    """
+    The config file's document, which the state database's settings layer over.
+    """
+    import json
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        # load_config has read it already, or the caller built its Config another way.
+        return {}
+    return raw if isinstance(raw, dict) else {}

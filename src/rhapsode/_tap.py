@@ -33,6 +33,7 @@ def makeService(options: Options) -> Any:
     from ._service import RhapsodeService
 
     # Under twistd a port that cannot be bound ends the process, with the reason logged.
-    service = RhapsodeService(options["loaded"], stop_reactor_if_unable=True)
+    # The state database lives beside the config file it names.
+    service = RhapsodeService(options["loaded"], stop_reactor_if_unable=True, config_path=options["config"])
     made.append(service)
     return service
