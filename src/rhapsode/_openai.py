@@ -32,13 +32,14 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from rhapsode_worker import contract
-from rhapsode_worker.errors import Internal, SpeechError, UnknownEngine, Unsupported, error_from_envelope
+from rhapsode_worker.errors import Internal, SpeechError, UnknownEngine, Unsupported
 from rhapsode_worker.schemas import MAX_NAME_CHARACTERS, MAX_TEXT_CHARACTERS
 from rhapsode_worker.validation import parse_json_body
 from rhapsode_worker.web import answer, json_response
 
 from ._inprocess import InProcessRequest, run
 from ._preflight import forward_speak
+from ._relay import refusal
 
 if TYPE_CHECKING:
     from ._registry import EngineHandle
@@ -296,7 +297,7 @@ class OpenAIShim:
         answered = await run(self.core.speak, inner)
         if answered.code != 200:
             try:
-                failed = contract_error(answered.json()["error"], answered.code)
+                failed = refusal(answered.json()["error"], answered.code)
             except (ValueError, KeyError, TypeError):
                 failed = Internal(f"/speak answered HTTP {answered.code} without an envelope")
             return {"index": index, "status": "error", "error": openai_envelope(failed)["error"]}
@@ -370,7 +371,7 @@ class OpenAIShim:
                 answered = await run(self.core._voices, InProcessRequest(b"GET", f"/engines/{engine_id}/voices"), engine_id)
                 if answered.code != 200:
                     if wanted:
-                        raise contract_error(answered.json().get("error", {}), answered.code)
+                        raise refusal(answered.json().get("error", {}), answered.code)
                     # One engine that cannot list its voices does not hide the others'.
                     self.log.warn("listing {engine}'s voices: HTTP {code}", engine=engine_id, code=answered.code)
                     continue
@@ -385,13 +386,3 @@ class OpenAIShim:
             return json_response(request, 200, {"object": "list", "voices": flat, "data": grouped})
 
         return await self._answer(request, handle)
-
-
-def contract_error(envelope: Any, status: int) -> SpeechError:
-    """
-    The taxonomy's error an envelope describes, its status kept.
-    """
-    error = error_from_envelope({"error": envelope}, status)
-    if error.status != status:
-        error = type(error)(error.message, error.field, status=status)
-    return error

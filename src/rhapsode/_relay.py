@@ -382,10 +382,7 @@ class SpeechRelay:
             contract.validate(contract.ERROR, envelope)
         except (ValueError, SpeechError):
             raise Internal(f"worker answered {response.code} without an error envelope") from None
-        error = error_from_envelope(envelope, response.code)
-        if error.status != response.code:
-            error = type(error)(error.message, error.field, status=response.code)
-        raise error
+        raise refusal(envelope["error"], response.code)
 
     async def buffered(
         self,
@@ -496,6 +493,17 @@ class SpeechRelay:
             measured.sent = stream.received
         request.write(sse_event("speech.audio.done", {}))
         return b""
+
+
+def refusal(error: Any, status: int) -> SpeechError:
+    """
+    The taxonomy's error an envelope's C{error} object describes, its status kept (a
+    route may have answered a code's refusal with a status of its own: 404, 413).
+    """
+    found = error_from_envelope({"error": error}, status)
+    if found.status != status:
+        found = type(found)(found.message, found.field, status=status)
+    return found
 
 
 def _aborted(measured: Measured | None, error: BaseException | None) -> None:

@@ -39,12 +39,12 @@ class Core:
         return host.host, host.port
 
 
-async def start_core(tmp_path: Path, engine: str = "tone", **spawn: Any) -> AsyncIterator[Core]:
+async def start_core(tmp_path: Path, engine: str = "tone", admission: Any = None, **spawn: Any) -> AsyncIterator[Core]:
     from twisted.internet import reactor
 
     worker = await spawn_worker(reactor, tmp_path, engine=engine, **spawn)
     client = WorkerClient(reactor, f"unix:{worker.socket_path}")
-    app = CoreApp(Registry({engine: EngineHandle(engine, client, None)}), reactor=reactor)
+    app = CoreApp(Registry({engine: EngineHandle(engine, client, None)}), reactor=reactor, admission=admission)
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site())
     yield Core(port, app, worker)
     app.close()

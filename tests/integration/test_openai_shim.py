@@ -19,14 +19,11 @@ from typing import Any, AsyncIterator, Callable
 import openai
 import pytest
 import pytest_twisted
-from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.threads import deferToThread
 
-from _worker import decode_pcm, rms, spawn_worker
-from rhapsode._router import CoreApp
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._upstream.pool import WorkerClient
+from _worker import decode_pcm, rms
 from test_core_proxy import Core, call, chatty_env
+from test_core_proxy import start_core as start
 
 RATE = 24000
 
@@ -47,20 +44,6 @@ class Limits:
 
     def buffered_bytes(self) -> int:
         return 256 * 1024 * 1024
-
-
-async def start(tmp_path: Path, engine: str = "tone", admission: Any = None, **spawn: Any) -> AsyncIterator[Core]:
-    from twisted.internet import reactor
-
-    worker = await spawn_worker(reactor, tmp_path, engine=engine, **spawn)
-    client = WorkerClient(reactor, f"unix:{worker.socket_path}")
-    app = CoreApp(Registry({engine: EngineHandle(engine, client, None)}), reactor=reactor, admission=admission)
-    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site())
-    yield Core(port, app, worker)
-    app.close()
-    await port.stopListening()
-    await client.close()
-    await worker.stop()
 
 
 @pytest_twisted.async_yield_fixture()
