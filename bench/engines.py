@@ -14,6 +14,12 @@ the HTTP work of one request overlaps the synthesis of the other); its ratio is 
 over the best in-process run, so it errs low.  For Kokoro, four concurrent ~400-character requests:
 each first byte and the total against the same four one after another.
 
+Beside the adapter, the libraries' own best: kokoro-onnx called in-process with
+onnxruntime's defaults (a session on every core) on the ~2000-character text, and for
+Piper the first audio of a request to a core whose worker is down, with and without
+`workers.prestart`, each from a fresh core.  After Kokoro's runs, its worker's resident
+memory at rest.
+
 `--piper-http PYTHON` also times Piper's own `python -m piper.http_server` (PYTHON is an
 interpreter with piper-tts, flask and the joe voice; not installed by this project) on
 the ~2000-character text, beside ours.  Asserts nothing.
@@ -124,27 +130,29 @@ def through_core(port: int, engine: str, text: str, rate: int, stream: bool) -> 
     return size / rate / total, first, total
 
 
-def compare(port: int, engine: str, local: InProcess, text: str, rate: int) -> tuple[float, float, float, float, float]:
+def compare(port: int, engine: str, local: InProcess, text: str, rate: int, least: int = 3) -> tuple[float, float, float, float, float, float]:
     """
     Interleaved rounds (in-process, buffered through the core, streamed through the
     core), so that a box whose speed drifts slows every side alike; the best of each.
     (in-process RTF, buffered RTF, streamed RTF, best first audio and best time of the
-    streamed.)
+    streamed, best whole time of the buffered.)
     """
     rounds, budget = 7, 60.0
     best = [0.0, 0.0, 0.0]
-    first = wall = float("inf")
+    first = wall = whole = float("inf")
     start = time.perf_counter()
     for done in range(rounds):
         best[0] = max(best[0], local.factor(text))
-        best[1] = max(best[1], through_core(port, engine, text, rate, False)[0])
+        buffered = through_core(port, engine, text, rate, False)
+        best[1] = max(best[1], buffered[0])
+        whole = min(whole, buffered[2])
         factor, seconds, total = through_core(port, engine, text, rate, True)
         best[2] = max(best[2], factor)
         first = min(first, seconds)
         wall = min(wall, total)
-        if done >= 2 and time.perf_counter() - start > budget:
+        if done + 1 >= least and time.perf_counter() - start > budget:
             break
-    return best[0], best[1], best[2], first, wall
+    return best[0], best[1], best[2], first, wall, whole
 
 
 def sustained(port: int, engine: str, text: str, rate: int, clients: int = 2, seconds: float = 8.0) -> float:
@@ -187,6 +195,99 @@ def concurrent_firsts(port: int, engine: str, text: str, n: int) -> tuple[list[f
     return sorted(firsts), time.perf_counter() - start
 
 
+KOKORO_LIBRARY = r"""
+import json, sys, time
+from kokoro_onnx import Kokoro
+cache, text, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kokoro = Kokoro(cache + "/kokoro-v1.0.int8.onnx", cache + "/voices-v1.0.npy")
+style = kokoro.voices[0]  # the voices file is an array here, in BUILTIN_VOICES order
+kokoro.create("Warm up.", voice=style, lang="en-us")
+best = 0.0
+for _ in range(rounds):
+    start = time.perf_counter()
+    audio, rate = kokoro.create(text, voice=style, lang="en-us")
+    best = max(best, len(audio) / rate / (time.perf_counter() - start))
+print(json.dumps({"factor": best}))
+"""
+
+
+def kokoro_library(rounds: int = 3) -> float:
+    """
+    kokoro-onnx's own best on this box: its default session (onnxruntime's defaults, an
+    intra-op thread per core), in-process, on the ~2000-character text; best of C{rounds}.
+    """
+    python = ROOT / ".venvs" / "kokoro" / "bin" / "python"
+    run = subprocess.run(
+        [str(python), "-c", KOKORO_LIBRARY, str(ROOT / ".venvs" / "kokoro-cache"), LONG, str(rounds)],
+        capture_output=True, text=True, check=True,
+    )
+    return float(json.loads(run.stdout.strip().splitlines()[-1])["factor"])
+
+
+def resident_mib(port: int, engine: str) -> float:
+    """
+    The resident memory of C{engine}'s worker process, from the pid the core reports.
+    """
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        health = json.loads(r.read())
+    pid = next(e for e in health["engines"] if e["id"] == engine)["pid"]
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def start_core(tmp: Path, engines: list[str], **workers: object) -> tuple[subprocess.Popen[bytes], int]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = {
+        "server": {"port": port},
+        "log": {"level": "error"},
+        "residency": {"maxResidentModels": len(engines), "keepAliveSeconds": -1},
+        "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices"),
+                    "startupTimeoutSeconds": 600, "stallSeconds": 1800, **workers},
+        "engines": {
+            e: {"module": f"rhapsode_engine_{e}", "python": str(ROOT / ".venvs" / e / "bin" / "python"),
+                "env": {"RHAPSODE_KOKORO_CACHE": str(ROOT / ".venvs" / "kokoro-cache")}}
+            for e in engines
+        },
+    }
+    (tmp / "core.json").write_text(json.dumps(config))
+    core = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rhapsode"), "serve", "--config", str(tmp / "core.json")],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_listening(port)
+    return core, port
+
+
+def process_up(port: int, engine: str) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        health = json.loads(r.read())
+    return next(e for e in health["engines"] if e["id"] == engine)["process"] == "up"
+
+
+def cold_first_audio(tmp: Path, engine: str, prestart: bool) -> float:
+    """
+    Seconds to first audio of a streamed sentence to a fresh core whose worker is down
+    (or, with prestart, up without a model once the core has started it).
+    """
+    core, port = start_core(tmp, [engine], prestart=prestart)
+    try:
+        if prestart:
+            deadline = time.monotonic() + 60
+            while not process_up(port, engine):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the prestarted worker never came up")
+                time.sleep(0.05)
+            # Its capabilities are read right after it comes up; let that finish.
+            time.sleep(1.0)
+        return timed(tcp(port), request_bytes("/speak", {"engine": engine, "text": SENTENCE, "format": "pcm"}))[0]
+    finally:
+        core.terminate()
+        core.wait(60)
+
+
 def piper_http(python: str) -> float:
     """
     Seconds for Piper's own HTTP server (POST /synthesize) to answer the ~2000-character
@@ -224,6 +325,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("engines", nargs="*", default=["espeak", "piper", "kokoro"])
     parser.add_argument("--piper-http", metavar="PYTHON")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds at least, more while under a minute")
+    parser.add_argument("--texts", nargs="*", choices=list(TEXTS), default=list(TEXTS),
+                        help="which of the texts to measure (default: all)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     port = free_port()
@@ -236,7 +341,9 @@ def main() -> None:
         "server": {"port": port},
         "log": {"level": "error"},
         "residency": {"maxResidentModels": len(engines), "keepAliveSeconds": -1},
-        "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices"), "startupTimeoutSeconds": 600},
+        # A buffered 2000-character Kokoro request sends nothing for over a minute.
+        "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices"), "startupTimeoutSeconds": 600,
+                    "stallSeconds": 1800},
         "engines": engines,
     }
     (tmp / "core.json").write_text(json.dumps(config))
@@ -258,8 +365,8 @@ def main() -> None:
             through_core(port, engine, "Warm up.", rate, True)
             local = InProcess(engine, variant)
             local.factor("Warm up.")
-            for label, text in TEXTS.items():
-                alone, buffered, streamed, first, wall = compare(port, engine, local, text, rate)
+            for label, text in ((label, TEXTS[label]) for label in args.texts):
+                alone, buffered, streamed, first, wall, whole = compare(port, engine, local, text, rate, args.rounds)
                 # Only where one request is short: a long one is its own throughput already.
                 if wall < 1.0:
                     kept = sustained(port, engine, text, rate)
@@ -269,6 +376,7 @@ def main() -> None:
                 print(
                     f"{engine:8s} {label:11s} {alone:14.1f}x {buffered:9.1f}x {buffered / alone:6.2f}"
                     f" {streamed:9.1f}x {streamed / alone:6.2f} {first * 1000:9.0f} ms {throughput}"
+                    f"  (buffered whole {whole:.2f} s)"
                 )
             local.close()
             if engine == "kokoro":
@@ -280,6 +388,13 @@ def main() -> None:
                     f"kokoro   4 x 400 chars at once: first bytes {', '.join(f'{f:.2f}' for f in firsts)} s; "
                     f"total {together:.1f} s against {serial:.1f} s one after another"
                 )
+                time.sleep(2.0)
+                print(f"kokoro   worker resident at rest: {resident_mib(port, engine):.0f} MiB")
+                print(f"kokoro-onnx in-process (its defaults), 2000 chars: {kokoro_library(args.rounds):.2f}x realtime")
+            if engine == "piper":
+                for prestart in (False, True, False, True):
+                    first = cold_first_audio(tmp / f"cold-{time.monotonic_ns()}", engine, prestart)
+                    print(f"piper    first audio from a down worker, prestart {str(prestart).lower():5s}: {first:.2f} s")
         if args.piper_http:
             print(f"piper.http_server, 2000 chars: whole WAV in {piper_http(args.piper_http):.1f} s")
     finally:

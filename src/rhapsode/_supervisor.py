@@ -23,7 +23,8 @@ import signal
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, ClassVar, Mapping, Union
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Coroutine, Iterable, Mapping, Protocol, Union
 
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import ProcessExitedAlready
@@ -32,6 +33,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
 
+from rhapsode_worker import CORE_DIR_VARIABLE, CORES_VARIABLE, machine_cores
 from rhapsode_worker.errors import Internal, ModelUnavailable, SpeechError
 
 # The child makes itself a process-group leader and then becomes the worker (same pid),
@@ -45,6 +47,54 @@ TAIL_LINES = 40
 TAIL_CHARACTERS = 2048
 # A stderr "line" that never ends (a progress bar redrawn with \r) is cut at this length.
 MAX_LINE_BYTES = 65536
+
+
+def core_budget_env(cores: int | None, socket_dir: Path) -> dict[str, str]:
+    """
+    What tells a worker the cores it shares (L{rhapsode_worker.BudgetedSession}): the
+    budget (C{None}: the cores this process may run on), and the folder of lock files
+    every worker of this core takes cores from, so that two engines synthesising at
+    once run no more threads than the budget.
+    """
+    budget = machine_cores() if cores is None else cores
+    return {CORES_VARIABLE: str(budget), CORE_DIR_VARIABLE: str(socket_dir / "cores")}
+
+
+class _Prestartable(Protocol):
+    id: str
+
+    @property
+    def remote(self) -> bool: ...
+
+    def capabilities(self) -> Coroutine[Any, Any, dict[str, Any]]: ...
+
+
+_prestart_log = Logger(namespace="rhapsode.prestart")
+
+
+def prestart(handles: Iterable[_Prestartable]) -> list[Deferred[None]]:
+    """
+    Start each local engine's worker process and read its capabilities, loading no
+    model (protocol.md section 3: a process up is not a model resident), so that a first
+    request pays for the model's load alone.  A worker that cannot start is logged and
+    left down: the first request for it tries again and says why.
+    """
+    started: list[Deferred[None]] = []
+    for handle in handles:
+        if handle.remote:
+            continue
+
+        def up(_: object, engine: str = handle.id) -> None:
+            _prestart_log.info("prestarted {engine}'s worker", engine=engine)
+
+        def failed(reason: Failure, engine: str = handle.id) -> None:
+            _prestart_log.warn(
+                "could not prestart {engine}'s worker: {why}",
+                engine=engine, why=reason.getErrorMessage(),
+            )
+
+        started.append(Deferred.fromCoroutine(handle.capabilities()).addCallbacks(up, failed))
+    return started
 
 
 # -- the worker process, as the core sees it --------------------------------------------------
@@ -120,8 +170,10 @@ class _Child(ProcessProtocol):
         on_handshake: Callable[[str], None],
         on_exit: Callable[[str], None],
         sweep: Callable[[int], None],
+        relay: Callable[[str], None] = lambda line: None,
     ) -> None:
         self.engine = engine
+        self._relay = relay
         self._log = log
         self._on_handshake = on_handshake
         self._on_exit = on_exit
@@ -171,6 +223,7 @@ class _Child(ProcessProtocol):
         if record is None:
             self._log.info("[{engine}] {line}", engine=self.engine, line=line, stream="stderr")
             self._tail.append(line)
+            self._relay(line)
             return
         message = str(record["message"])
         traceback = record.get("traceback")
@@ -183,6 +236,7 @@ class _Child(ProcessProtocol):
             message += "\n" + str(traceback)
         Logger(namespace=namespace).emit(_level(record.get("level")), text, **fields)
         self._tail.append(message)
+        self._relay(message)
 
 
 def _parse_handshake(line: str) -> tuple[int, str] | None:
@@ -374,6 +428,8 @@ class WorkerSupervisor:
         self._inbox: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._outbox: list[Callable[[], object]] = []
         self._dispatching = False
+        #: Told each line the worker writes on stderr (an install job following a fetch).
+        self.listeners: list[Callable[[str], None]] = []
 
     # -- what callers see ---------------------------------------------------------------
 
@@ -498,6 +554,7 @@ class WorkerSupervisor:
             on_handshake=lambda line: self._feed("handshake", line),
             on_exit=lambda how: self._feed("exited", how),
             sweep=self._sweep,
+            relay=self._relay,
         )
         self.log.info("starting worker {engine}: {module}", engine=self.engine_id, module=self._module)
         try:
@@ -510,6 +567,10 @@ class WorkerSupervisor:
             return self._failed_start(waiters, f"could not spawn worker {self.engine_id}: {why}", Internal)
         timeout = self._clock.callLater(self._startup_timeout, self._feed, "startup_timeout")
         return _Starting(child, timeout, waiters)
+
+    def _relay(self, line: str) -> None:
+        for listener in list(self.listeners):
+            listener(line)
 
     def _failed_start(
         self, waiters: list[Deferred[str]], error: str, kind: type[SpeechError] = ModelUnavailable

@@ -1,10 +1,12 @@
 """
 The Rhapsode worker SDK: write one class, call L{serve}, and the SDK speaks the protocol.
 
-This module is the engine author's face.  The SDK also owns what the core and the
-workers share, each a public module of its own: the error taxonomy (L{errors}), the
-vocabulary (L{vocab}), the contract (L{contract}: L{schemas}, L{validation},
-L{openapi}) and the HTTP helpers both processes serve with (L{web}, L{site}).
+This module is the engine author's face; an ONNX adapter builds its sessions with
+L{BudgetedSession}, which shares the cores the core gives its workers (L{_threads}).
+The SDK also owns what the core and the workers share, each a public module of its
+own: the error taxonomy (L{errors}), the vocabulary (L{vocab}), the contract
+(L{contract}: L{schemas}, L{validation}, L{openapi}) and the HTTP helpers both
+processes serve with (L{web}, L{site}).
 """
 
 from typing import Mapping, NoReturn
@@ -24,6 +26,7 @@ from ._engine import (
     Voice,
 )
 from ._split import split_text
+from ._threads import CORE_DIR_VARIABLE, CORES_VARIABLE, BudgetedSession, CoreGate, core_budget, machine_cores
 from .errors import (
     BadRequest,
     Conflict,
@@ -53,10 +56,15 @@ def serve(engine: IEngine, environ: "Mapping[str, str] | None" = None) -> "NoRet
     run(engine, environ)
 
 __all__ = [
+    "CORES_VARIABLE",
+    "CORE_DIR_VARIABLE",
+    "machine_cores",
     "ALL_CUES",
     "ALL_DELIVERIES",
     "BadRequest",
+    "BudgetedSession",
     "Conflict",
+    "CoreGate",
     "Dial",
     "DialogueRequest",
     "Engine",
@@ -80,6 +88,7 @@ __all__ = [
     "Voice",
     "__version__",
     "clean_text",
+    "core_budget",
     "read_npy",
     "read_pt",
     "read_voicepack",

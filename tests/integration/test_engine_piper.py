@@ -1,7 +1,7 @@
 """
 The Piper engine as a real worker, run by its own virtualenv's interpreter
 (.venvs/piper): real speech from the joe voice, its dials and deliveries heard in the
-audio, first audio of a long text, the thread setting reaching onnxruntime, the catalog
+audio, first audio of a long text, the core budget reaching onnxruntime, the catalog
 agreeing with the worker, the conformance checker, and the honesty of not claiming seeds.
 """
 
@@ -312,20 +312,21 @@ async def test_conforms_and_seeds_reproduce_in_no_process(piper: Worker, tmp_pat
 
 
 @pytest_twisted.ensureDeferred
-async def test_thread_setting_reaches_onnxruntime(tmp_path: Path) -> None:
+async def test_core_budget_reaches_onnxruntime(tmp_path: Path) -> None:
     """
-    By default the session runs on the calling thread alone; RHAPSODE_PIPER_THREADS=2
-    gives onnxruntime one pool thread more, and a setting that is not a positive integer
-    refuses to load, naming the variable.
+    The SDK's budget reaches the sessions: a worker given RHAPSODE_WORKER_CORES=3 has
+    two more threads once loaded than one given 1 (a three-thread session's pool,
+    beside the one-thread session both make), and a budget that is not a positive
+    integer refuses to load, naming the variable.
     """
-    default = await spawn(tmp_path / "default")
-    two = await spawn(tmp_path / "two", RHAPSODE_PIPER_THREADS="2")
-    bad = await spawn(tmp_path / "bad", RHAPSODE_PIPER_THREADS="0")
+    one = await spawn(tmp_path / "one", RHAPSODE_WORKER_CORES="1")
+    three = await spawn(tmp_path / "three", RHAPSODE_WORKER_CORES="3")
+    bad = await spawn(tmp_path / "bad", RHAPSODE_WORKER_CORES="0")
     try:
-        assert await load_and_count_threads(two) == await load_and_count_threads(default) + 1
+        assert await load_and_count_threads(three) == await load_and_count_threads(one) + 2
         status, doc = await bad.json("POST", "/load", {})
     finally:
-        for worker in (default, two, bad):
+        for worker in (one, three, bad):
             await worker.stop()
     assert status == 500 and doc["error"]["code"] == "internal"
-    assert "RHAPSODE_PIPER_THREADS" in doc["error"]["message"]
+    assert "RHAPSODE_WORKER_CORES" in doc["error"]["message"]

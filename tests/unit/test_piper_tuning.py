@@ -1,8 +1,8 @@
 """
 The Piper adapter's pure decisions (engines/piper/src/rhapsode_engine_piper/_tuning.py):
-reading a voice config, the dials, deliveries relative to the request's settings, the
-thread count from the environment, and the bracket guard.  Loaded by path, because the
-package itself imports piper, which this virtualenv does not have.
+reading a voice config, the dials, deliveries relative to the request's settings, and
+the bracket guard (threads are the SDK's: tests/unit/test_threads.py).  Loaded by path,
+because the package itself imports piper, which this virtualenv does not have.
 """
 
 from __future__ import annotations
@@ -102,25 +102,6 @@ def test_deliveries_stay_inside_the_dial_ranges() -> None:
     assert (hushed.length_scale, hushed.noise_scale, hushed.noise_w) == (2.0, 0.0, 0.0)
     frantic = tuning.settings_for({"lengthScale": 0.5, "noiseScale": 1.2, "noiseW": 1.0}, "frantic")
     assert (frantic.length_scale, frantic.noise_scale, frantic.noise_w) == (0.5, 1.2, 1.2)
-
-
-@pytest.mark.parametrize(("value", "threads"), [(None, 1), ("", 1), ("  ", 1), ("1", 1), ("2", 2), (" 4 ", 4)])
-def test_thread_count_defaults_to_one_and_reads_the_variable(value: str | None, threads: int) -> None:
-    """
-    One intra-op thread unless RHAPSODE_PIPER_THREADS names a positive integer.
-    """
-    environ = {} if value is None else {"RHAPSODE_PIPER_THREADS": value}
-    assert tuning.thread_count(environ) == threads
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "\u00b2"])
-def test_thread_count_refuses_anything_but_a_positive_integer(value: str) -> None:
-    """
-    A thread setting that is not a positive integer is an error naming the variable,
-    not a silent default.
-    """
-    with pytest.raises(ValueError, match="RHAPSODE_PIPER_THREADS"):
-        tuning.thread_count({"RHAPSODE_PIPER_THREADS": value})
 
 
 def test_raw_phoneme_pattern_matches_pipers_syntax() -> None:

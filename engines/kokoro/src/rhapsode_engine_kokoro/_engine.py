@@ -6,21 +6,15 @@ the seven languages that route really reads (L{ESPEAK_LANGUAGES}), with espeak-n
 language-switch flags taken out (L{_phonemes}); the model makes 24 kHz audio from the
 phonemes, a voice's style array and a speed.
 
-Threads: each generation runs on one onnxruntime thread (1 intra-op, 1 inter-op;
-C{RHAPSODE_KOKORO_THREADS} sets the intra-op count), and the worker runs up to two
-generations at once on its one session (C{concurrency = 2}).  Measured on 2 cores with an
-87-character segment (3.1 s a run alone): two one-thread generations at once run at full
-speed each, twice the throughput of one; a third one-thread generation beside them, as
-another engine would be, costs no throughput (1.62 s a run against 1.58) and only shares
-the cores, each run taking half as long again; but two engines at two threads each lose
-a third (2.10 s a run), because onnxruntime's intra-op threads meet at every operator and
-one of them descheduled stalls the rest.  So a generation is never spread over threads,
-and the cores are shared out whole generations at a time.  The price: another engine busy
-beside two Kokoro requests gets a third of the box instead of half while they last.  Two
-threads would make a request alone 1.7x faster (a 30-character piece in 0.61 s instead of
-1.08 s); that is the setting that oversubscribes.  Sharing the session is safe:
-onnxruntime runs one session from several threads, and kokoro-onnx phonemizes under a
-lock, espeak-ng's state being global.
+Threads: the session is the SDK's L{BudgetedSession}: a generation alone runs on every
+core of the worker's budget, and generations that overlap, in this worker (up to two at
+once, C{concurrency = 2}) or another of the same core, run one thread each, so the
+threads busy at once do not outnumber the cores (a request arriving beside a lone run of
+this worker is lent a thread rather than wait for that run).  Measured on 2 cores with an
+87-character segment: alone, 2.3-2.6 s on two threads against 4.0-4.2 s on one; two at
+once, 4.0-4.9 s for both on one thread each, 5.0-5.7 s on one two-thread session.
+Sharing a session is safe: onnxruntime runs one session from several threads, and
+kokoro-onnx phonemizes under a lock, espeak-ng's state being global.
 
 Segments: the SDK hands speak() up to 200 characters at a time and puts 250 ms of
 silence at each joint.  The graph has no streaming output, and a call has no fixed cost
@@ -29,7 +23,7 @@ conversion 1 ms, and the rest is the onnxruntime run (70% of it ConvInteger), wh
 about 0.5 s for each second of audio it renders.  What makes short pieces dear is that the
 graph renders about 0.55 s of silence around every piece (0.26 s before, 0.30 s after, for
 its start and end tokens), which kokoro-onnx trims away: about 0.28 s of compute a piece.
-The first segment is kept to 30 characters, out in about 1.1 s; four requests arriving
+The first segment is kept to 30 characters, out in about 1.1 s on one thread; four requests arriving
 together get first audio after one or two first segments (about 1.2, 1.2, 2.3, 2.4 s
 through a core).  The session gives a run's memory back when it ends (L{_session}).
 
@@ -91,7 +85,6 @@ logging.getLogger("phonemizer").addFilter(_not_word_count_noise)
 
 VARIANT = "v1.0-int8"
 SAMPLE_RATE = 24_000
-THREADS_VARIABLE = "RHAPSODE_KOKORO_THREADS"
 
 _VARIANTS: dict[str, Variant] = {
     VARIANT: Variant(
@@ -101,13 +94,6 @@ _VARIANTS: dict[str, Variant] = {
         seed_reproducible=True,
     ),
 }
-
-
-def _threads(environ: Mapping[str, str]) -> int:
-    raw = environ.get(THREADS_VARIABLE, "1")
-    if not (raw.isdigit() and int(raw) >= 1):
-        raise ValueError(f"{THREADS_VARIABLE} must be a whole number of threads, not {raw!r}")
-    return int(raw)
 
 
 class KokoroEngine(Engine):
@@ -156,15 +142,15 @@ class KokoroEngine(Engine):
         # without paying for onnxruntime and espeak-ng until a model is wanted.
         from kokoro_onnx import Kokoro
 
-        from ._session import ShrinkingSession
+        from ._session import shrinking_session
 
-        threads = _threads(self._environ)
         ensure(self._cache)
         started = time.monotonic()
-        session = ShrinkingSession(self._cache / MODEL.name, threads)
+        session = shrinking_session(self._cache / MODEL.name, self._environ)
         self._kokoro = Kokoro.from_session(session, str(self._cache / VOICES.name))
-        log.info("{variant} loaded in {seconds:.2f} s with {threads} intra-op thread(s)",
-                 variant=variant, seconds=time.monotonic() - started, threads=threads)
+        log.info("{variant} loaded in {seconds:.2f} s with sessions of {threads} intra-op thread(s)",
+                 variant=variant, seconds=time.monotonic() - started,
+                 threads=" and ".join(map(str, session.sessions)))
 
     def unload(self) -> None:
         self._kokoro = None

