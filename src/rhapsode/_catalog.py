@@ -189,6 +189,10 @@ class Catalog:
         self.records = [dict(record) for record in records]
         self.core_version = core_version
         self._declared: dict[str, Declared] = {}
+        #: The engines an install through the API recorded (section 10's C{managed}).
+        self.managed: set[str] = set()
+        #: The engines an install job is queued or running for.
+        self.installing: set[str] = set()
 
     def declare(self, engine_id: str, module: str | None, python: str | None) -> Declared:
         """
@@ -198,6 +202,13 @@ class Catalog:
         declared = Declared(engine_id, module, worker_version(python) if module is not None else None)
         self._declared[engine_id] = declared
         return declared
+
+    def forget(self, engine_id: str) -> None:
+        """
+        The engine has left the registry (an uninstall, or a reinstall about to declare
+        it again).
+        """
+        self._declared.pop(engine_id, None)
 
     def versions(self, engine_id: str) -> dict[str, Any]:
         """
@@ -236,10 +247,15 @@ class Catalog:
             if "distribution" in record:
                 entry["package"] = record["distribution"]
             installed = self._installed_as(record)
-            entry["installed"] = "no" if installed is None else "yes"
-            # Only engines an install through the API recorded are managed; there are
-            # none yet, so every installed engine is the operator's.
-            entry["managed"] = False
+            if installed is not None:
+                entry["installed"] = "yes"
+            elif record["id"] in self.installing:
+                entry["installed"] = "installing"
+            else:
+                entry["installed"] = "no"
+            # Only engines an install through the API recorded are managed; one the
+            # operator configured is installed, and theirs.
+            entry["managed"] = installed is not None and installed.engine_id in self.managed
             if installed is not None:
                 entry.update(self.versions(installed.engine_id))
             entries.append(entry)

@@ -30,6 +30,7 @@ from rhapsode_worker.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
 from ._catalog import default_source_dir
 from ._guard import origin_key
 from ._residency import IResidencySettings
+from ._update import RELEASES_URL
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
@@ -52,6 +53,12 @@ def _default_voice_dir() -> Path:
     data = os.environ.get("XDG_DATA_HOME", "")
     base = Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share"
     return base / "rhapsode" / "voices"
+
+
+def _default_venv_dir() -> Path:
+    data = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share"
+    return base / "rhapsode" / "venvs"
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,11 @@ class WorkersConfig:
     health_check_seconds: float = 5.0
     unresponsive_seconds: float = 15.0
     stall_seconds: float = 120.0
+    #: The cores every worker's runs share (L{rhapsode_worker.BudgetedSession}); None
+    #: for the cores this process may run on, counted when a worker is spawned.
+    cores: int | None = None
+    #: Start every local engine's worker process (not its model) when the core starts.
+    prestart: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,22 @@ class InstallConfig:
     #: Where the catalog records the core ships are (C{<id>/catalog.json}): by default
     #: the C{engines} folder of the checkout the core was installed from, else none.
     source_dir: Path | None = field(default_factory=default_source_dir)
+    #: Where the engines installed through the API get their virtualenvs (two slots
+    #: each, C{<id>} and C{<id>.alt}).
+    venv_dir: Path = field(default_factory=_default_venv_dir)
+    #: The interpreter new virtualenvs are made from: a path, or a version ("3.12")
+    #: for uv to find; None for the core's own.
+    python: str | None = None
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    #: Whether the core asks, when asked, for the latest release (protocol.md section
+    #: 9); RHAPSODE_UPDATE_CHECK=0 in the server's environment turns it off whatever
+    #: this says.
+    check: bool = True
+    #: What it asks: GitHub's API for the repository's latest release.
+    url: str = RELEASES_URL
 
 
 @dataclass(frozen=True)
@@ -153,6 +181,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     install: InstallConfig = field(default_factory=InstallConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def engine(self, engine_id: str) -> EngineConfig:
@@ -298,6 +327,20 @@ def _url(value: Any, where: str, base: Path) -> str:
     return value
 
 
+def _release_url(value: Any, where: str, base: Path) -> str:
+    must = "an http or https URL answering as GitHub's latest-release API does"
+    if not isinstance(value, str):
+        raise _fail(where, must, value)
+    try:
+        parts = urlsplit(value)
+        parts.port
+    except ValueError:
+        raise _fail(where, must, value) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc or parts.fragment:
+        raise _fail(where, must, value)
+    return value
+
+
 def _env(value: Any, where: str, base: Path) -> Mapping[str, str]:
     if not isinstance(value, dict):
         raise _fail(where, "an object of strings", value)
@@ -367,6 +410,16 @@ def _engine(engine_id: str, raw: Any, base: Path) -> EngineConfig:
     return EngineConfig(id=engine_id, **values)
 
 
+def engine_entry(engine_id: str, raw: Mapping[str, Any]) -> EngineConfig:
+    """
+    An engine entry as the config file would hold it (an install records absolute
+    paths), checked as the file's are.
+
+    @raise ConfigError: it is not a valid entry.
+    """
+    return _engine(engine_id, raw, Path.cwd())
+
+
 def _engines(value: Any, where: str, base: Path) -> Mapping[str, EngineConfig]:
     if not isinstance(value, Mapping):
         raise _fail(where, "an object of engines", value)
@@ -410,6 +463,8 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
             "healthCheckSeconds": _number(0, inclusive=False, maximum=300),
             "unresponsiveSeconds": _number(0, inclusive=False, maximum=600),
             "stallSeconds": _number(0, inclusive=False, maximum=3600),
+            "cores": _integer(1, 4096),
+            "prestart": _flag,
         },
     ),
     "management": (ManagementConfig, {"token": _token, "origins": _origins}),
@@ -424,7 +479,8 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
             "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
         },
     ),
-    "install": (InstallConfig, {"sourceDir": _path}),
+    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text}),
+    "update": (UpdateConfig, {"check": _flag, "url": _release_url}),
 })
 
 #: The keys of an engine's entry that tune it rather than say what it is: the settings

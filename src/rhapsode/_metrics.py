@@ -112,6 +112,9 @@ class Metrics:
         self.evictions = Counter(
             "rhapsode_model_evictions", "Models that left the card, by engine and why (room, expired, unload, crash).",
             ["engine", "reason"], registry=registry)
+        self.jobs = Counter(
+            "rhapsode_install_jobs", "Install, reinstall and pull jobs finished, by kind, engine and outcome.",
+            ["kind", "engine", "outcome"], registry=registry)
         registry.register(_StateCollector(core))
 
     def engine_label(self, engine_id: str) -> str:
@@ -148,6 +151,10 @@ class Metrics:
 
     def evicted(self, engine: str, reason: str) -> None:
         self.evictions.labels(self.engine_label(engine), reason).inc()
+
+    def job_finished(self, job: Any) -> None:
+        # A job's engine is a catalog id, checked before the job existed: bounded.
+        self.jobs.labels(job.kind, job.engine, job.state).inc()
 
     def render(self) -> bytes:
         """

@@ -10,7 +10,7 @@ C{current}, and never spawns anything to answer C{/engines} or C{/health}.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from twisted.internet.defer import Deferred, succeed
 
@@ -23,6 +23,9 @@ class Supervised(Protocol):
     """
     What the registry needs of a local worker's supervisor.
     """
+
+    #: Told each line the worker writes on stderr.
+    listeners: list[Callable[[str], None]]
 
     @property
     def state(self) -> str: ...
@@ -65,6 +68,9 @@ class EngineHandle:
         self.unresponsive: str | None = None
         #: For a remote worker: whether its last health check was answered (None: never asked).
         self.answering: bool | None = None
+        #: Set once an uninstall or a reinstall has taken this handle out of the
+        #: registry: a request that found it before then starts no process with it.
+        self.retired = False
 
     @property
     def remote(self) -> bool:
@@ -76,6 +82,8 @@ class EngineHandle:
 
         @raise ModelUnavailable: a remote worker is not answering.
         """
+        if self.retired:
+            raise ModelUnavailable(f'engine "{self.id}" has just been reinstalled or removed; try again')
         if self.supervisor is not None:
             await self.supervisor.start()
         elif self.unresponsive is not None:
@@ -173,6 +181,28 @@ class Registry:
 
     def __contains__(self, engine_id: object) -> bool:
         return engine_id in self._handles
+
+    def add(self, handle: EngineHandle) -> None:
+        """
+        An engine installed while the core runs: the next request for it spawns its worker.
+        """
+        if handle.id in self._handles:
+            raise ValueError(f"engine {handle.id} is registered already")
+        self._handles[handle.id] = handle
+
+    def replace(self, handle: EngineHandle) -> EngineHandle:
+        """
+        Put a new handle in place of the engine's old one (a reinstall); answers the old.
+        """
+        old = self._handles[handle.id]
+        self._handles[handle.id] = handle
+        return old
+
+    def remove(self, engine_id: str) -> EngineHandle:
+        """
+        Take an engine out (its worker already stopped); answers its handle.
+        """
+        return self._handles.pop(engine_id)
 
     def get(self, engine_id: str) -> EngineHandle:
         try:

@@ -211,6 +211,10 @@ class _Ticket:
         self.blocked = ""
 
 
+#: What L{Residency._if_quiet} answers when the engine holds a lease.
+_SPEAKING = object()
+
+
 class Residency:
     """
     The models resident on the card, their leases and deadlines.
@@ -288,6 +292,48 @@ class Residency:
         if mode not in UNLOAD_MODES:
             raise BadRequest(f'mode must be terminate or unload, not "{mode}"', field="mode")
         await self._exclusively(lambda: self._unload_now(engine, mode))
+
+    async def quiet(self, engine: str, work: Callable[[], Coroutine[Any, Any, _T]], wait: float | None) -> _T:
+        """
+        Run C{work} under the lock a load takes, once C{engine} holds no lease, with its
+        model (if one is resident) forgotten first: C{work} replaces or removes the
+        engine, and nothing can start speaking on it in between.
+
+        @param wait: how long to wait for the engine to stop speaking; C{None} refuses
+            at once instead (an uninstall, whose caller is there to be told).
+        @raise Conflict: the engine is speaking, and C{wait} is C{None} or has passed.
+        """
+        give_up_at = None if wait is None else self._clock.seconds() + wait
+        while True:
+            outcome = await self._exclusively(lambda: self._if_quiet(engine, work))
+            if outcome is not _SPEAKING:
+                return outcome
+            now = self._clock.seconds()
+            if give_up_at is None or now >= give_up_at:
+                waited = "" if wait is None else f" after {wait:g} s"
+                raise Conflict(f'engine "{engine}" is speaking{waited}; try again once it has finished',
+                               field="engine")
+            changed: Deferred[bool] = Deferred()
+            self._room.append(changed)
+            timer = self._clock.callLater(give_up_at - now, changed.callback, False)
+            try:
+                await changed
+            finally:
+                if timer.active():
+                    timer.cancel()
+                if changed in self._room:
+                    self._room.remove(changed)
+
+    async def _if_quiet(self, engine: str, work: Callable[[], Coroutine[Any, Any, _T]]) -> Any:
+        model = self._models.get(engine)
+        if model is not None and model.leases > 0:
+            return _SPEAKING
+        if model is not None:
+            self._drop(model, "unload")
+        try:
+            return await work()
+        finally:
+            self._wake()
 
     def record_size(self, engine: str, variant: str, size_bytes: int | None) -> None:
         """

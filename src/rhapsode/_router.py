@@ -23,7 +23,9 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from rhapsode_worker import contract
-from rhapsode_worker.errors import Conflict, Forbidden, Internal, UnknownVoice, Unsupported, as_speech_error
+from rhapsode_worker.errors import (
+    BadRequest, Conflict, Forbidden, Internal, SpeechError, UnknownVoice, Unsupported, as_speech_error,
+)
 from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, HandlerResource, Routes
 from rhapsode_worker.web import InFlight, answer, error_response, json_response, no_route, read_json
 
@@ -31,6 +33,8 @@ from . import __version__
 from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, IAdmissionSettings, Turnstile
 from ._catalog import Catalog
 from ._config import Config, ConfigSettings
+from ._installer import Installer, install_query
+from ._jobs import Jobs, last_event_id
 from ._mcp import McpServer
 from ._metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from ._openai import OpenAIShim
@@ -40,6 +44,7 @@ from ._relay import ERROR_LIMIT, SpeechRelay
 from ._residency import IResidencySettings, Residency
 from ._settings import Settings, caller_of, read_patch
 from ._stream import SpeechStreams
+from ._update import RELEASES_URL, UpdateChecker, checker_for
 from ._upstream import collect
 
 _JSON_LIMIT = 1024 * 1024
@@ -55,12 +60,26 @@ OPENAI_BATCH = "/v1/audio/speech/batch"
 OPENAI_STREAM = "/v1/audio/speech/stream"
 MCP = "/mcp"
 METRICS = "/metrics"
+#: The update check (protocol.md section 9): open routes, like /health and /catalog.
+UPDATE = "/update"
+UPDATE_CHECK = "/update/check"
 #: At most this many items in one batch, and this much JSON in its body.
 BATCH_ITEMS = 32
 _BATCH_LIMIT = 4 * 1024 * 1024
+# Installing (protocol.md section 10).
+_INSTALL = "/engines/<string:engine_id>/install"
+_REINSTALL = "/engines/<string:engine_id>/reinstall"
+_PULL = "/engines/<string:engine_id>/pull"
+_ENGINE = "/engines/<string:engine_id>"
+_JOBS = "/installs"
+_JOB = "/installs/<string:job_id>"
+_JOB_EVENTS = "/installs/<string:job_id>/events"
+_OUTDATED = "/installs/outdated"
 #: The management routes (protocol.md section 10): guarded at their heads.
 MANAGEMENT = frozenset({
-    ("POST", _VOICES), ("DELETE", _VOICE), ("POST", _UNLOAD), ("GET", "/settings"), ("PATCH", "/settings")
+    ("POST", _VOICES), ("DELETE", _VOICE), ("POST", _UNLOAD), ("GET", "/settings"), ("PATCH", "/settings"),
+    ("POST", _INSTALL), ("POST", _REINSTALL), ("POST", _PULL), ("DELETE", _ENGINE),
+    ("GET", _JOBS), ("GET", _JOB), ("GET", _JOB_EVENTS), ("POST", _OUTDATED),
 })
 #: The most body each route takes; the rest take the site's default (64 KiB).
 BODY_LIMITS = {
@@ -91,6 +110,8 @@ CORS_ROUTES = frozenset({
     ("GET", "/v1/models/<string:model_id>"),
     ("GET", "/v1/audio/models"),
     ("GET", "/v1/audio/voices"),
+    ("GET", UPDATE),
+    ("POST", UPDATE_CHECK),
 })
 
 
@@ -178,6 +199,12 @@ class CoreApp:
         #: The settings and the state database they live in; without one, /settings
         #: answers unsupported (a core embedded without a config file has nowhere to keep one).
         self.settings_api = settings_api
+        #: Install, reinstall and pull jobs; the installer that makes them is the
+        #: service's (it changes the registry), and without one every install route
+        #: answers unsupported.
+        self.jobs = Jobs(reactor)
+        self.jobs.on_finished = self.metrics.job_finished
+        self.installer: Installer | None = None
 
     def close(self) -> None:
         """
@@ -568,5 +595,131 @@ class CoreApp:
             request.content.seek(0)
             document = await settings.patch(read_patch(request.content.read()), caller_of(request))
             return json_response(request, 200, document)
+
+        return await self._answer(request, handle)
+
+    # -- installing (protocol.md section 10): guarded at their heads --------------------
+
+    def _installer_or_refuse(self, request: IRequest) -> Installer:
+        self._require_guard(request)
+        if self.installer is None:
+            raise Unsupported("this server cannot install engines (it was started without a state database)")
+        return self.installer
+
+    def _job_answer(self, request: IRequest, document: dict[str, Any]) -> bytes:
+        request.setHeader(b"Location", f"/installs/{document['id']}".encode())
+        return json_response(request, 202, document)
+
+    @app.route(_INSTALL, methods=["POST"])
+    async def _install(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            installer = self._installer_or_refuse(request)
+            query = install_query(request.args or {}, ("pull", "accept"))
+            job = installer.install(engine_id, query["pull"], query["accept"])
+            return self._job_answer(request, job.document())
+
+        return await self._answer(request, handle)
+
+    @app.route(_REINSTALL, methods=["POST"])
+    async def _reinstall(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            installer = self._installer_or_refuse(request)
+            query = install_query(request.args or {}, ("accept",))
+            return self._job_answer(request, installer.reinstall(engine_id, query["accept"]).document())
+
+        return await self._answer(request, handle)
+
+    @app.route(_OUTDATED, methods=["POST"])
+    async def _outdated(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            installer = self._installer_or_refuse(request)
+            install_query(request.args or {}, ())
+            return json_response(request, 202, installer.outdated())
+
+        return await self._answer(request, handle)
+
+    @app.route(_PULL, methods=["POST"])
+    async def _pull(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            installer = self._installer_or_refuse(request)
+            request.content.seek(0)
+            try:
+                body = json.loads(request.content.read() or b"null")
+            except ValueError as error:
+                raise BadRequest(f"the body is not JSON: {error}", field="body") from None
+            return self._job_answer(request, installer.pull(engine_id, body).document())
+
+        return await self._answer(request, handle)
+
+    @app.route(_ENGINE, methods=["DELETE"])
+    async def _uninstall(self, request: IRequest, engine_id: str) -> Any:
+        async def handle() -> bytes:
+            installer = self._installer_or_refuse(request)
+            await installer.uninstall(engine_id)
+            request.setResponseCode(204)
+            return b""
+
+        return await self._answer(request, handle)
+
+    @app.route(_JOBS, methods=["GET"])
+    async def _jobs(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            self._require_guard(request)
+            return json_response(request, 200, self.jobs.documents(self.jobs.all()))
+
+        return await self._answer(request, handle)
+
+    @app.route(_JOB, methods=["GET"])
+    async def _job(self, request: IRequest, job_id: str) -> Any:
+        async def handle() -> bytes:
+            self._require_guard(request)
+            return json_response(request, 200, self.jobs.get(job_id).document())
+
+        return await self._answer(request, handle)
+
+    @app.route(_JOB_EVENTS, methods=["GET"])
+    def _job_events(self, request: IRequest, job_id: str) -> Any:
+        # Not through _answer: a stream that follows a job is not a request in flight
+        # for a shutdown to wait on (the shutdown ends it).
+        try:
+            self._require_guard(request)
+            job = self.jobs.get(job_id)
+            cursor = last_event_id(request)
+            return self.jobs.open_stream(request, job, cursor)
+        except SpeechError as error:
+            return error_response(request, error)
+
+    # -- the update check (protocol.md section 9): open to every caller ----------------
+
+    _updates: UpdateChecker | None = None
+
+    @property
+    def updates(self) -> UpdateChecker:
+        """
+        The update check: the service's, which reads C{update.check} live; by default
+        (a core embedded without one) GitHub's on this reactor, on unless the
+        environment turned it off.
+        """
+        if self._updates is None:
+            self._updates = checker_for(self.reactor, __version__, RELEASES_URL, lambda: True)
+        return self._updates
+
+    @updates.setter
+    def updates(self, checker: UpdateChecker) -> None:
+        self._updates = checker
+
+    @app.route(UPDATE, methods=["GET"])
+    def _update(self, request: IRequest) -> bytes:
+        # Never waits: at most it starts one check in the background.
+        return json_response(request, 200, self.updates.status())
+
+    @app.route(UPDATE_CHECK, methods=["POST"])
+    async def _update_check(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            request.content.seek(0)
+            body = request.content.read().strip()
+            if body and body != b"{}":
+                raise BadRequest("POST /update/check takes no body", field="body")
+            return json_response(request, 200, await self.updates.check_now())
 
         return await self._answer(request, handle)

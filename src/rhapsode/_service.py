@@ -12,7 +12,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
@@ -31,15 +31,21 @@ from rhapsode_worker.contract import CONTRACT_VERSIONS
 
 from . import __version__
 from ._catalog import Catalog, read_catalog, read_source
-from ._config import Config, ConfigError, ConfigSettings, config_source
+from ._config import Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry
+from ._installer import Commands, Installer, find_uv
+from ._jobs import JobContext
 from ._registry import EngineHandle, Registry
+from ._relay import refusal
 from ._router import CoreApp
 from ._residency import Residency
 from ._settings import Settings
 from ._state import FILE_NAME, StateDatabase, StateError, StateStore
-from ._supervisor import WorkerSupervisor
+from ._supervisor import WorkerSupervisor, core_budget_env, prestart
+from ._update import checker_for
 from ._upstream import WorkerClient
 from ._watchdog import Watchdog
+
+_T = TypeVar("_T")
 
 #: Bursts of clients must not be refused at the door: the default of 50 refused most of
 #: 500 simultaneous connections on these machines.
@@ -91,8 +97,11 @@ class RhapsodeService(service.Service):
         self._reactor_given = reactor
         self._stop_reactor_if_unable = stop_reactor_if_unable
         self.registry: Registry | None = None
+        self.catalog: Catalog | None = None
         self.app: CoreApp | None = None
         self.watchdog: Watchdog | None = None
+        #: With workers.prestart, each local engine's worker process starting at boot.
+        self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
         self._clients: list[WorkerClient] = []
         #: Why the service could not start (a folder, its port), once that has happened.
@@ -176,36 +185,12 @@ class RhapsodeService(service.Service):
         workers = self.config.workers
         handles: dict[str, EngineHandle] = {}
         # Each engine's workerVersion is read here, as it is declared, never per request.
-        catalog = Catalog(read_source(self.config.install.source_dir), __version__)
+        catalog = self.catalog = Catalog(read_source(self.config.install.source_dir), __version__)
         for engine_id, engine in self.config.engines.items():
-            if engine.url is not None:
-                catalog.declare(engine_id, None, None)
-                client = WorkerClient(reactor, engine.url)
-                handles[engine_id] = EngineHandle(engine_id, client, None)
-            else:
-                listen = f"unix:{workers.socket_dir / (engine_id + '.sock')}"
-                client = WorkerClient(reactor, listen)
-                assert engine.module is not None
-                supervisor = WorkerSupervisor(
-                    engine_id,
-                    reactor=reactor,
-                    python=engine.python or sys.executable,
-                    module=engine.module,
-                    listen=listen,
-                    voice_dir=str(workers.voice_dir),
-                    env=dict(engine.env),
-                    contract=CONTRACT,
-                    startup_timeout=workers.startup_timeout_seconds,
-                    drain_grace=workers.drain_grace_ms / 1000,
-                    max_restarts=workers.max_restarts,
-                    restart_decay=workers.restart_decay_seconds,
-                    terminate=_terminate_verb(client),
-                    on_crash=partial(self._crashed, engine_id),
-                )
-                python = engine.python or sys.executable
-                catalog.declare(engine_id, engine.module, python)
-                handles[engine_id] = EngineHandle(engine_id, client, supervisor, read_catalog(engine.module, python))
-            self._clients.append(client)
+            handles[engine_id] = self._handle(engine_id, engine)
+        if self.state is not None:
+            operator = _operator_engines(self._raw)
+            catalog.managed.update(e for e in self.state.engines() if e in handles and e not in operator)
         registry = self.registry = Registry(handles)
         # Read when used, so a settings API can change them live.
         settings = ConfigSettings(lambda: self.config)
@@ -232,7 +217,66 @@ class RhapsodeService(service.Service):
             settings_api=self.settings,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
+        install = self.config.install
+        self.app.installer = Installer(
+            reactor=reactor,
+            jobs=self.app.jobs,
+            catalog=catalog,
+            state=self.state,
+            host=_ServiceHost(self),
+            # install.* waits for a restart (section 10): the start's values.
+            venv_dir=lambda: install.venv_dir,
+            source_dir=lambda: install.source_dir,
+            interpreter=lambda: install.python,
+            runner=Commands(reactor, os.environ),
+            environ=os.environ,
+            core_version=__version__,
+            uv=find_uv(),
+        )
+        # update.check is read on every request, so a PATCH applies at once; the URL
+        # and the environment are the start's.
+        self.app.updates = checker_for(
+            reactor, __version__, self.config.update.url, lambda: self.config.update.check
+        )
         return self.app
+
+    def _handle(self, engine_id: str, engine: EngineConfig) -> EngineHandle:
+        """
+        One engine's handle: a supervisor and a client for a local worker, a client for
+        a remote one; its catalog facts and workerVersion read as it is declared.
+        """
+        reactor = self.reactor
+        workers = self.config.workers
+        catalog = self.catalog
+        assert catalog is not None
+        if engine.url is not None:
+            catalog.declare(engine_id, None, None)
+            client = WorkerClient(reactor, engine.url)
+            self._clients.append(client)
+            return EngineHandle(engine_id, client, None)
+        listen = f"unix:{workers.socket_dir / (engine_id + '.sock')}"
+        client = WorkerClient(reactor, listen)
+        assert engine.module is not None
+        supervisor = WorkerSupervisor(
+            engine_id,
+            reactor=reactor,
+            python=engine.python or sys.executable,
+            module=engine.module,
+            listen=listen,
+            voice_dir=str(workers.voice_dir),
+            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env},
+            contract=CONTRACT,
+            startup_timeout=workers.startup_timeout_seconds,
+            drain_grace=workers.drain_grace_ms / 1000,
+            max_restarts=workers.max_restarts,
+            restart_decay=workers.restart_decay_seconds,
+            terminate=_terminate_verb(client),
+            on_crash=partial(self._crashed, engine_id),
+        )
+        python = engine.python or sys.executable
+        catalog.declare(engine_id, engine.module, python)
+        self._clients.append(client)
+        return EngineHandle(engine_id, client, supervisor, read_catalog(engine.module, python))
 
     def _crashed(self, engine_id: str) -> None:
         if self.app is not None:
@@ -262,6 +306,8 @@ class RhapsodeService(service.Service):
                 port=address.port,
                 engines=", ".join(self.config.engines) or "none",
             )
+            if self.config.workers.prestart and self.registry is not None:
+                self.prestarted = prestart(self.registry)
             waiters, self._listen_waiters = self._listen_waiters, []
             for waiter in waiters:
                 waiter.callback(address)
@@ -349,6 +395,9 @@ class RhapsodeService(service.Service):
                 await self.port.stopListening()
             if self.app is not None:
                 self.app.close()
+                # A job running now is stopped (its process group killed) and marked
+                # failed, and every stream following a job ends.
+                await self.app.jobs.close()
             if self.app is not None and self.app.requests.count:
                 idle = self.app.requests.when_idle()
                 timer = self.reactor.callLater(grace, idle.cancel)
@@ -374,6 +423,112 @@ class RhapsodeService(service.Service):
             self.log.info("rhapsode stopped")
 
         return Deferred.fromCoroutine(stop())
+
+
+def _operator_engines(raw: Mapping[str, Any]) -> set[str]:
+    """
+    The engines the operator's config file names, disabled ones (null) included.
+    """
+    engines = raw.get("engines")
+    return set(engines) if isinstance(engines, Mapping) else set()
+
+
+class _ServiceHost:
+    """
+    What the installer changes in the running core: the registry, the catalog's
+    versions, the settings' view of the engines, and the worker processes.
+    """
+
+    def __init__(self, service: RhapsodeService) -> None:
+        self._service = service
+
+    def _registry(self) -> Registry:
+        assert self._service.registry is not None
+        return self._service.registry
+
+    def registered(self, engine_id: str) -> bool:
+        return engine_id in self._registry()
+
+    def operator_engines(self) -> set[str]:
+        return _operator_engines(self._service._raw)
+
+    def _installed(self) -> dict[str, Mapping[str, Any]]:
+        state = self._service.state
+        return {} if state is None else {e.id: e.entry for e in state.engines().values()}
+
+    def declare(self, engine_id: str, entry: Mapping[str, Any]) -> None:
+        service = self._service
+        if service.settings is not None:
+            service.settings.installed_changed(self._installed())
+        engine = service.config.engines.get(engine_id)
+        if engine is None:
+            engine = engine_entry(engine_id, entry)
+        self._registry().add(service._handle(engine_id, engine))
+
+    def replace(self, engine_id: str, entry: Mapping[str, Any]) -> "Deferred[None]":
+        """
+        A reinstall's swap: the new handle goes in first, so no request finds the engine
+        missing; the old one's worker is stopped after.
+        """
+        service = self._service
+        if service.settings is not None:
+            service.settings.installed_changed(self._installed())
+        engine = service.config.engines.get(engine_id) or engine_entry(engine_id, entry)
+        old = self._registry().replace(service._handle(engine_id, engine))
+        return Deferred.fromCoroutine(self._stop(old))
+
+    def retire(self, engine_id: str) -> "Deferred[None]":
+        """
+        An uninstall: the engine leaves the registry, then its worker is stopped.
+        """
+        handle = self._registry().remove(engine_id)
+        if self._service.catalog is not None:
+            self._service.catalog.forget(engine_id)
+        if self._service.settings is not None:
+            self._service.settings.installed_changed(self._installed())
+        return Deferred.fromCoroutine(self._stop(handle))
+
+    async def _stop(self, handle: EngineHandle) -> None:
+        # Retired first: a request that found the handle before it left starts nothing.
+        handle.retired = True
+        if handle.supervisor is not None:
+            await handle.supervisor.stop(ask=True)
+        if handle.client in self._service._clients:
+            self._service._clients.remove(handle.client)
+        await handle.client.close()
+
+    async def quiet(self, engine_id: str, work: Callable[[], Awaitable[_T]], wait: float | None) -> _T:
+        assert self._service.app is not None
+
+        async def run() -> _T:
+            return await work()
+
+        return await self._service.app.residency.quiet(engine_id, run, wait)
+
+    async def fetch(self, engine_id: str, variant: str, context: JobContext, required: bool = True) -> None:
+        """
+        The worker's fetch (section 8): its process started if it is down, no model
+        loaded; what it logs meanwhile goes into the job's events.
+        """
+        handle = self._registry().get(engine_id)
+        client = await handle.ready()
+        supervisor = handle.supervisor
+        if supervisor is not None:
+            supervisor.listeners.append(context.log)
+        try:
+            code, answer = await client.json(b"POST", "/fetch", {"variant": variant})
+        finally:
+            if supervisor is not None and context.log in supervisor.listeners:
+                supervisor.listeners.remove(context.log)
+        if code < 300:
+            context.log(f"{engine_id} {variant}: weights fetched")
+            return
+        error = refusal(answer.get("error") if isinstance(answer, dict) else None, code)
+        if error.code == "unsupported" and not required:
+            # An install's weights step: nothing to do, and the install still succeeded.
+            context.log(f"{engine_id} has nothing to fetch: its weights arrive with its first load")
+            return
+        raise error
 
 
 def _count(n: int, noun: str) -> str:

@@ -34,6 +34,7 @@ LIVE = frozenset({
     "limits.queuedPerEngine",
     "limits.queueWaitSeconds",
     "limits.bufferedBytes",
+    "update.check",
 })
 #: Every per-engine setting is read when used, and so is live.
 LIVE_PER_ENGINE = frozenset(ENGINE_SETTINGS)
@@ -330,6 +331,14 @@ class Settings:
             await self._database.write_settings(checked)
             self._refresh()
         return self.document()
+
+    def installed_changed(self, installed: Mapping[str, Mapping[str, Any]]) -> None:
+        """
+        The API installed or removed an engine: the config in use takes its entry (and
+        its per-engine settings) from now on, without a restart.
+        """
+        self._installed = dict(installed)
+        self._refresh()
 
     def _refresh(self) -> None:
         self.config = self._parse(self._in_use())

@@ -256,6 +256,7 @@ class StateDatabase:
         self.path = store.path
         self._reactor = reactor
         self._settings: dict[str, Any] = store.settings()
+        self._engines: dict[str, InstalledEngine] = store.engines()
         # One thread: writes reach the file in the order they were asked for.  Started
         # at the first write, so that no thread is lost to a fork (twistd daemonizing)
         # between opening the database and serving.
@@ -295,6 +296,36 @@ class StateDatabase:
         d: Deferred[None] = deferToThreadPool(
             self._reactor, self._started(), self.store.write_settings, changes
         )
+        d.addCallback(committed)
+        return d
+
+    def engines(self) -> dict[str, InstalledEngine]:
+        """
+        The engines the API installed, as of the last committed write.
+        """
+        return dict(self._engines)
+
+    def put_engine(self, engine: InstalledEngine) -> "Deferred[None]":
+        """
+        Record an installed engine (one transaction on the database's thread); the
+        mirror changes once it has committed.
+        """
+        d: Deferred[None] = deferToThreadPool(self._reactor, self._started(), self.store.put_engine, engine)
+        d.addCallback(lambda _: self._engines.__setitem__(engine.id, engine))
+        return d
+
+    def delete_engine(self, engine_id: str) -> "Deferred[None]":
+        """
+        Forget an engine and its per-engine settings, in one transaction.
+        """
+        prefix = f"engines.{engine_id}."
+
+        def committed(_: None) -> None:
+            self._engines.pop(engine_id, None)
+            for key in [key for key in self._settings if key.startswith(prefix)]:
+                del self._settings[key]
+
+        d: Deferred[None] = deferToThreadPool(self._reactor, self._started(), self.store.delete_engine, engine_id)
         d.addCallback(committed)
         return d
 

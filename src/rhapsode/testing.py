@@ -27,7 +27,7 @@ import copy
 import json
 import struct
 from io import BytesIO
-from typing import Any, Iterable, Mapping, Sequence, cast
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 from treq.client import HTTPClient
 from twisted.internet.address import IPv4Address
@@ -307,6 +307,8 @@ class _Process:
         self.pid: int | None = None
         self.restarts = 0
         self._next_pid = 4000
+        #: Nothing is written on a fake's stderr; the registry's protocol asks for this.
+        self.listeners: list[Callable[[str], None]] = []
 
     def start(self) -> "Deferred[str]":
         if self.state != "up":

@@ -15,6 +15,7 @@ from .schemas import (
     _COMPONENTS,
     _REF_PREFIX,
     MEDIA_TYPES,
+    VARIANT_NAME_PATTERN,
     VOICE_ID_PATTERN,
     Schema,
     _integer,
@@ -279,6 +280,269 @@ _MANAGEMENT_NOTE = (
 )
 
 
+_UPDATE_NOTE = (
+    "Open to every caller. The server asks GitHub for the latest release at most once a day, "
+    "and only when asked: a request finding no answer, or one older than a day, starts one check "
+    "and is answered at once (a first call reads pending). A failed check is retried after six "
+    "hours. update.check: false, or RHAPSODE_UPDATE_CHECK=0 in the server's environment, turns it "
+    "off."
+)
+
+# Managing engines (protocol.md section 10).
+_JOB_ID = {"$ref": "#/components/parameters/JobId"}
+_CATALOG_NOTE = (
+    "Open to every caller, unlike the other routes of section 10: it only reads, and its "
+    "licences are what an install is to be read against."
+)
+_NO_DATABASE = (
+    " A server started without a state database (no config file) answers unsupported: it "
+    "has nowhere to record the result."
+)
+_JOB_START_ERRORS = (400, 403, 404, 409, 422, 429)
+
+
+def _job_started(description: str) -> tuple[int, dict[str, Any]]:
+    return (
+        202,
+        {
+            "description": description,
+            "headers": {
+                "Location": {
+                    "description": "/installs/{job}, where the job is read.",
+                    "schema": _string(),
+                }
+            },
+            "content": _json_content("InstallJob"),
+        },
+    )
+
+
+def _accept_parameter() -> dict[str, Any]:
+    return {
+        "name": "accept",
+        "in": "query",
+        "required": False,
+        "description": (
+            "The weights licence accepted, exactly as the catalog's license.weights names it. "
+            "Required where the catalog says weightsCommercialUse: false (a reinstall needs it "
+            "only where the licence recorded at install no longer covers it); where sent, it "
+            "must name the licence, so a client may send it on every install. Empty, repeated "
+            "or naming anything else is bad_request."
+        ),
+        "schema": _string(minLength=1),
+    }
+
+
+_EVENTS_NOTE = """\
+A stream of server-sent events (ServerKit's server feed): step changes as progress, \
+each line a command prints as log, and the outcome as status or error. Each frame is
+
+id: <event id>
+event: <kind>
+data: <FeedEvent as JSON>
+
+A comment line (": following <job>") opens the stream, and ": ping" is sent after 15 s \
+without an event, so that a proxy does not take the stream for dead. A client resumes \
+after the last event it saw with the Last-Event-ID header, or with ?lastEventId= where it \
+cannot set a header (a page opening a new EventSource); one whose resume point has \
+already left the replay buffer (the last 1000 events) is sent a frame "event: resync" \
+with data {}, and should re-read the job with GET /installs/{job}. The stream stays open \
+after the job ends; close it at the first progress whose status is not running (done or \
+failed, the job's last event). Ending it from the server would make a browser's \
+EventSource reconnect to a finished job over and over. The stream follows the job in the \
+path only."""
+
+
+def _job_event_parameters() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "Last-Event-ID",
+            "in": "header",
+            "required": False,
+            "description": "Resume after this event id; a whole number.",
+            "schema": _integer(minimum=0),
+        },
+        {
+            "name": "lastEventId",
+            "in": "query",
+            "required": False,
+            "description": "Last-Event-ID for a client that cannot set the header; the header wins.",
+            "schema": _integer(minimum=0),
+        },
+    ]
+
+
+def _management_paths() -> dict[str, Any]:
+    """
+    The routes of section 10 besides unloading: the catalog, settings, installs and
+    their jobs.  Every one but GET /catalog is a management route.
+    """
+    return {
+        "/catalog": {
+            "get": _operation(
+                "getCatalog",
+                "Every engine that exists, installed or not, with both licences.",
+                (200, _ok("One entry per engine, in id order.", _json_content("Catalog"))),
+                description=_CATALOG_NOTE,
+            )
+        },
+        "/settings": {
+            "get": _operation(
+                "getSettings",
+                "Every setting: the value in use, where it came from, and when a change to it applies.",
+                (200, _ok("The settings document; the token itself is never in it.", _json_content("Settings"))),
+                (403, 422),
+                description=_MANAGEMENT_NOTE
+                + " Reading is guarded too: the document names directories on the box and "
+                "the origins it trusts."
+                + " A server started without a state database answers unsupported.",
+            ),
+            "patch": _operation(
+                "patchSettings",
+                "Change some settings; those that apply live do now, the rest at the next start.",
+                (200, _ok("The whole document as it stands after the write.", _json_content("Settings"))),
+                (400, 403, 404, 409, 422),
+                description=_MANAGEMENT_NOTE
+                + " Written to the state database in one transaction, so a refused patch "
+                "changes nothing. A value out of range or a key the document does not have "
+                "is bad_request naming the setting; a per-engine setting of an engine not in "
+                "the registry is unknown_engine. A change that would lock its caller out is "
+                "conflict: a caller not on this machine clearing or emptying the token, or a "
+                "page whose origin is not this machine's leaving it out of "
+                "management.origins. A server started without a state database answers "
+                "unsupported.",
+                requestBody=_json_body("SettingsPatch", "Any part of values; null clears."),
+            ),
+        },
+        "/engines/{engine}": {
+            "parameters": [_ENGINE_ID],
+            "delete": _operation(
+                "uninstallEngine",
+                "Stop and remove an engine this API installed, and its virtualenv; never its weights.",
+                (204, {"description": "The engine is gone; no body."}),
+                (400, 403, 404, 409, 422, 500),
+                description=_MANAGEMENT_NOTE
+                + " An engine the operator configured is conflict (it is theirs to remove), "
+                "and so is one that is speaking or has a job queued or running; an engine "
+                "not installed is unknown_engine." + _NO_DATABASE,
+            ),
+        },
+        "/engines/{engine}/install": {
+            "parameters": [_ENGINE_ID],
+            "post": _operation(
+                "installEngine",
+                "Start a job that installs a catalog engine, and with ?pull= fetches a variant too.",
+                _job_started("The job, queued or running."),
+                _JOB_START_ERRORS,
+                description=_MANAGEMENT_NOTE
+                + " Takes no body. Every refusal comes before a job exists: an id not in the "
+                "catalog is unknown_engine; an engine installed, installing, or named by the "
+                "operator's config (even disabled) is conflict; weights not for commercial "
+                "use without ?accept= naming their licence, a pull or accept that is empty "
+                "or repeated, or any other query parameter, is bad_request. Too many jobs "
+                "waiting is overloaded." + _NO_DATABASE,
+                parameters=[
+                    {
+                        "name": "pull",
+                        "in": "query",
+                        "required": False,
+                        "description": (
+                            "A variant to fetch once registered, as a fifth step, weights; the "
+                            "catalog's defaultVariant names the default. Without it the install "
+                            "stops at register."
+                        ),
+                        "schema": _string(pattern=VARIANT_NAME_PATTERN),
+                    },
+                    _accept_parameter(),
+                ],
+            ),
+        },
+        "/engines/{engine}/reinstall": {
+            "parameters": [_ENGINE_ID],
+            "post": _operation(
+                "reinstallEngine",
+                "Start a job that rebuilds an engine this API installed beside itself and swaps it in.",
+                _job_started("The job, queued or running; its steps are an install's first four."),
+                _JOB_START_ERRORS,
+                description=_MANAGEMENT_NOTE
+                + " Takes no body. The engine keeps working until the new virtualenv is "
+                "verified; the swap costs a cold load, and anything installed into the old "
+                "virtualenv by hand. An engine not installed, or not in the catalog, is "
+                "unknown_engine; one the operator configured, or with a job queued or "
+                "running, is conflict; ?accept= as for an install." + _NO_DATABASE,
+                parameters=[_accept_parameter()],
+            ),
+        },
+        "/engines/{engine}/pull": {
+            "parameters": [_ENGINE_ID],
+            "post": _operation(
+                "pullWeights",
+                "Start a job that downloads a variant's weights without loading them.",
+                _job_started("The job, queued or running; its one step is weights."),
+                _JOB_START_ERRORS,
+                description=_MANAGEMENT_NOTE
+                + " The worker is started if it is not running, and no model is loaded, so it "
+                "evicts nothing. An engine not installed is unknown_engine, one with a job "
+                "queued or running conflict. An engine that cannot fetch says so in the job's "
+                "output, and its weights arrive on first load.",
+                requestBody=_json_body("PullRequest", "Which variant to fetch."),
+            ),
+        },
+        "/installs": {
+            "get": _operation(
+                "listInstalls",
+                "Every job this process knows of, newest first.",
+                (200, _ok("The jobs; a restart forgets them.", _json_content("InstallJobList"))),
+                (403,),
+                description=_MANAGEMENT_NOTE,
+            )
+        },
+        "/installs/outdated": {
+            "post": _operation(
+                "reinstallOutdated",
+                "Start a reinstall for every outdated engine this API installed.",
+                (202, _ok("The jobs started, and the engines skipped with why.", _json_content("OutdatedReinstalls"))),
+                (400, 403, 422, 429),
+                description=_MANAGEMENT_NOTE
+                + " Takes no body and no query parameter. Never refused as a whole: an engine "
+                "it cannot reinstall without asking somebody is skipped, and nothing behind "
+                "is jobs: [], a success, so it can end an unattended upgrade." + _NO_DATABASE,
+            )
+        },
+        "/installs/{job}": {
+            "parameters": [_JOB_ID],
+            "get": _operation(
+                "getInstall",
+                "One job.",
+                (200, _ok("The job.", _json_content("InstallJob"))),
+                (403, 404),
+                description=_MANAGEMENT_NOTE
+                + " An id it does not know is bad_request with a 404, as an unknown route "
+                "is: a finished job is kept only until 50 newer ones have finished.",
+            ),
+        },
+        "/installs/{job}/events": {
+            "parameters": [_JOB_ID],
+            "get": _operation(
+                "followInstall",
+                "The job's events, as server-sent events; the stream stays open after the job ends.",
+                (
+                    200,
+                    _ok(
+                        "A text/event-stream whose every frame's data is a FeedEvent.",
+                        {"text/event-stream": {"schema": _ref("FeedEvent")}},
+                    ),
+                ),
+                (400, 403, 404, 429),
+                description=_MANAGEMENT_NOTE + "\n\n" + _EVENTS_NOTE + " An unknown job is "
+                "bad_request with a 404, a Last-Event-ID that is not a whole number "
+                "bad_request, and too many streams open overloaded.",
+                parameters=_job_event_parameters(),
+            ),
+        },
+    }
+
+
 def _public_paths() -> dict[str, Any]:
     return {
         "/engines": {
@@ -342,6 +606,28 @@ def _public_paths() -> dict[str, Any]:
                 ],
             ),
         },
+        "/update": {
+            "get": _operation(
+                "getUpdate",
+                "Whether a newer release exists; never waits, at most starting one check in the background.",
+                (200, _ok("What this server knows now.", _json_content("UpdateStatus"))),
+                description=_UPDATE_NOTE,
+            )
+        },
+        "/update/check": {
+            "post": _operation(
+                "checkUpdate",
+                "Ask now, waiting at most the check's 10 s timeout; takes no body.",
+                (200, _ok("The same document as GET /update; a failed check is check: failed.", _json_content("UpdateStatus"))),
+                (400,),
+                description=(
+                    "Open to every caller. An answer under five minutes old is returned as it is, and a "
+                    "request arriving while a check is in flight waits for that one, so the server asks "
+                    "at most once in five minutes. With the check off it answers check: off without asking."
+                ),
+            )
+        },
+        **_management_paths(),
         "/openapi.json": {
             "get": _operation(
                 "getOpenApi",
@@ -449,7 +735,7 @@ def worker_openapi(version: str) -> dict[str, Any]:
 
 _PUBLIC_DESCRIPTION = """\
 Rhapsode's public API: one HTTP contract in front of many text-to-speech engines \
-(protocol.md sections 4, 6, 7 and 9). GET /engines lists the engines this server has; every \
+(protocol.md sections 4, 6, 7, 9 and 10). GET /engines lists the engines this server has; every \
 engine-scoped route and POST /speak name one, and an id not in that list is \
 unknown_engine.
 
@@ -469,11 +755,13 @@ server.idleTimeoutSeconds with 408, and a body over its route's limit with 413 (
 engine's turns and queue is overloaded, 429 with Retry-After.
 
 A request's Authorization header is stripped before any handler sees the request and \
-is never logged. Management routes (creating and deleting a voice) answer loopback \
-callers (and unloading an engine), and from anywhere a holder of the management token presenting \
-Authorization: Bearer <token>; a request carrying an Origin is refused unless that \
-origin is this machine's own or listed in management.origins. Everyone else is \
-forbidden. Speaking, listing and previews are open to every caller."""
+is never logged. Management routes (creating and deleting a voice, unloading an \
+engine, the settings, and installing, reinstalling, pulling, uninstalling and their \
+jobs) answer loopback callers, and from anywhere a holder of the management token \
+presenting Authorization: Bearer <token>; a request carrying an Origin is refused unless \
+that origin is this machine's own or listed in management.origins. Everyone else is \
+forbidden. Speaking, listing, previews, GET /catalog and the update check are open to \
+every caller."""
 
 
 def public_openapi(version: str) -> dict[str, Any]:
@@ -500,6 +788,13 @@ def public_openapi(version: str) -> dict[str, Any]:
             "VoiceId": _voice_id_parameter(
                 "voice", "A voice id, as GET /engines/{engine}/voices lists it."
             ),
+            "JobId": {
+                "name": "job",
+                "in": "path",
+                "required": True,
+                "description": "A job id, as a job start or GET /installs answers it.",
+                "schema": _string(),
+            },
         },
         frozenset(),
     )

@@ -544,6 +544,22 @@ ENGINE_STATE: Schema = _object(
     "nothing.",
 )
 
+def _version_fields() -> dict[str, Schema]:
+    # Section 9's pair, on an engine summary and on a catalog entry of an installed engine.
+    return {
+        "workerVersion": _string(
+            "The version of rhapsode-worker installed in the engine's virtualenv, read "
+            "when the engine was declared. For display and diagnosis only: never branch "
+            "on it, read contract. Absent where this server cannot say (a remote engine, "
+            "a command configured by hand, metadata it cannot read)."
+        ),
+        "outdated": _boolean(
+            "true where workerVersion differs from this server's version (older or "
+            "newer): reinstalling the engine brings it level. Absent with workerVersion."
+        ),
+    }
+
+
 ENGINE_SUMMARY: Schema = _object(
     {
         "id": _string("The engine id every engine-scoped route and /speak name."),
@@ -551,6 +567,7 @@ ENGINE_SUMMARY: Schema = _object(
         "license": LICENSE,
         "defaultVariant": _string(),
         **ENGINE_STATE["properties"],
+        **_version_fields(),
     },
     required=["id", *ENGINE_STATE["required"]],
     description="One entry of GET /engines and of GET /health. displayName, license and "
@@ -610,6 +627,255 @@ PUBLIC_HEALTH: Schema = _object(
     description="GET /health. Never starts, loads or waits on an engine.",
 )
 
+UPDATE_STATUS: Schema = _object(
+    {
+        "version": _string("This server's package version, for display."),
+        "check": _enum(
+            ("off", "pending", "ok", "failed"),
+            "off when the operator turned the check off; pending before the first answer; "
+            "ok once one came back; failed when the last attempt got none.",
+        ),
+        "latest": _string("The latest release, its tag without the v. Only with ok."),
+        "updateAvailable": _boolean(
+            "Whether latest is a newer x.y.z release than this server. Only with ok."
+        ),
+        "releaseUrl": _string("The release's page. Only with ok."),
+        "checkedAt": _string("When the answer came back, ISO 8601, UTC. Only with ok."),
+        "distribution": _enum(
+            ("docker", "source"), "Which instructions to show: the published image, or anything else."
+        ),
+    },
+    required=["version", "check", "distribution"],
+    description="GET /update and POST /update/check (protocol.md section 9).",
+)
+
+# Managing engines (protocol.md section 10): the catalog, settings, installs and their jobs.
+
+#: The steps a job reports, in the order an install takes them; weights is an install's
+#: fifth step when it pulls, and a pull's only one.
+JOB_STEPS: tuple[str, ...] = ("venv", "packages", "verify", "register", "weights")
+#: A variant named by a pull, or by an install's ?pull=.
+VARIANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+CATALOG_ENTRY: Schema = _object(
+    {
+        "id": _string("The engine id an install names, and its id in GET /engines once installed."),
+        "displayName": _string(),
+        "license": _object(
+            LICENSE["properties"],
+            required=["code", "weights", "weightsCommercialUse"],
+            description="Both licences, read before install. Where weightsCommercialUse is "
+            "false an install must carry ?accept= naming weights exactly.",
+        ),
+        "package": _string("The adapter's Python distribution, e.g. rhapsode-engine-kokoro."),
+        "defaultVariant": _string("The variant an install's ?pull= names to fetch the default."),
+        "python": _string(
+            "The Python versions its dependencies install on, as a version specifier "
+            "(e.g. >=3.11,<3.14); the install finds an interpreter inside it."
+        ),
+        "installed": _enum(("no", "installing", "yes")),
+        "managed": _boolean(
+            "Whether this API installed it, and so can reinstall and remove it; an engine "
+            "the operator configured is installed: yes, managed: false."
+        ),
+        **_version_fields(),
+    },
+    required=["id", "displayName", "license", "installed", "managed"],
+    description="One engine that exists, installed or not (protocol.md section 10). "
+    "workerVersion and outdated only on an installed engine, as its summary has them.",
+)
+
+CATALOG: Schema = _array(_ref("CatalogEntry"), "GET /catalog: every engine that exists, in id order.")
+
+SETTING_FIELD: Schema = _object(
+    {
+        "key": _string(
+            "The setting's dotted key, as values nests it: residency.keepAliveSeconds, "
+            "engines.kokoro.keepAliveSeconds."
+        ),
+        "source": _enum(
+            ("default", "config", "database"),
+            "The layer the value in use came from; the database wins over the config "
+            "file, and the file over the default.",
+        ),
+        "applies": _enum(
+            ("live", "restart"),
+            "live: a change applies as soon as it is written; restart: at the next start.",
+        ),
+        "saved": {
+            "description": "Present only when the database holds a value the process is "
+            "not using yet: a change waiting for a restart. For management.token, true "
+            "rather than the token."
+        },
+    },
+    required=["key", "source", "applies"],
+)
+
+_SETTING_VALUES: Schema = dict(
+    _object(
+        {
+            "management": _object(
+                {
+                    "tokenSet": _boolean(
+                        "Whether a management token is configured; the token itself is never shown."
+                    ),
+                    "origins": _array(_string(), "Origins whose pages may call management routes."),
+                },
+                required=["tokenSet"],
+            ),
+            "engines": _map(
+                _typed("object", "", {}),
+                "The per-engine settings of each engine in the registry, by engine id.",
+            ),
+        },
+        required=["management", "engines"],
+        description="Every setting as the running process uses it, by section as the "
+        "config file nests them: a setting waiting for a restart shows its old value.",
+    ),
+    additionalProperties=_typed("object", "One section's settings, by name.", {}),
+)
+
+SETTINGS: Schema = _object(
+    {
+        "values": _SETTING_VALUES,
+        "fields": _array(_ref("SettingField"), "One entry per setting, by dotted key."),
+    },
+    required=["values", "fields"],
+    description="GET /settings, and PATCH /settings's answer (protocol.md section 10).",
+)
+
+SETTINGS_PATCH: Schema = _typed(
+    "object",
+    "PATCH /settings: any part of values, written to the state database in one "
+    "transaction. null clears a setting, or a whole section or engine, back to the "
+    "config file's value and then the default. management.token is written as a string "
+    "and management.tokenSet never; an array replaces the one below it. A key values "
+    "does not have is bad_request, and a per-engine setting of an engine not in the "
+    "registry unknown_engine.",
+    {
+        "properties": {
+            "engines": _map(
+                _typed(["object", "null"], "", {}),
+                "Per-engine settings by engine id; null clears every one.",
+                type=["object", "null"],
+            ),
+        },
+        "additionalProperties": _typed(
+            ["object", "null"], "A section: any of its settings, each a value or null.", {}
+        ),
+    },
+)
+
+PULL_REQUEST: Schema = _object(
+    {
+        "variant": _string(
+            "The variant whose weights to download.",
+            pattern=VARIANT_NAME_PATTERN,
+        )
+    },
+    required=["variant"],
+    closed=True,
+    description="POST /engines/{engine}/pull.",
+)
+
+INSTALL_JOB: Schema = _object(
+    {
+        "id": _string("The job's id; ids sort in the order jobs were made."),
+        "engine": _string(),
+        "kind": _enum(("install", "reinstall", "pull")),
+        "variant": _string(
+            "The variant a pull fetches, or an install fetches in its weights step; an "
+            "install without it stops at register."
+        ),
+        "state": _enum(("queued", "running", "succeeded", "failed")),
+        "step": _enum(JOB_STEPS, "The step running, or the last reached; absent before the first."),
+        "createdAt": _string("ISO 8601, UTC."),
+        "startedAt": _string("ISO 8601, UTC; absent while queued."),
+        "finishedAt": _string("ISO 8601, UTC; absent until it succeeds or fails."),
+        "error": dict(
+            ERROR["properties"]["error"],
+            description="Why a failed job failed: an error envelope's body, whose message "
+            "names the command and the line of its output that says why.",
+        ),
+    },
+    required=["id", "engine", "kind", "state", "createdAt"],
+    description="An install, reinstall or pull (protocol.md section 10, Jobs). One runs at "
+    "a time and the rest queue; jobs live in memory, and a finished one is kept until 50 "
+    "newer ones have finished.",
+)
+
+INSTALL_JOB_LIST: Schema = _array(_ref("InstallJob"), "GET /installs: every job known, newest first.")
+
+OUTDATED_REINSTALLS: Schema = _object(
+    {
+        "jobs": _array(
+            _ref("InstallJob"),
+            "One reinstall queued for each outdated engine this API installed, in id "
+            "order; [] when nothing is behind, which is a success.",
+        ),
+        "skipped": _array(
+            _object(
+                {
+                    "engine": _string(),
+                    "reason": _enum(
+                        ("licence", "busy", "uncatalogued"),
+                        "licence: a reinstall would need ?accept=; busy: a job for it is "
+                        "queued or running; uncatalogued: the catalog no longer has it.",
+                    ),
+                },
+                required=["engine", "reason"],
+            ),
+            "Outdated engines that could not be reinstalled without asking somebody.",
+        ),
+    },
+    required=["jobs", "skipped"],
+    description="POST /installs/outdated (protocol.md section 10): never refused as a whole.",
+)
+
+FEED_EVENT: Schema = _object(
+    {
+        "id": _integer(
+            "The event's number within its job, from 1: the frame's id, and what "
+            "Last-Event-ID resumes after.",
+            minimum=1,
+        ),
+        "ts": _string("When it happened, ISO 8601, UTC."),
+        "source": _string("What emitted it: install, for every job's events."),
+        "level": _string("info, or error on an error and on the progress that ends a failed job."),
+        "kind": _enum(
+            ("status", "progress", "log", "error"),
+            "status: queued, started, succeeded; progress: a step begins, or the job ends; "
+            "log: a line a command printed; error: why the job failed. The frame's event "
+            "names it.",
+        ),
+        "message": _string(
+            "For people; a line over 2000 characters is cut and ends with an ellipsis."
+        ),
+        "correlationId": _string("The job's id."),
+        "progress": _object(
+            {
+                "phase": _enum(JOB_STEPS, "The step."),
+                "index": _integer("The step's place among the job's steps, from 1.", minimum=1),
+                "total": _integer("How many steps the job has.", minimum=1),
+                "status": _enum(
+                    ("running", "done", "failed"),
+                    "running as a step begins; done or failed on the job's last event.",
+                ),
+            },
+            required=["phase", "index", "total", "status"],
+            description="On a progress event only.",
+        ),
+        "data": _typed(
+            "object",
+            'Detail; on an error event {"error": the error envelope\'s body}.',
+            {},
+        ),
+    },
+    required=["id", "ts", "source", "level", "kind", "message", "correlationId"],
+    description="One event of a job, the JSON data of one server-sent frame of GET "
+    "/installs/{job}/events (ServerKit's server feed).",
+)
+
 # Every named shape; a generated document holds those its paths reach.
 _COMPONENTS: dict[str, Schema] = {
     "SpeakRequest": SPEAK_REQUEST,
@@ -638,4 +904,15 @@ _COMPONENTS: dict[str, Schema] = {
     "ResidentModel": RESIDENT_MODEL,
     "Residency": RESIDENCY,
     "PublicHealth": PUBLIC_HEALTH,
+    "UpdateStatus": UPDATE_STATUS,
+    "CatalogEntry": CATALOG_ENTRY,
+    "Catalog": CATALOG,
+    "SettingField": SETTING_FIELD,
+    "Settings": SETTINGS,
+    "SettingsPatch": SETTINGS_PATCH,
+    "PullRequest": PULL_REQUEST,
+    "InstallJob": INSTALL_JOB,
+    "InstallJobList": INSTALL_JOB_LIST,
+    "OutdatedReinstalls": OUTDATED_REINSTALLS,
+    "FeedEvent": FEED_EVENT,
 }

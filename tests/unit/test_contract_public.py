@@ -44,11 +44,33 @@ PUBLIC_ROUTES = {
     "/openapi.json": {"get"},
     "/residency": {"get"},
     "/engines/{engine}/unload": {"post"},
+    "/update": {"get"},
+    "/update/check": {"post"},
+    "/catalog": {"get"},
+    "/settings": {"get", "patch"},
+    "/engines/{engine}": {"delete"},
+    "/engines/{engine}/install": {"post"},
+    "/engines/{engine}/reinstall": {"post"},
+    "/engines/{engine}/pull": {"post"},
+    "/installs": {"get"},
+    "/installs/outdated": {"post"},
+    "/installs/{job}": {"get"},
+    "/installs/{job}/events": {"get"},
 }
 MANAGEMENT = {
     ("/engines/{engine}/voices", "post"),
     ("/engines/{engine}/voices/{voice}", "delete"),
     ("/engines/{engine}/unload", "post"),
+    ("/settings", "get"),
+    ("/settings", "patch"),
+    ("/engines/{engine}", "delete"),
+    ("/engines/{engine}/install", "post"),
+    ("/engines/{engine}/reinstall", "post"),
+    ("/engines/{engine}/pull", "post"),
+    ("/installs", "get"),
+    ("/installs/outdated", "post"),
+    ("/installs/{job}", "get"),
+    ("/installs/{job}/events", "get"),
 }
 
 
@@ -97,7 +119,7 @@ def test_public_document_is_openapi_3_1_at_the_version_given() -> None:
 
 def test_every_public_route_and_method_is_present_and_nothing_else() -> None:
     """
-    The paths are exactly the public routes of sections 6, 7 and 9, each operation with a
+    The paths are exactly the public routes of sections 6, 7, 9 and 10, each operation with a
     unique operationId and a one-line summary.
     """
     document = public_openapi("0.1.0")
@@ -329,6 +351,7 @@ def test_engine_shapes_accept_what_the_core_reports() -> None:
             "restarts": 0,
             "lastError": "exited 1",
             "workerVersion": "0.1.0",
+            "outdated": False,
         },
     )
     validate(ENGINE_STATE, {"process": "up", "model": "unloaded", "restarts": 0, "remote": True})

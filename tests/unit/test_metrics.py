@@ -157,3 +157,30 @@ def test_who_may_scrape_is_a_setting() -> None:
     assert local.value().startswith(b"HTTP/1.1 200")
     _, public = connect(public=True, peer="203.0.113.9")
     assert public.value().startswith(b"HTTP/1.1 200") and b"rhapsode_worker_up" in public.value()
+
+
+def test_install_jobs_are_counted_by_kind_engine_and_outcome() -> None:
+    """
+    Each install, reinstall or pull job that ends is counted under its kind, its engine
+    and whether it succeeded or failed.
+    """
+    from rhapsode_worker.errors import Internal
+
+    stub = StubRhapsode({"tone": FakeEngine(audio=[PIECE])})
+    jobs = stub.core.jobs
+
+    async def works(context: Any) -> None:
+        context.step("weights")
+
+    async def fails(context: Any) -> None:
+        context.step("weights")
+        raise Internal("the download stopped")
+
+    jobs.submit("tone", "pull", works, variant="default")
+    jobs.submit("tone", "pull", fails, variant="default")
+    jobs.submit("tone", "pull", works, variant="default")
+    stub.flush()
+    samples = scrape(stub)
+    assert value(samples, "rhapsode_install_jobs_total", kind="pull", engine="tone", outcome="succeeded") == 2
+    assert value(samples, "rhapsode_install_jobs_total", kind="pull", engine="tone", outcome="failed") == 1
+    stub.close()

@@ -165,13 +165,34 @@ def ensure(directory: Path, artifacts: Sequence[Artifact] = (MODEL, VOICES)) -> 
             stale.unlink(missing_ok=True)
         for stale in directory.glob(".download-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        missing = []
         for artifact in artifacts:
             if verified(directory / artifact.name, artifact):
                 log.info("{name} already in {directory}, verified", name=artifact.name,
                          directory=str(directory))
-                continue
+            else:
+                missing.append(artifact)
+        # pip's raw progress form, which a client following an install draws as a bar.
+        progress = _Progress(sum(artifact.size for artifact in missing))
+        for artifact in missing:
             with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as scratch:
-                write_verified(directory, artifact, _SOURCES[artifact](Path(scratch)))
+                write_verified(directory, artifact, progress.counted(_SOURCES[artifact](Path(scratch))))
+
+
+class _Progress:
+    """
+    Says C{Progress <bytes> of <total>} as the pieces of a fetch arrive.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+
+    def counted(self, pieces: Iterable[bytes]) -> Iterator[bytes]:
+        for piece in pieces:
+            self.done += len(piece)
+            log.info("Progress {done} of {total}", done=self.done, total=self.total)
+            yield piece
 
 
 def _run(command: list[str], cwd: Path, what: str) -> None:
