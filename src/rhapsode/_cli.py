@@ -1,7 +1,8 @@
 """
 The C{rhapsode} command.  C{rhapsode serve [--config FILE]} is C{twistd -n rhapsode}, with
 one difference: while it stops, a second Ctrl-C (or SIGTERM) quits at once.  The other
-subcommands (C{engines}, C{voices}, C{say}, C{catalog}, C{ps}, C{unload}, C{version}) are
+subcommands (C{engines}, C{voices}, C{say}, C{catalog}, C{ps}, C{unload}, C{version},
+C{update}, C{settings}, C{warm}, C{doctor}) are
 clients of a running server's public routes through L{rhapsode.client.RhapsodeClient}:
 listings print aligned plain tables, or the server's JSON with C{--json}; a refusal
 prints the taxonomy's C{code: message} on stderr and exits 1.  docs/cli.md has the rest.
@@ -24,7 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectError, DNSLookupError
 from twisted.logger import Logger
 
-from rhapsode_worker.errors import SpeechError
+from rhapsode_worker.errors import BadRequest, SpeechError
 
 from . import __version__
 
@@ -148,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
     listing = argparse.ArgumentParser(add_help=False)
     listing.add_argument("--json", action="store_true", help="print the server's JSON as it is")
     commands.add_parser("serve", help="run the server: rhapsode serve [--config FILE]")
+    commands.add_parser("web", help="serve the web page: rhapsode web [--core URL] [--port N] (docs/web.md)")
     commands.add_parser("engines", parents=[client, listing], help="the engines this server has")
     voices = commands.add_parser("voices", parents=[client, listing], help="an engine's voices")
     voices.add_argument("engine")
@@ -179,6 +181,10 @@ def parser() -> argparse.ArgumentParser:
         "(default: $RHAPSODE_MANAGEMENT_TOKEN)",
     )
     commands.add_parser("version", parents=[client], help="this client's version and the server's")
+    _manage_parsers(commands, client, listing)
+    from ._progress import add_parsers as _install_parsers
+
+    _install_parsers(commands, client, listing)
     return top
 
 
@@ -486,6 +492,9 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] == "serve":
         _serve(args[1:])
         return
+    if args and args[0] == "web":
+        _web(args[1:])
+        return
     options = parser()
     if not args:
         options.print_usage(sys.stderr)
@@ -511,3 +520,378 @@ def _serve(args: list[str]) -> None:
     if failed:
         print(f"rhapsode: {failed[0].getErrorMessage()}", file=sys.__stderr__)
         raise SystemExit(1)
+
+
+def _web(args: list[str]) -> None:
+    """
+    C{rhapsode web [--core URL] [--port N] [--host H] [--token-file FILE]
+    [--allow-origin ORIGIN]}: C{twistd -n rhapsode-web}, the page of docs/web.md.
+    """
+    from twisted.scripts.twistd import run
+
+    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode-web", *args]
+    run()
+    from ._web._tap import made
+
+    failed = [service.failed_to_start for service in made if service.failed_to_start is not None]
+    if failed:
+        print(f"rhapsode web: {failed[0].getErrorMessage()}", file=sys.__stderr__)
+        raise SystemExit(1)
+
+
+# -- update, settings, warm and doctor (protocol.md sections 9 and 10) ----------------
+
+
+def _manage_parsers(commands: Any, client: argparse.ArgumentParser, listing: argparse.ArgumentParser) -> None:
+    """
+    The subcommands that read and change how the server is run: C{update}, C{settings},
+    C{warm} and C{doctor}.
+    """
+    token = argparse.ArgumentParser(add_help=False)
+    token.add_argument(
+        "--token",
+        default=None,
+        help="the management token, for a server on another machine (default: $RHAPSODE_MANAGEMENT_TOKEN)",
+    )
+    update = commands.add_parser(
+        "update", parents=[client, listing], help="whether a newer release of rhapsode exists"
+    )
+    update.add_argument("--check", action="store_true", help="ask now rather than report the last answer")
+    settings = commands.add_parser(
+        "settings",
+        parents=[client, listing, token],
+        help="every setting; settings KEY shows one; settings KEY VALUE changes it",
+    )
+    settings.add_argument("key", nargs="?", help="a dotted key, e.g. residency.keepAliveSeconds")
+    settings.add_argument(
+        "value",
+        nargs="?",
+        help="the new value, read as JSON when it parses and as a string otherwise; - reads it from stdin",
+    )
+    settings.add_argument("--unset", action="store_true", help="clear KEY from the database (null)")
+    warm = commands.add_parser(
+        "warm", parents=[client], help="load an engine's model now, so the first request is not a cold start"
+    )
+    warm.add_argument("engine")
+    warm.add_argument("--variant", help="the variant to load (default: the resident one, else its default)")
+    warm.add_argument(
+        "--keep-alive",
+        dest="keep_alive",
+        type=int,
+        metavar="S",
+        default=None,
+        help="keep it loaded S seconds after (-1: until the room is needed; default: the server's)",
+    )
+    commands.add_parser(
+        "doctor", parents=[client, token], help="what is installed, outdated and reachable; exits 1 if something is wrong"
+    )
+
+
+def update_text(document: dict[str, Any]) -> str:
+    """
+    C{GET /update} as C{rhapsode update} prints it: this server's version, the latest
+    release, and whether to update and where from.
+    """
+    version = str(document.get("version", "-"))
+    distribution = str(document.get("distribution", "source"))
+    lines = [f"version     {version} ({distribution})"]
+    check = document.get("check")
+    if check == "off":
+        lines.append("check       off: this server does not ask (update.check, or RHAPSODE_UPDATE_CHECK=0)")
+    elif check == "pending":
+        lines.append("check       pending: the server is asking now; run `rhapsode update` again, or `rhapsode update --check`")
+    elif check == "failed":
+        lines.append("check       failed: the last attempt got no answer; the server asks again in six hours")
+    elif check == "ok":
+        lines.append(f"latest      {document.get('latest', '-')} (asked {document.get('checkedAt', '-')})")
+        if document.get("updateAvailable"):
+            lines.append(f"available   yes: {document.get('releaseUrl', '-')}")
+            if distribution == "docker":
+                lines.append("how         docker compose pull && docker compose up -d, then reinstall the engines `rhapsode engines` marks outdated")
+            else:
+                lines.append("how         update this installation (git pull, then make), then reinstall the engines `rhapsode engines` marks outdated")
+        else:
+            lines.append("available   no: this is the latest release")
+    else:
+        lines.append(f"check       {check}")
+    return "\n".join(lines) + "\n"
+
+
+async def _update_command(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    document = await (client.check_update() if ns.check else client.update())
+    _listing(ns, out, document, lambda: update_text(document))
+    return 0
+
+
+def _value_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+
+
+def _in_use(values: dict[str, Any], key: str) -> Any:
+    """
+    The value C{values} holds for a dotted key; the token only as whether one is set.
+    """
+    head, _, rest = key.partition(".")
+    if key == "management.token":
+        return "(set)" if (values.get("management") or {}).get("tokenSet") else "(not set)"
+    if head == "engines":
+        engine, _, name = rest.rpartition(".")
+        return ((values.get("engines") or {}).get(engine) or {}).get(name)
+    return (values.get(head) or {}).get(rest)
+
+
+def settings_table(document: dict[str, Any]) -> str:
+    """
+    C{GET /settings} as C{rhapsode settings} prints it: a row per setting with the value
+    in use, where it came from, whether a change applies live, and a value saved for the
+    next start.
+    """
+    values = document.get("values") or {}
+    rows = []
+    for field in document.get("fields") or []:
+        key = str(field.get("key", "-"))
+        saved = "-"
+        if "saved" in field:
+            saved = "(new token)" if key == "management.token" else _value_text(field["saved"])
+        rows.append([
+            key,
+            _value_text(_in_use(values, key)),
+            str(field.get("source", "-")),
+            str(field.get("applies", "-")),
+            saved,
+        ])
+    return table(["KEY", "VALUE", "SOURCE", "APPLIES", "SAVED (NEXT START)"], rows)
+
+
+def setting_line(document: dict[str, Any], key: str) -> str:
+    """
+    One setting in one line: its value, source and when a change applies.
+    """
+    fields = {str(f.get("key")): f for f in document.get("fields") or []}
+    field = fields.get(key)
+    if field is None:
+        raise BadRequest(f"{key}: no such setting (`rhapsode settings` lists them)", field=key)
+    line = f"{key} = {_value_text(_in_use(document.get('values') or {}, key))} ({field.get('source')}, {field.get('applies')})"
+    if "saved" in field:
+        saved = "a new token" if key == "management.token" else _value_text(field["saved"])
+        line += f"; saved {saved}, in use from the next start"
+    return line + "\n"
+
+
+def settings_patch(key: str, value: Any) -> dict[str, Any]:
+    """
+    The PATCH body that sets one dotted key: C{engines.ID.NAME} or C{SECTION.NAME}.
+    """
+    head, _, rest = key.partition(".")
+    if head == "engines":
+        engine, _, name = rest.rpartition(".")
+        if engine and name:
+            return {"engines": {engine: {name: value}}}
+    elif head and rest and "." not in rest:
+        return {head: {rest: value}}
+    raise BadRequest(
+        f"{key}: a setting is a dotted key such as residency.keepAliveSeconds or engines.tone.keepAliveSeconds",
+        field=key,
+    )
+
+
+def parse_value(text: str) -> Any:
+    """
+    A value from the command line: JSON when it parses (C{900}, C{true}, C{["a"]}), the
+    text itself otherwise.
+    """
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def _settings_command(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    if ns.key is None:
+        if ns.unset:
+            out.error("rhapsode: settings --unset needs a KEY")
+            return USAGE
+        document = await client.settings()
+        _listing(ns, out, document, lambda: settings_table(document))
+        return 0
+    if ns.value is not None and ns.unset:
+        out.error("rhapsode: settings KEY takes a VALUE or --unset, not both")
+        return USAGE
+    if ns.value is None and not ns.unset:
+        document = await client.settings()
+        line = setting_line(document, ns.key)
+        if ns.json:
+            field = next(f for f in document["fields"] if f.get("key") == ns.key)
+            out.line(json.dumps({**field, "value": _in_use(document["values"], ns.key)}, indent=2, ensure_ascii=False))
+        else:
+            out.line(line)
+        return 0
+    if ns.unset:
+        value = None
+    elif ns.value == "-":
+        # Read from stdin, so that a token stays out of the shell's history.
+        value = parse_value(sys.stdin.read().rstrip("\r\n"))
+    else:
+        value = parse_value(ns.value)
+    document = await client.patch_settings(settings_patch(ns.key, value))
+    if ns.json:
+        out.line(json.dumps(document, indent=2, ensure_ascii=False))
+    else:
+        out.line(setting_line(document, ns.key))
+    return 0
+
+
+#: What warm says: short, so the model's load is nearly all the cost.
+WARM_TEXT = "Ready."
+
+
+async def _warm(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    # There is no load route: a short buffered /speak loads the model, and its audio is
+    # dropped.  keepAliveSeconds then sets how long it stays.
+    fields: dict[str, Any] = {}
+    if ns.variant:
+        fields["variant"] = ns.variant
+    if ns.keep_alive is not None:
+        fields["keepAliveSeconds"] = ns.keep_alive
+    began = time.monotonic()
+    await client.speak(ns.engine, WARM_TEXT, **fields)
+    took = time.monotonic() - began
+    residency = await client.residency()
+    model = next((m for m in residency.get("models") or [] if m.get("engine") == ns.engine), None)
+    if model is None:
+        out.line(f"{ns.engine}: spoke in {took:.1f} s, but it is not resident now (a keep-alive of 0?)")
+        return 0
+    out.line(
+        f"{ns.engine}: {model.get('variant', '-')} loaded in {took:.1f} s, {size(model.get('sizeBytes'))}, "
+        f"until {until(model, now)}"
+    )
+    return 0
+
+
+def local_tools() -> dict[str, str | None]:
+    """
+    Where this machine's ffmpeg and uv are; None for one that is missing.  ffmpeg is the
+    one the core encodes with (PATH, else the imageio-ffmpeg wheel's); uv is the one
+    beside this interpreter, else on PATH.
+    """
+    import shutil
+
+    from ._installer import find_uv
+
+    ffmpeg = shutil.which("ffmpeg")
+    if ffmpeg is None:
+        import imageio_ffmpeg
+
+        try:
+            ffmpeg = str(imageio_ffmpeg.get_ffmpeg_exe())
+        except RuntimeError:
+            ffmpeg = None
+    return {"ffmpeg": ffmpeg, "uv": find_uv()}
+
+
+_OK, _WARN, _FAIL, _INFO = "ok", "warn", "FAIL", "info"
+
+
+async def doctor_rows(client: Any, url: str, tools: dict[str, str | None]) -> list[list[str]]:
+    """
+    Every check C{rhapsode doctor} makes, as rows of CHECK, STATUS and DETAIL.
+    """
+    rows: list[list[str]] = []
+    try:
+        health = await client.health()
+    except (ConnectError, DNSLookupError) as failure:
+        rows.append(["server", _FAIL, f"nothing is answering at {url} ({failure.__class__.__name__}): start it with `rhapsode serve`"])
+        health = None
+    if health is not None:
+        status = health.get("status")
+        rows.append([
+            "server",
+            _OK if status == "ok" else _FAIL,
+            f"{url}: rhapsode {health.get('version', '-')}, contract {health.get('contract', '-')}, {status}",
+        ])
+        for engine in health.get("engines") or []:
+            name = str(engine.get("id", "-"))
+            process = engine.get("process", "-")
+            worker = engine.get("workerVersion")
+            detail = f"{name}: process {process}, model {engine.get('model', '-')}"
+            detail += f", worker {worker}" if isinstance(worker, str) else ""
+            state = _OK
+            if process == "failed" or engine.get("lastError"):
+                state = _FAIL
+                detail += f": {engine.get('lastError', 'failed')}"
+            elif engine.get("outdated"):
+                state = _WARN
+                detail += f" is outdated (the server is {health.get('version', '-')}): reinstall {name}"
+            rows.append(["engine", state, detail])
+        if not health.get("engines"):
+            rows.append(["engine", _WARN, "no engine is installed: `rhapsode catalog` lists what exists"])
+        try:
+            entries = await client.catalog()
+        except SpeechError as refusal:
+            rows.append(["catalog", _WARN, f"{refusal.code}: {refusal.message}"])
+        else:
+            installed = [str(e.get("id")) for e in entries if e.get("installed") == "yes"]
+            others = [str(e.get("id")) for e in entries if e.get("installed") != "yes"]
+            detail = f"{len(entries)} engines known, installed: {', '.join(installed) or 'none'}"
+            if others:
+                detail += f"; not installed: {', '.join(others)}"
+            rows.append(["catalog", _OK, detail])
+        try:
+            update = await client.update()
+        except SpeechError as refusal:
+            rows.append(["update", _WARN, f"{refusal.code}: {refusal.message}"])
+        else:
+            check = update.get("check")
+            if check == "ok" and update.get("updateAvailable"):
+                rows.append(["update", _WARN, f"{update.get('latest')} is out: {update.get('releaseUrl')} (`rhapsode update`)"])
+            elif check == "ok":
+                rows.append(["update", _OK, f"{update.get('version')} is the latest release"])
+            elif check == "failed":
+                rows.append(["update", _WARN, "the last check got no answer; the server retries in six hours"])
+            elif check == "pending":
+                rows.append(["update", _INFO, "the server is asking now: `rhapsode update` shortly"])
+            else:
+                rows.append(["update", _INFO, "off: this server does not ask (update.check, RHAPSODE_UPDATE_CHECK)"])
+        try:
+            settings = await client.settings()
+        except SpeechError as refusal:
+            rows.append(["state", _INFO, f"settings not readable here ({refusal.code}): the state database is rhapsode.db beside the server's config file"])
+        else:
+            # The document names the database only if a server adds it; the rule otherwise.
+            named: Any = (settings.get("values") or {}).get("state")
+            where: Any = named.get("path") if isinstance(named, dict) else None
+            detail = (
+                f"the state database is {where}"
+                if isinstance(where, str)
+                else "the state database is rhapsode.db beside the server's config file"
+            )
+            rows.append(["state", _INFO, detail + f"; {len(settings.get('fields') or [])} settings (`rhapsode settings`)"])
+    ffmpeg = tools.get("ffmpeg")
+    if ffmpeg:
+        rows.append(["ffmpeg", _OK, ffmpeg])
+    else:
+        rows.append(["ffmpeg", _WARN, "not found on PATH nor from imageio-ffmpeg: only wav and pcm can be served"])
+    uv = tools.get("uv")
+    if uv:
+        rows.append(["uv", _OK, f"{uv}: installs make their virtualenvs with it"])
+    else:
+        rows.append(["uv", _WARN, "not found: installs use python -m venv, which is slower"])
+    rows.append([
+        "logs",
+        _INFO,
+        "the server logs to its stdout: under `rhapsode serve`, the terminal it runs in (or wherever its "
+        "service manager sends stdout, e.g. journalctl or docker logs)",
+    ])
+    return rows
+
+
+async def _doctor(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
+    rows = await doctor_rows(client, server_url(ns.url, os.environ), local_tools())
+    out.line(table(["CHECK", "STATUS", "DETAIL"], rows))
+    return FAILED if any(row[1] == _FAIL for row in rows) else 0
+
+
+from ._progress import COMMANDS as _INSTALL_COMMANDS  # noqa: E402
+
+_COMMANDS.update(_INSTALL_COMMANDS)
+_COMMANDS.update({"update": _update_command, "settings": _settings_command, "warm": _warm, "doctor": _doctor})

@@ -233,20 +233,23 @@ class RhapsodeClient:
         *,
         body: Any = None,
         form: tuple[bytes, bytes] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> IResponse:
         """
         Send a request and return the response once its headers are in, its body unread;
         anything but a 2xx raises the envelope's exception.
         """
-        headers = dict(self._headers)
+        sent = dict(self._headers)
+        for name, value in (headers or {}).items():
+            sent[name.encode("latin-1")] = [value.encode("latin-1")]
         kwargs: dict[str, Any] = {}
         if body is not None:
             kwargs["json"] = body
         elif form is not None:
             kwargs["data"], content_type = form
-            headers[b"Content-Type"] = [content_type]
+            sent[b"Content-Type"] = [content_type]
         response = await self._http.request(
-            method, self._base + path, headers=headers, unbuffered=True, **kwargs
+            method, self._base + path, headers=sent, unbuffered=True, **kwargs
         )
         if not 200 <= response.code < 300:
             raise await self._refusal(response)
@@ -406,3 +409,163 @@ class RhapsodeClient:
             "DELETE", f"/engines/{_segment(engine)}/voices/{_segment(voice_id)}"
         )
         await _read(response)
+
+    # -- the update check (section 9) and the settings (section 10) -------------------
+
+    async def update(self) -> dict[str, Any]:
+        """
+        GET /update: whether a newer release exists, as the server knows now; it never
+        waits (a first call after the server's start reads C{check: pending}).
+        """
+        document: dict[str, Any] = await self._json("GET", "/update")
+        return document
+
+    async def check_update(self) -> dict[str, Any]:
+        """
+        POST /update/check: ask now, waiting for the answer (the server waits at most
+        its check's 10 s timeout); the same document as L{update}.
+        """
+        document: dict[str, Any] = await self._json("POST", "/update/check")
+        return document
+
+    async def settings(self) -> dict[str, Any]:
+        """
+        GET /settings, a management route: C{values} in use and a C{fields} entry for
+        every setting (its source, whether it applies live, any value saved for a restart).
+        """
+        document: dict[str, Any] = await self._json("GET", "/settings")
+        return document
+
+    async def patch_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """
+        PATCH /settings, a management route: C{changes} is any part of C{values};
+        C{None} clears a setting.  Answers the whole document after the write.
+        """
+        document: dict[str, Any] = await self._json("PATCH", "/settings", body=changes)
+        return document
+
+    # -- installing (section 10): management routes -------------------------------------
+
+    async def install(self, engine: str, *, pull: str | None = None, accept: str | None = None) -> dict[str, Any]:
+        """
+        POST /engines/{engine}/install: the job it started.  C{accept} names the weights
+        licence where the catalog says they are not for commercial use; C{pull}, a
+        variant to fetch once the engine is registered.
+        """
+        query = _query(pull=pull, accept=accept)
+        job: dict[str, Any] = await self._json("POST", f"/engines/{_segment(engine)}/install{query}")
+        return job
+
+    async def reinstall(self, engine: str, *, accept: str | None = None) -> dict[str, Any]:
+        """
+        POST /engines/{engine}/reinstall: rebuild an engine this API installed, beside itself.
+        """
+        job: dict[str, Any] = await self._json("POST", f"/engines/{_segment(engine)}/reinstall{_query(accept=accept)}")
+        return job
+
+    async def reinstall_outdated(self) -> dict[str, Any]:
+        """
+        POST /installs/outdated: C{{"jobs": [...], "skipped": [...]}}.
+        """
+        answer: dict[str, Any] = await self._json("POST", "/installs/outdated")
+        return answer
+
+    async def uninstall(self, engine: str) -> None:
+        """
+        DELETE /engines/{engine}: stop and remove an engine this API installed.
+        """
+        await _read(await self._send("DELETE", f"/engines/{_segment(engine)}"))
+
+    async def pull(self, engine: str, variant: str) -> dict[str, Any]:
+        """
+        POST /engines/{engine}/pull: fetch a variant's weights without loading them.
+        """
+        job: dict[str, Any] = await self._json("POST", f"/engines/{_segment(engine)}/pull", body={"variant": variant})
+        return job
+
+    async def jobs(self) -> list[dict[str, Any]]:
+        jobs: list[dict[str, Any]] = await self._json("GET", "/installs")
+        return jobs
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        job: dict[str, Any] = await self._json("GET", f"/installs/{_segment(job_id)}")
+        return job
+
+    async def follow(
+        self, job_id: str, on_event: Callable[[dict[str, Any]], object], last_event_id: int | None = None
+    ) -> dict[str, Any]:
+        """
+        Follow a job's events, each handed to C{on_event} as it arrives (a C{resync}
+        as C{{"kind": "resync"}}), until the progress that ends the job; then hang up
+        and answer the job as it stands.  Cancel the Deferred to stop following: the
+        job goes on.
+        """
+        headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+        response = await self._send("GET", f"/installs/{_segment(job_id)}/events", headers=headers)
+        feed = _EventFeed(on_event)
+        response.deliverBody(feed)
+        try:
+            await feed.done
+        finally:
+            feed.hang_up()
+        return await self.job(job_id)
+
+
+def _query(**values: str | None) -> str:
+    given = [(name, value) for name, value in values.items() if value is not None]
+    if not given:
+        return ""
+    return "?" + "&".join(f"{name}={quote(value, safe='')}" for name, value in given)
+
+
+class _EventFeed(Protocol):
+    """
+    A server-sent event stream read as it arrives: C{id:}, C{event:} and C{data:}
+    lines, a blank line ending each event, comments (the heartbeat) ignored.  C{done}
+    fires at the first progress that is not running, and fails if the stream ends first.
+    """
+
+    #: A frame longer than this is not one the server sends.
+    MAX_FRAME = 1 << 20
+
+    def __init__(self, on_event: Callable[[dict[str, Any]], object]) -> None:
+        self._on_event = on_event
+        self._buffer = b""
+        self._frame: dict[str, str] = {}
+        self.done: Deferred[None] = Deferred(lambda _: self.hang_up())
+
+    def dataReceived(self, data: bytes) -> None:
+        self._buffer += data
+        while b"\n" in self._buffer and not self.done.called:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            self._line(line.rstrip(b"\r").decode("utf-8", "replace"))
+        if len(self._buffer) > self.MAX_FRAME and not self.done.called:
+            self.done.errback(ValueError("the event stream sent a line longer than 1 MiB"))
+            self.hang_up()
+
+    def _line(self, line: str) -> None:
+        if line.startswith(":"):
+            return
+        if line:
+            name, _, value = line.partition(":")
+            self._frame[name] = value[1:] if value.startswith(" ") else value
+            return
+        frame, self._frame = self._frame, {}
+        if "data" not in frame:
+            return
+        if frame.get("event") == "resync":
+            self._on_event({"kind": "resync"})
+            return
+        event = json.loads(frame["data"])
+        self._on_event(event)
+        progress = event.get("progress") if event.get("kind") == "progress" else None
+        if isinstance(progress, dict) and progress.get("status") != "running":
+            self.done.callback(None)
+
+    def hang_up(self) -> None:
+        if self.transport is not None:
+            self.transport.stopProducing()  # type: ignore[attr-defined]
+
+    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+        if not self.done.called:
+            self.done.errback(TruncatedResponse(0, reason))

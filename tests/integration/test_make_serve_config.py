@@ -1,8 +1,8 @@
 """
-The Makefile's config, run for real: a hand-edited run/rhapsode.json survives
-`make fetch-kokoro` and the `make serve` after it, gaining only the kokoro engine.
-The fetch runs against the weights the Kokoro tests keep in .venvs/kokoro-cache, so it
-verifies them and downloads nothing.
+`make serve`, run for real: its config step writes run/rhapsode.json with no engine of
+its own and a venvDir beside it, and only when it is missing; tools/serve.py starts the
+core and installs the engines it is given through the API, printing each one's licences
+and progress, and Ctrl-C stops the server it started.
 """
 
 from __future__ import annotations
@@ -10,62 +10,102 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+from _worker import free_port, get, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-CACHE = ROOT / ".venvs" / "kokoro-cache"
-KOKORO_VENV = ".venvs/kokoro/.installed"
-
-
-def make(run: Path, *targets: str) -> subprocess.CompletedProcess[str]:
-    # -o: the kokoro virtualenv counts as built, so nothing is installed here.
-    return subprocess.run(
-        ["make", "-o", KOKORO_VENV, f"RUN={run}", *targets],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "RHAPSODE_KOKORO_CACHE": str(CACHE)},
-    )
-
-
-def test_fetching_kokoro_adds_it_to_a_hand_edited_config_and_keeps_the_edits(tmp_path: Path) -> None:
-    """
-    With run/rhapsode.json edited by hand (another port, a log level, an engine's env),
-    `make fetch-kokoro` adds the kokoro engine and says so, and the config step of
-    `make serve` after it rewrites nothing: every edit is still there.
-    """
-    # Asked when the test runs, not when it is collected: on a fresh clone the Kokoro
-    # tests that run before this one are what fetch the cache.
-    if shutil.which("make") is None or not (ROOT / KOKORO_VENV).exists() or not CACHE.is_dir():
-        pytest.skip("needs make, .venvs/kokoro and a fetched .venvs/kokoro-cache (make test builds them)")
-    config = tmp_path / "rhapsode.json"
-    edited = {
-        "server": {"port": 9191, "host": "127.0.0.1"},
-        "log": {"level": "warn"},
-        "engines": {"tone": {"module": "rhapsode_engine_tone", "env": {"EDITED": "by hand"}}},
-    }
-    config.write_text(json.dumps(edited))
-    fetched = make(tmp_path, "fetch-kokoro")
-    assert fetched.returncode == 0, fetched.stdout[-2000:] + fetched.stderr[-2000:]
-    assert f"added engine kokoro to {config}" in fetched.stdout
-    serving = make(tmp_path, str(config))
-    assert serving.returncode == 0, serving.stdout + serving.stderr
-    kokoro = {"module": "rhapsode_engine_kokoro", "python": str(ROOT / ".venvs" / "kokoro" / "bin" / "python")}
-    assert json.loads(config.read_text()) == {**edited, "engines": {**edited["engines"], "kokoro": kokoro}}
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_serve_writes_the_config_only_when_it_is_missing(tmp_path: Path) -> None:
     """
-    The config step of `make serve` writes run/rhapsode.json with the tree's engines
-    when there is none, and leaves one that exists alone.
+    The config step of `make serve` writes run/rhapsode.json with no engine of its own
+    and install.venvDir beside it when there is none, and leaves one that exists alone.
     """
     config = tmp_path / "rhapsode.json"
-    written = make(tmp_path, str(config))
+    written = subprocess.run(["make", f"RUN={tmp_path}", str(config)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
     assert written.returncode == 0, written.stdout + written.stderr
-    engines = json.loads(config.read_text())["engines"]
-    assert {"tone", "espeak", "piper"} <= set(engines) and "kokoro" not in engines
+    document = json.loads(config.read_text())
+    assert document["engines"] == {}
+    # No GPU on this box: every engine stays loaded once used.
+    assert document.get("residency") in (None, {"maxResidentModels": 8, "keepAliveSeconds": -1})
+    assert document["install"] == {"venvDir": str(tmp_path / "venvs")}
     config.write_text('{"engines": {}}')
-    again = make(tmp_path, str(config))
+    again = subprocess.run(["make", f"RUN={tmp_path}", str(config)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
     assert again.returncode == 0 and config.read_text() == '{"engines": {}}'
+
+
+def test_serve_installs_its_engines_through_the_api_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """
+    tools/serve.py starts the core, installs tone through POST /engines/tone/install
+    (its licences and steps printed), says what it serves, and tone speaks; run again on
+    the same config it installs nothing (the state database remembers); Ctrl-C to its
+    process group stops the server and serve.py exits.
+    """
+    port = free_port()
+    config = tmp_path / "rhapsode.json"
+    config.write_text(json.dumps({
+        "server": {"port": port, "host": "127.0.0.1", "shutdownGraceMs": 1000},
+        "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")},
+        "install": {"venvDir": str(tmp_path / "venvs")},
+        "engines": {},
+    }))
+
+    def serve() -> "subprocess.Popen[str]":
+        return subprocess.Popen([sys.executable, str(ROOT / "tools" / "serve.py"), str(config), "tone"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    def until_serving(process: "subprocess.Popen[str]") -> list[str]:
+        lines: list[str] = []
+        assert process.stdout is not None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            if line.startswith("serve: ") and " is serving " in line:
+                return lines
+        raise AssertionError("serve.py never said it was serving:\n" + "\n".join(lines[-40:]))
+
+    def stop(process: "subprocess.Popen[str]") -> None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    first = serve()
+    try:
+        lines = until_serving(first)
+        text = "\n".join(lines)
+        assert "serve: installing tone" in text
+        assert "Tone: code MIT; weights MIT (commercial use: yes)" in text
+        assert "register (4/4)" in text and "install tone: done" in text
+        assert lines[-1].endswith("is serving tone (Ctrl-C stops it)")
+        assert [e["id"] for e in get(port, "/engines")] == ["tone"]
+        wait_for(lambda: subprocess.run(
+            [str(Path(sys.executable).parent / "rhapsode"), "say", "tone", "Served.", "-o", str(tmp_path / "a.wav"),
+             "--url", f"http://127.0.0.1:{port}"], capture_output=True, timeout=60).returncode == 0, 60, "tone to speak")
+        assert (tmp_path / "a.wav").read_bytes()[:4] == b"RIFF"
+    finally:
+        stop(first)
+    assert first.returncode is not None
+
+    again = serve()
+    try:
+        lines = until_serving(again)
+        assert not any("installing" in line for line in lines)
+    finally:
+        stop(again)

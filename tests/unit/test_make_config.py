@@ -1,7 +1,8 @@
 """
 tools/make_config.py, the writer of the config `make serve` runs from: it writes the file
 only when there is none, adds only the engines a file lacks, and says what it did, so a
-hand-edited run/rhapsode.json survives `make serve` and `make fetch-kokoro`.
+hand-edited run/rhapsode.json survives `make serve`; on a box with no GPU it keeps every
+engine loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "make_config.py"
+sys.path.insert(0, str(TOOL.parent))
+from make_config import CPU_RESIDENT_MODELS, fresh, has_accelerator  # noqa: E402
 
 HAND_EDITED = """{"server": {"port": 9090, "host": "0.0.0.0"},
  "log": {"level": "debug"},
@@ -36,10 +39,15 @@ def test_write_makes_the_config_when_there_is_none(tmp_path: Path) -> None:
     config = tmp_path / "run" / "rhapsode.json"
     run = tool("write", str(config), "tone", "espeak", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert f"wrote {config} with engines tone, espeak" in run.stdout
-    assert json.loads(config.read_text()) == {
+    assert f"wrote {config} with engines tone, espeak configured by hand" in run.stdout
+    written = json.loads(config.read_text())
+    # This box has no GPU: the config keeps every engine loaded (tested on its own below).
+    assert written.pop("residency", None) == (None if has_accelerator() else {
+        "maxResidentModels": CPU_RESIDENT_MODELS, "keepAliveSeconds": -1})
+    assert written == {
         "server": {"port": 8080, "host": "127.0.0.1"},
         "workers": {"socketDir": str(tmp_path / "run" / "sockets"), "voiceDir": str(tmp_path / "run" / "voices")},
+        "install": {"venvDir": str(tmp_path / "run" / "venvs")},
         "engines": {
             e: {"module": f"rhapsode_engine_{e}", "python": str(tmp_path / ".venvs" / e / "bin" / "python")}
             for e in ("tone", "espeak")
@@ -108,3 +116,17 @@ def test_add_refuses_a_config_that_is_not_json(tmp_path: Path) -> None:
     run = tool("add", str(config), "kokoro", cwd=tmp_path)
     assert run.returncode != 0 and "is not JSON" in run.stderr
     assert config.read_text() == '{"engines": {'
+
+
+def test_a_box_without_an_accelerator_keeps_every_engine_loaded(tmp_path: Path) -> None:
+    """
+    Without an NVIDIA, ROCm or WSL GPU device node, the config written keeps up to eight
+    models resident with no expiry; with one, residency is left at the server's defaults.
+    """
+    assert not has_accelerator(tmp_path)
+    (tmp_path / "kfd").touch()
+    assert has_accelerator(tmp_path)
+    config = tmp_path / "rhapsode.json"
+    assert fresh(config, [], tmp_path, accelerator=False)["residency"] == {
+        "maxResidentModels": CPU_RESIDENT_MODELS, "keepAliveSeconds": -1}
+    assert "residency" not in fresh(config, [], tmp_path, accelerator=True)

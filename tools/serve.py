@@ -1,0 +1,91 @@
+"""
+`make serve`: the core on its config, and the engines it should have installed through
+its own API, as a person would with `rhapsode install`.
+
+    python tools/serve.py run/rhapsode.json tone espeak piper
+
+It starts `rhapsode serve --config FILE` (the core's state database is rhapsode.db
+beside the file), waits until it answers, and runs `rhapsode install ENGINE --yes` for
+each engine the catalog says is not installed: each prints its licences, the weights
+licence it accepts, and its progress.  Then it waits on the server; Ctrl-C stops the
+server as it would stop `rhapsode serve` itself (a second one quits at once).
+Standard library only, beside the `rhapsode` command of the core's virtualenv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def _address(config: Path) -> str:
+    document = json.loads(config.read_text(encoding="utf-8"))
+    server = document.get("server") or {}
+    host = server.get("host") or "127.0.0.1"
+    if host in ("::", "0.0.0.0", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{server.get('port', 8080)}"
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("engines", nargs="*")
+    parser.add_argument("--rhapsode", default=str(Path(sys.executable).parent / "rhapsode"),
+                        help="the rhapsode command (default: the one beside this interpreter)")
+    parser.add_argument("--wait", type=float, default=60.0, help="how long the server may take to answer")
+    args = parser.parse_args(argv)
+    url = _address(args.config)
+    server = subprocess.Popen([args.rhapsode, "serve", "--config", str(args.config)])
+    # The server gets Ctrl-C from the terminal itself (same process group); here it
+    # only stops the installs and waits for the server's own stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    deadline = time.monotonic() + args.wait
+    while True:
+        if server.poll() is not None:
+            return server.returncode
+        try:
+            catalog = {entry["id"]: entry for entry in _get(url + "/catalog")}
+            break
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                print(f"serve: {url} did not answer within {args.wait:g} s", file=sys.stderr)
+                server.terminate()
+                return server.wait()
+            time.sleep(0.2)
+    for engine in args.engines:
+        entry = catalog.get(engine)
+        if entry is None:
+            print(f"serve: {engine} is not in the catalog; skipped", file=sys.stderr)
+            continue
+        if entry.get("installed") == "yes":
+            continue
+        print(f"serve: installing {engine} through {url}", flush=True)
+        installing = subprocess.run([args.rhapsode, "install", engine, "--yes", "--url", url],
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        if installing.returncode != 0:
+            print(f"serve: installing {engine} failed; the server goes on without it", file=sys.stderr)
+        if server.poll() is not None:
+            return server.returncode
+    installed = [entry["id"] for entry in _get(url + "/engines")]
+    print(f"serve: {url} is serving {', '.join(installed) or 'no engine'} (Ctrl-C stops it)", flush=True)
+    return server.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
