@@ -1,0 +1,217 @@
+// Try it: pick an engine, variant, voice, language, delivery and dials from the
+// capability document, and hear the text as it streams.
+import { api, effectiveVariant, enc } from "./api.js";
+import { announce, field, h, select, sleep } from "./dom.js";
+import { StreamPlayer, parsePcmType, wavBlob } from "./player.js";
+
+// The most audio scheduled ahead of the playhead: the page reads the stream no faster
+// than it plays, so a long text holds the server's stream open instead of this tab's memory.
+const AHEAD_SECONDS = 3;
+
+export async function render(main) {
+  const engines = await api("/engines");
+  if (!engines.length) {
+    main.append(h("p", { text: "This server has no engines yet. Install one on the Engines page." }));
+    return null;
+  }
+  const engine = select(engines.map((e) => [e.id, e.displayName || e.id]), engines[0].id);
+  const variant = select([]);
+  const voice = select([]);
+  const language = select([]);
+  const delivery = select([]);
+  const preview = h("button", { type: "button", class: "secondary", text: "Preview voice" });
+  const previewAudio = h("audio", { controls: true, preload: "none", class: "preview" });
+  const dials = h("div", { class: "grid" });
+  const cues = h("p", { class: "hint", id: "cues" });
+  const text = h("textarea", { name: "text", required: true, spellcheck: true },
+    "Right, that was a test of streaming speech. [laugh] It plays while the rest is still on its way.");
+  const counter = h("p", { class: "hint counter", id: "counter" });
+  const speak = h("button", { type: "submit", text: "Speak" });
+  const stop = h("button", { type: "button", class: "secondary", text: "Stop", disabled: true });
+  const download = h("a", { hidden: true, text: "Download WAV", id: "download" });
+  const ttfa = h("dd", { id: "ttfa", text: "-" });
+  const rtf = h("dd", { id: "rtf", text: "-" });
+  const played = h("dd", { id: "played", text: "-" });
+  const playback = h("output", { id: "playback", dataset: { response: "idle", played: "0" } }, "Idle");
+  const form = h("form", { class: "card", "aria-label": "Speak" },
+    h("div", { class: "grid" },
+      field("Engine", engine),
+      field("Variant", variant),
+      field("Voice", voice),
+      field("Language", language),
+      field("Delivery", delivery, "How the line is performed, where the variant claims any."),
+    ),
+    h("div", { class: "actions" }, preview, previewAudio),
+    dials,
+    field("Text", text, counter),
+    cues,
+    h("div", { class: "actions" }, speak, stop, download),
+    h("dl", { class: "stats", "aria-label": "Last run" },
+      h("div", {}, h("dt", { text: "Time to first audio" }), ttfa),
+      h("div", {}, h("dt", { text: "Realtime factor" }), rtf),
+      h("div", {}, h("dt", { text: "Played" }), played)),
+    playback,
+  );
+  main.append(form);
+
+  let caps = null;
+  let voices = [];
+  let run = null;
+
+  function variantDoc() {
+    return caps.variants[variant.value] || {};
+  }
+
+  function drawVariant() {
+    const doc = variantDoc();
+    language.replaceChildren(...(doc.languages || []).map((l) => h("option", { value: l, text: l })));
+    delivery.replaceChildren(h("option", { value: "", text: "ordinary" }),
+      ...(doc.deliveries || []).map((d) => h("option", { value: d, text: d })));
+    delivery.disabled = !(doc.deliveries || []).length;
+    dials.replaceChildren(...Object.entries(doc.dials || {}).map(([name, dial]) => {
+      const input = h("input", { type: "number", name: `dial-${name}`, min: dial.min, max: dial.max,
+        step: "any", value: dial.default });
+      input.dataset.dial = name;
+      return field(`Dial: ${name}`, input, `${dial.min} to ${dial.max}, ${dial.default} by default`);
+    }));
+    const performed = doc.cues || [];
+    cues.textContent = performed.length
+      ? `This variant performs these cues in [brackets]: ${performed.join(", ")}. Others are dropped.`
+      : "This variant performs no cues: anything in [brackets] is dropped before it speaks.";
+    count();
+  }
+
+  function count() {
+    const max = variantDoc().maxCharacters;
+    const n = [...text.value].length;
+    counter.textContent = max ? `${n} of ${max} characters` : `${n} characters`;
+    text.setAttribute("aria-invalid", max && n > max ? "true" : "false");
+    speak.disabled = Boolean(run) || !n || Boolean(max && n > max);
+  }
+
+  async function drawEngine() {
+    caps = await api(`/engines/${enc(engine.value)}/capabilities`);
+    const names = Object.keys(caps.variants);
+    const chosen = effectiveVariant(caps);
+    variant.replaceChildren(...names.map((n) => h("option", { value: n, text: n, selected: n === chosen })));
+    voices = await api(`/engines/${enc(engine.value)}/voices`);
+    voice.replaceChildren(h("option", { value: "", text: "the engine's default" }),
+      ...voices.map((v) => h("option", { value: v.id, text: v.label ? `${v.label} (${v.id})` : v.id })));
+    preview.disabled = true;
+    drawVariant();
+  }
+
+  engine.addEventListener("change", () => drawEngine().catch((e) => announce(e.message)));
+  variant.addEventListener("change", drawVariant);
+  text.addEventListener("input", count);
+  voice.addEventListener("change", () => {
+    preview.disabled = !voice.value;
+  });
+  preview.addEventListener("click", () => {
+    const chosen = voices.find((v) => v.id === voice.value);
+    if (!chosen || !chosen.previewUrl) return;
+    // The URL the server gave, never one built here (protocol.md section 7).
+    previewAudio.src = `/api${chosen.previewUrl}`;
+    previewAudio.play().catch((e) => announce(`The preview could not play: ${e.message}`));
+  });
+
+  function request() {
+    const body = { engine: engine.value, text: text.value, variant: variant.value, format: "pcm", stream: true };
+    if (voice.value) body.voice = voice.value;
+    if (language.value) body.language = language.value;
+    if (delivery.value) body.delivery = delivery.value;
+    const params = {};
+    for (const input of dials.querySelectorAll("input[data-dial]")) {
+      if (input.value !== "") params[input.dataset.dial] = Number(input.value);
+    }
+    if (Object.keys(params).length) body.params = params;
+    return body;
+  }
+
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    if (run) return;
+    // Made inside the click so the browser lets it play.
+    const context = new AudioContext();
+    run = new AbortController();
+    speakNow(context, run.signal).finally(() => {
+      run = null;
+      stop.disabled = true;
+      count();
+    });
+  });
+  stop.addEventListener("click", () => run && run.abort(new DOMException("stopped", "AbortError")));
+
+  async function speakNow(context, signal) {
+    speak.disabled = true;
+    stop.disabled = false;
+    download.hidden = true;
+    ttfa.textContent = rtf.textContent = played.textContent = "-";
+    playback.dataset.response = "waiting";
+    playback.dataset.played = "0";
+    playback.textContent = "Waiting for the server";
+    const started = performance.now();
+    let waited = 0;
+    let player = null;
+    let ticker = null;
+    const chunks = [];
+    let bytes = 0;
+    try {
+      context.resume();
+      const response = await api("/speak", { method: "POST", json: request(), signal, raw: true });
+      waited += performance.now() - started;
+      const type = parsePcmType(response.headers.get("Content-Type"));
+      if (!type) throw new Error(`the server answered ${response.headers.get("Content-Type")}, not PCM`);
+      const little = !String((caps.nativeFormat || {}).encoding || "").endsWith("be");
+      player = new StreamPlayer(context, type.rate, type.channels, little);
+      ticker = setInterval(() => {
+        const seconds = player.played();
+        playback.dataset.played = seconds.toFixed(3);
+        played.textContent = `${seconds.toFixed(1)} s`;
+      }, 100);
+      playback.dataset.response = "streaming";
+      playback.textContent = "Playing while the audio arrives";
+      const reader = response.body.getReader();
+      signal.addEventListener("abort", () => reader.cancel().catch(() => {}), { once: true });
+      for (;;) {
+        while (player.ahead() > AHEAD_SECONDS) await sleep(100, signal);
+        const asked = performance.now();
+        const { done, value } = await reader.read();
+        waited += performance.now() - asked;
+        if (done) break;
+        if (!chunks.length) ttfa.textContent = `${Math.round(performance.now() - started)} ms`;
+        chunks.push(value);
+        bytes += value.length;
+        player.push(value);
+        const audioSeconds = bytes / (2 * type.channels * type.rate);
+        rtf.textContent = `${(audioSeconds / Math.max(waited / 1000, 0.001)).toFixed(1)}×`;
+      }
+      playback.dataset.response = "ended";
+      playback.textContent = "All the audio has arrived";
+      download.href = URL.createObjectURL(wavBlob(chunks, type.rate, type.channels, little));
+      download.download = `rhapsode-${engine.value}.wav`;
+      download.hidden = false;
+      announce("Speech received in full");
+      while (player.ahead() > 0) await sleep(200, signal);
+    } catch (error) {
+      if (error && error.name === "AbortError") {
+        playback.dataset.response = "stopped";
+        playback.textContent = "Stopped";
+      } else {
+        playback.dataset.response = "failed";
+        playback.textContent = `Failed: ${error.message}`;
+        announce(error.message);
+      }
+    } finally {
+      if (ticker) clearInterval(ticker);
+      if (player) {
+        playback.dataset.played = player.played().toFixed(3);
+        player.stop();
+      }
+      context.close().catch(() => {});
+    }
+  }
+
+  await drawEngine();
+  return () => { if (run) run.abort(new DOMException("left the page", "AbortError")); };
+}
