@@ -26,6 +26,14 @@ from pathlib import Path
 from typing import Any
 
 
+def _say(line: str, stream: Any = None) -> None:
+    # One write per line: the server writes its log to the same terminal, and print()
+    # writes the text and its newline apart, so a log line could land between them.
+    out = stream or sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
 def _address(config: Path) -> str:
     document = json.loads(config.read_text(encoding="utf-8"))
     server = document.get("server") or {}
@@ -64,27 +72,37 @@ def main(argv: list[str] | None = None) -> int:
             break
         except (OSError, ValueError):
             if time.monotonic() > deadline:
-                print(f"serve: {url} did not answer within {args.wait:g} s", file=sys.stderr)
+                _say(f"serve: {url} did not answer within {args.wait:g} s", sys.stderr)
                 server.terminate()
                 return server.wait()
             time.sleep(0.2)
     for engine in args.engines:
         entry = catalog.get(engine)
         if entry is None:
-            print(f"serve: {engine} is not in the catalog; skipped", file=sys.stderr)
+            _say(f"serve: {engine} is not in the catalog; skipped", sys.stderr)
             continue
         if entry.get("installed") == "yes":
             continue
-        print(f"serve: installing {engine} through {url}", flush=True)
+        _say(f"serve: installing {engine} through {url}")
         installing = subprocess.run([args.rhapsode, "install", engine, "--yes", "--url", url],
                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         if installing.returncode != 0:
-            print(f"serve: installing {engine} failed; the server goes on without it", file=sys.stderr)
+            _say(f"serve: installing {engine} failed; the server goes on without it", sys.stderr)
         if server.poll() is not None:
             return server.returncode
     installed = [entry["id"] for entry in _get(url + "/engines")]
-    print(f"serve: {url} is serving {', '.join(installed) or 'no engine'} (Ctrl-C stops it)", flush=True)
-    return server.wait()
+    _say(f"serve: {url} is serving {', '.join(installed) or 'no engine'} (Ctrl-C stops it)")
+    return _status(server.wait())
+
+
+def _status(code: int) -> int:
+    """
+    What to exit with after the server: a stop asked for (Ctrl-C, SIGTERM), which the
+    server ends by its signal, is no failure for make to report.
+    """
+    if code in (-signal.SIGINT, -signal.SIGTERM):
+        return 0
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def test_serve_installs_its_engines_through_the_api_and_stops_on_ctrl_c(tmp_path
         assert (tmp_path / "a.wav").read_bytes()[:4] == b"RIFF"
     finally:
         stop(first)
-    assert first.returncode is not None
+    # A stop asked for is no failure: make says nothing of it.
+    assert first.returncode == 0
 
     again = serve()
     try:
