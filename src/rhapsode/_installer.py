@@ -36,7 +36,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rhapsode_worker.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
-from rhapsode_worker.contract import VOICE_ID_PATTERN
+from rhapsode_worker.contract import VARIANT_NAME_PATTERN, VOICE_ID_PATTERN
 
 from ._catalog import SDK_DISTRIBUTION, Catalog, _source_of
 from ._jobs import Job, JobContext, JobFailed, Jobs
@@ -82,7 +82,7 @@ TAIL_LINES = 500
 REGISTER_WAIT_SECONDS = 600.0
 
 _ENGINE_ID = re.compile(VOICE_ID_PATTERN)
-_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", re.ASCII)
+_VARIANT = re.compile(VARIANT_NAME_PATTERN, re.ASCII)
 
 #: What a command inherits of the server's environment: the path, the locale, proxies
 #: and certificates, and everything pip and uv read (this machine's local index is a
@@ -564,7 +564,7 @@ def check_engine_id(engine_id: str) -> None:
     An engine id in a path is 1 to 64 ASCII letters, digits, _ or -: nothing with a
     dot, a slash or a character that only looks like one of those.
     """
-    if not engine_id.isascii() or not _ENGINE_ID.search(engine_id) or ".." in engine_id:
+    if not engine_id.isascii() or not _ENGINE_ID.fullmatch(engine_id) or ".." in engine_id:
         raise BadRequest(
             f"{engine_id!r} is not an engine id (1 to 64 ASCII letters, digits, _ or -)", field="engine"
         )
@@ -675,7 +675,7 @@ class Installer:
         self._not_busy(engine_id)
         if self.host.registered(engine_id):
             raise Conflict(f'engine "{engine_id}" is installed already (reinstall rebuilds it)', field="engine")
-        if pull is not None and not _VARIANT.match(pull):
+        if pull is not None and not _VARIANT.fullmatch(pull):
             raise BadRequest(f"pull must name a variant, not {pull!r}", field="pull")
         accepted = self._accepted(record, accept)
         # Before the submit: a job that fails at once (install.venvDir cannot be made)
@@ -925,7 +925,7 @@ class Installer:
         if not isinstance(body, dict) or set(body) - {"variant"}:
             raise BadRequest('a pull takes {"variant": "..."}', field="body")
         variant = body.get("variant")
-        if not isinstance(variant, str) or not _VARIANT.match(variant):
+        if not isinstance(variant, str) or not _VARIANT.fullmatch(variant):
             raise BadRequest("variant must name a variant", field="variant")
         if not self.host.registered(engine_id):
             raise UnknownEngine(f'engine "{engine_id}" is not installed', field="engine")

@@ -377,11 +377,12 @@ def test_engine_ids_that_a_path_may_name(good: str) -> None:
 
 
 @pytest.mark.parametrize("bad", ["..", "../etc", "a/b", "a.b", "tone\u0435", "x" * 65, "", "tone ", "k\u200bokoro",
-                                 "\u0430"])
+                                 "\u0430", "tone\n"])
 def test_engine_ids_that_could_escape_or_deceive_are_refused(bad: str) -> None:
     """
-    A dot, a slash, a Cyrillic letter that looks Latin, a zero-width space, or 65
-    characters: bad_request naming the engine field.
+    A dot, a slash, a Cyrillic letter that looks Latin, a zero-width space, a trailing
+    newline (which a pattern's $ would let through), or 65 characters: bad_request
+    naming the engine field.
     """
     with pytest.raises(BadRequest) as caught:
         check_engine_id(bad)

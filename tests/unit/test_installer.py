@@ -457,11 +457,12 @@ def test_an_accept_naming_a_commercial_licence_is_taken_and_recorded(h: Harness)
 
 def test_a_bad_pull_variant_is_bad_request(h: Harness) -> None:
     """
-    ?pull= must name a variant.
+    ?pull= must name a variant: nothing with a slash, and no trailing newline.
     """
-    with pytest.raises(BadRequest) as caught:
-        h.installer.install("kokoro", "../x", None)
-    assert caught.value.field == "pull"
+    for bad in ("../x", "turbo\n"):
+        with pytest.raises(BadRequest) as caught:
+            h.installer.install("kokoro", bad, None)
+        assert caught.value.field == "pull"
 
 
 # -- install ----------------------------------------------------------------------------
