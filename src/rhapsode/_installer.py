@@ -757,7 +757,7 @@ class Installer:
                     "that range, or install uv"
                 )
             return own, fits
-        if self.uv is not None and not os.sep in configured:
+        if self.uv is not None and os.sep not in configured:
             # A version ("3.12"): uv finds it.
             return configured, in_range(_version_tuple(configured), wanted)
         path = configured if os.sep in configured else shutil.which(f"python{configured}") or configured

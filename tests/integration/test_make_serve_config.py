@@ -20,6 +20,8 @@ import pytest
 from _worker import free_port, get, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from make_config import CPU_RESIDENT_MODELS, has_accelerator  # noqa: E402
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -34,8 +36,9 @@ def test_make_serve_writes_the_config_only_when_it_is_missing(tmp_path: Path) ->
     assert written.returncode == 0, written.stdout + written.stderr
     document = json.loads(config.read_text())
     assert document["engines"] == {}
-    # No GPU on this box: every engine stays loaded once used.
-    assert document.get("residency") in (None, {"maxResidentModels": 8, "keepAliveSeconds": -1})
+    # Without an accelerator (this box) every engine stays loaded once used.
+    assert document.get("residency") == (None if has_accelerator() else {
+        "maxResidentModels": CPU_RESIDENT_MODELS, "keepAliveSeconds": -1})
     assert document["install"] == {"venvDir": str(tmp_path / "venvs")}
     config.write_text('{"engines": {}}')
     again = subprocess.run(["make", f"RUN={tmp_path}", str(config)], cwd=ROOT, capture_output=True, text=True,

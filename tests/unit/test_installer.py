@@ -20,14 +20,15 @@ import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from rhapsode._catalog import Catalog
 from rhapsode._installer import PACKAGES_SECONDS, QUICK_SECONDS, SILENCE_SECONDS, Installer
 from rhapsode._jobs import Job, JobContext, JobFailed, Jobs
-from rhapsode._residency import IResidencySettings, Lease, Residency
+from rhapsode._residency import Lease, Residency
 from rhapsode._state import InstalledEngine, StateDatabase, StateStore
 from rhapsode_worker.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
+
+from test_install_residency import Settings
 
 _T = TypeVar("_T")
 CORE = "0.1.0"
@@ -105,21 +106,6 @@ class InlineDatabase(StateDatabase):
 
     def _started(self) -> Any:
         return InlinePool()
-
-
-@implementer(IResidencySettings)
-class Settings:
-    def max_resident_models(self) -> int:
-        return 2
-
-    def eviction_wait_seconds(self) -> float:
-        return 30.0
-
-    def keep_alive_seconds(self) -> int:
-        return 300
-
-    def engine_keep_alive_seconds(self, engine: str) -> int | None:
-        return None
 
 
 def make_venv(slot: Path, version: str) -> None:

@@ -43,23 +43,16 @@ from rhapsode_worker.contract import (
 from rhapsode_worker.errors import BadRequest, Internal
 
 from test_catalog_route import app_with, get, record, source, venv
+from test_contract_public import MANAGEMENT
 from test_settings import Harness, _exchange
 from test_state import ThreadedReactor
 
 # -- the document ------------------------------------------------------------------------
 
-_MANAGEMENT_ROUTES = [
-    ("/settings", "get"),
-    ("/settings", "patch"),
-    ("/engines/{engine}", "delete"),
-    ("/engines/{engine}/install", "post"),
-    ("/engines/{engine}/reinstall", "post"),
-    ("/engines/{engine}/pull", "post"),
-    ("/installs", "get"),
-    ("/installs/outdated", "post"),
-    ("/installs/{job}", "get"),
-    ("/installs/{job}/events", "get"),
-]
+#: Section 10's management routes: test_contract_public's, less those of sections 3 and 7.
+_MANAGEMENT_ROUTES = sorted(
+    route for route in MANAGEMENT if "/voices" not in route[0] and not route[0].endswith("/unload")
+)
 
 
 def _resolve(document: dict[str, Any], node: dict[str, Any]) -> Any:
