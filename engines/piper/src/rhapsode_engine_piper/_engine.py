@@ -9,9 +9,15 @@ or another of the same core, share the cores one thread each (L{rhapsode_worker.
 On 2 cores a lone ~2000-character text went from 12.5-13.5x realtime on one thread to
 the figures in docs/configuration.md.
 
-Memory.  onnxruntime's CPU arena keeps the largest activations any sentence ever needed,
-which left a worker at 400-580 MB after a long text; without it the worker stays at
-about 220-330 MB, at a cost of about a tenth of its speed.
+Memory.  onnxruntime's CPU arena keeps the largest activations any sentence ever needed.
+The session of a lone run (every core of the budget) keeps it: without it that run
+allocates afresh at every operator, and a ~2000-character text took 6.05-7.55 s against
+4.91-5.96 s with it (six interleaved rounds in one process, 2 cores); Piper's own
+C{piper.http_server} keeps it too.  It costs memory: a worker measured 251 MiB loaded,
+435 MiB after that text and 445 MiB after a 200-character sentence, the longest a
+segment can hold, so that is about where it stops.  The one-thread session that runs
+share has none (L{_arena_for_lone_runs}): with it, two such texts at once took the same
+9.0-10.0 s and left the worker at 733-743 MiB against 551-576 MiB.
 
 Seeds.  Piper's noise comes from random-normal operators inside the graph.  onnxruntime
 seeds each one once, when the session is built (from the clock, unless
@@ -88,8 +94,8 @@ _NOTES = (
 )
 
 
-def _without_arena(options: Any) -> None:
-    options.enable_cpu_mem_arena = False
+def _arena_for_lone_runs(options: Any, whole: bool) -> None:
+    options.enable_cpu_mem_arena = whole
 
 
 class PiperEngine(Engine):
@@ -137,7 +143,7 @@ class PiperEngine(Engine):
         from piper import PiperVoice
         from piper.config import PiperConfig
 
-        session = BudgetedSession(model_path(), configure=_without_arena)
+        session = BudgetedSession(model_path(), configure=_arena_for_lone_runs)
         config = PiperConfig.from_dict(json.loads(config_path().read_text(encoding="utf-8")))
         voice = PiperVoice(session=session, config=config)
         # The first sentence pays for loading espeak-ng's data and onnxruntime's first
