@@ -27,6 +27,7 @@ from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from ._model import ModelState
+from ._threads import set_demand
 
 Step = Callable[[], Iterator[bytes]]
 
@@ -207,6 +208,7 @@ class Scheduler:
                     break
                 self._queue.popleft()
                 self._run_exclusive(item.operation, item)
+        self._tell_demand()
         self._notify_idle()
 
     def _run_exclusive(
@@ -304,6 +306,10 @@ class Scheduler:
             close = getattr(generator, "close", None)
             if close is not None:
                 close()
+
+    def _tell_demand(self) -> None:
+        queued = sum(1 for item in self._queue if isinstance(item, Job) and not item.cancelled)
+        set_demand(min(self._concurrency, self._running + queued))
 
     def _notify_idle(self) -> None:
         if self._idle_waiters and not self.busy:

@@ -265,6 +265,35 @@ def test_declared_concurrency_runs_that_many(concurrency: int) -> None:
     assert len(pool.calls) == concurrency
 
 
+def test_the_scheduler_tells_the_sessions_how_many_generations_are_about_to_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """
+    The scheduler tells the process's budgeted sessions how many generations run or are
+    queued to run, at most its concurrency: two requests arriving together make two, so
+    neither run takes every core; one makes one; none left makes none.
+    """
+    from rhapsode_worker import _schedule
+
+    told: list[int] = []
+    monkeypatch.setattr(_schedule, "set_demand", told.append)
+    events: list[str] = []
+    pool = FakePool()
+    reactor = ImmediateReactor()
+    model = ModelState(RecordingEngine(events), reactor, pool)  # type: ignore[arg-type]
+    scheduler = Scheduler(reactor, pool, model, 2)  # type: ignore[arg-type]
+    for i in range(3):
+        scheduler.submit(Job("a", [step(events, str(i))], lambda _: None))
+    pool.run_next()  # load
+    assert told[-1] == 2  # three waiting, two at a time
+    pool.run_all()
+    assert told[-1] == 0
+    scheduler.submit(Job("a", [step(events, "alone")], lambda _: None))
+    assert told[-1] == 1
+    pool.run_all()
+    assert told[-1] == 0
+
+
 def test_model_state_refuses_illegal_transitions() -> None:
     """
     The model half of the worker lifecycle moves only along the section 3 machine.

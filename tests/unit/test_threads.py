@@ -159,6 +159,53 @@ def test_a_newcomer_beside_a_wide_run_of_its_worker_is_lent_a_thread() -> None:
     assert not lent.borrowed
 
 
+class _Options:
+    """
+    What the gate touches of onnxruntime's RunOptions.
+    """
+
+    terminate = False
+
+
+def test_a_newcomer_stops_a_young_wide_run_and_they_share_the_cores() -> None:
+    """
+    A run that finds every core held by a wide run of this process taken less than
+    CUT_SECONDS ago sets that run's terminate flag and waits for its cores rather than
+    being lent a thread; once the stopped run gives them back the newcomer takes one,
+    and the stopped run, asking again, the other.
+    """
+    gate = CoreGate(2)
+    options = _Options()
+    wide = gate.acquire(2, options)
+    got: list[Any] = []
+    newcomer = threading.Thread(target=lambda: got.append(gate.acquire(2)))
+    newcomer.start()
+    newcomer.join(0.2)
+    assert newcomer.is_alive() and options.terminate and wide.cut
+    gate.release(wide)
+    newcomer.join(5)
+    assert (got[0].count, got[0].borrowed) == (1, False)
+    again = gate.acquire(1)
+    assert again.count == 1 and gate.held == 2
+
+
+def test_an_older_wide_run_or_one_without_options_is_not_stopped() -> None:
+    """
+    A wide run older than CUT_SECONDS, or one whose options were not given, runs on: the
+    newcomer is lent a thread beside it, as before.
+    """
+    gate = CoreGate(2)
+    options = _Options()
+    old = gate.acquire(2, options)
+    old.started -= _threads.CUT_SECONDS
+    lent = gate.acquire(2)
+    assert lent.borrowed and not options.terminate and not old.cut
+    gate.release(lent)
+    gate.release(old)
+    bare = gate.acquire(2)
+    assert gate.acquire(2).borrowed and not bare.cut
+
+
 def test_no_thread_is_lent_beside_narrow_runs_or_another_workers() -> None:
     """
     Runs of one thread each, or a wide run of another worker (another gate on the same

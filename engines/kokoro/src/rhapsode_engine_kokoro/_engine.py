@@ -9,9 +9,8 @@ phonemes, a voice's style array and a speed.
 Threads: the session is the SDK's L{BudgetedSession}: a generation alone runs on every
 core of the worker's budget, and generations that overlap, in this worker (up to two at
 once, C{concurrency = 2}) or another of the same core, run one thread each, so the
-threads busy at once do not outnumber the cores (a request arriving beside a lone run of
-this worker is lent a thread rather than wait for that run).  Measured on 2 cores with an
-87-character segment: alone, 2.3-2.6 s on two threads against 4.0-4.2 s on one; two at
+threads busy at once do not outnumber the cores (requests arriving together share the
+cores from the start, even the first).  Measured on 2 cores with an 87-character segment: alone, 2.3-2.6 s on two threads against 4.0-4.2 s on one; two at
 once, 4.0-4.9 s for both on one thread each, 5.0-5.7 s on one two-thread session.
 Sharing a session is safe: onnxruntime runs one session from several threads, and
 kokoro-onnx phonemizes under a lock, espeak-ng's state being global.
@@ -23,9 +22,9 @@ conversion 1 ms, and the rest is the onnxruntime run (70% of it ConvInteger), wh
 about 0.5 s for each second of audio it renders.  What makes short pieces dear is that the
 graph renders about 0.55 s of silence around every piece (0.26 s before, 0.30 s after, for
 its start and end tokens), which kokoro-onnx trims away: about 0.28 s of compute a piece.
-The first segment is kept to 30 characters, out in about 1.1 s on one thread; four requests arriving
-together get first audio after one or two first segments (about 1.2, 1.2, 2.3, 2.4 s
-through a core).  The session gives a run's memory back when it ends (L{_session}).
+The first segment is kept to 30 characters, out in about 1.1 s on one thread alone and
+1.35-1.5 s on one of two busy cores; four requests arriving together get first audio
+after one or two first segments (1.34, 1.36, 2.75, 2.77 s through a core at best).  The session gives a run's memory back when it ends (L{_session}).
 
 Weights are fetched into a cache outside the virtualenv (L{_fetch}); a load with no
 weights fetches them first.  The same phonemes, voice and speed give the same bytes, so

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-import onnxruntime
 from rhapsode_worker import BudgetedSession
 
 #: The run option that makes the CPU arena hand back, when a run ends, the chunks it freed.
@@ -33,7 +32,5 @@ def shrinking_session(path: Path, environ: Mapping[str, str] | None = None) -> B
     budget's second session (one thread, beside the whole budget's) holds the graph a
     second time: a worker at rest measured 481 MiB with both, on a shared 2-core box.
     """
-    shrinking = onnxruntime.RunOptions()
-    shrinking.add_run_config_entry(_SHRINK_ARENA, "cpu:0")
     # kokoro-onnx calls run(None, inputs) and has no way to pass options of its own.
-    return BudgetedSession(path, run_options=shrinking, environ=environ)
+    return BudgetedSession(path, run_config={_SHRINK_ARENA: "cpu:0"}, environ=environ)
