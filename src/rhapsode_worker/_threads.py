@@ -41,10 +41,12 @@ Kokoro's 200 characters 4.58 against 4.76 s).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import platform
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -376,6 +378,50 @@ def optimised_name(model: Path, onnxruntime_version: str, configured: str = "") 
     return f"{model.stem}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.onnx"
 
 
+#: Optimised graphs kept of one model: every variant the model file, onnxruntime or the
+#: settings have had, the most recently used first.  Two engines of one box may share a
+#: model under different settings; older ones are what upgrades leave behind.
+KEEP_OPTIMISED = 3
+#: A half-written graph this old is a crashed writer's, not one being written.
+_PARTIAL_SECONDS = 3600
+
+
+def prune_optimised(cache: Path, stem: str, keep: int = KEEP_OPTIMISED) -> list[Path]:
+    """
+    Delete all but the C{keep} most recently used optimised graphs of the model named
+    C{stem} in C{cache}, and its half-written graphs older than an hour; what was deleted.
+
+    Every optimised graph of a model is as large as the model, and each new onnxruntime
+    or model file makes a new one, so without this the cache grows with every upgrade.
+    """
+    graph = re.compile(re.escape(stem) + r"-[0-9a-f]{24}\.onnx")
+    partial = re.compile(r"\." + re.escape(stem) + r"-[0-9a-f]{24}\.onnx\.\d+\.\d+")
+    graphs: list[tuple[float, Path]] = []
+    deleted: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(cache.iterdir())
+    except OSError:
+        return deleted
+    for path in entries:
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        if graph.fullmatch(path.name):
+            graphs.append((mtime, path))
+        elif partial.fullmatch(path.name) and now - mtime > _PARTIAL_SECONDS:
+            deleted.append(path)
+    graphs.sort(reverse=True)
+    deleted.extend(path for _, path in graphs[keep:])
+    for path in list(deleted):
+        try:
+            path.unlink()
+        except OSError:
+            deleted.remove(path)
+    return deleted
+
+
 class BudgetedSession:
     """
     An onnxruntime CPU session that runs on as many threads as the core budget has free.
@@ -464,6 +510,9 @@ class BudgetedSession:
             self.optimised = target
             try:
                 self._sessions[threads] = self._make(model, threads)
+                # Used now: the cache keeps the graphs used last (L{prune_optimised}).
+                with contextlib.suppress(OSError):
+                    os.utime(target)
                 return target
             except Exception:
                 # Truncated, or from a build that lied about itself: make it again.
@@ -482,6 +531,7 @@ class BudgetedSession:
             )
             # Whole or not at all: another worker may be reading the same name.
             os.replace(partial, target)
+            prune_optimised(cache, model.stem)
         except Exception:
             # A cache that cannot be written, or a model that will not load: without
             # the cache, where a bad model fails with onnxruntime's own words.

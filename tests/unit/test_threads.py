@@ -401,3 +401,28 @@ def test_prestart_starts_local_workers_only_and_logs_a_failure() -> None:
     warnings = [e for e in events if e["log_level"] == LogLevel.warn]
     assert len(warnings) == 1 and warnings[0]["engine"] == "bad"
     assert "no such module" in warnings[0]["why"]
+
+
+def test_the_cache_keeps_the_last_used_graphs_of_a_model_and_drops_old_partials(tmp_path: Path) -> None:
+    """
+    Of one model's optimised graphs the three used last are kept and older ones deleted;
+    another model's graphs, other files, and a half-written graph younger than an hour
+    are left alone; one older than an hour (a crashed writer's) is deleted.
+    """
+    now = time.time()
+    graphs = [tmp_path / f"voice-{i:024x}.onnx" for i in range(5)]
+    for age, path in enumerate(graphs):
+        path.write_bytes(b"graph")
+        os.utime(path, (now - age * 60, now - age * 60))
+    other = tmp_path / f"other-{0:024x}.onnx"
+    stray = tmp_path / "voice-notes.txt"
+    young = tmp_path / f".voice-{9:024x}.onnx.12.34"
+    old = tmp_path / f".voice-{8:024x}.onnx.56.78"
+    for path in (other, stray, young, old):
+        path.write_bytes(b"x")
+    os.utime(old, (now - 2 * 3600, now - 2 * 3600))
+    deleted = _threads.prune_optimised(tmp_path, "voice")
+    assert sorted(deleted) == sorted([graphs[3], graphs[4], old])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [graphs[0].name, graphs[1].name, graphs[2].name, other.name, stray.name, young.name]
+    )
