@@ -17,47 +17,26 @@ both alike.  `--sequential` also times the four one after another.  Asserts noth
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import free_port, request_bytes, tcp, timed, wait_listening
+import engines
+from _common import request_bytes, tcp, timed
 from engines import PARAGRAPH, concurrent_firsts
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_core(tmp: Path, source: Path | None) -> tuple[subprocess.Popen[bytes], int]:
     """
     A core serving Kokoro only, from this checkout or from C{source}.
     """
-    port = free_port()
-    config = {
-        "server": {"port": port},
-        "log": {"level": "error"},
-        "residency": {"maxResidentModels": 1, "keepAliveSeconds": -1},
-        "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices"),
-                    "startupTimeoutSeconds": 600, "stallSeconds": 1800},
-        "engines": {"kokoro": {
-            "module": "rhapsode_engine_kokoro", "python": str(ROOT / ".venvs" / "kokoro" / "bin" / "python"),
-            "env": {"RHAPSODE_KOKORO_CACHE": str(ROOT / ".venvs" / "kokoro-cache")},
-        }},
-    }
-    (tmp / "core.json").write_text(json.dumps(config))
-    env = dict(os.environ)
+    environ = dict(os.environ)
     if source is not None:
         # The worker inherits the core's environment, so both run the other tree's code.
-        env["PYTHONPATH"] = os.pathsep.join([str(source / "src"), str(source / "engines" / "kokoro" / "src")])
-    core = subprocess.Popen(
-        [str(Path(sys.executable).parent / "rhapsode"), "serve", "--config", str(tmp / "core.json")],
-        stdout=subprocess.DEVNULL, env=env,
-    )
-    wait_listening(port)
-    return core, port
+        environ["PYTHONPATH"] = os.pathsep.join([str(source / "src"), str(source / "engines" / "kokoro" / "src")])
+    return engines.start_core(tmp, ["kokoro"], environ)
 
 
 def burst(label: str, source: Path | None, sequential: bool) -> None:

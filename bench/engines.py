@@ -238,7 +238,13 @@ def resident_mib(port: int, engine: str) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def start_core(tmp: Path, engines: list[str], **workers: object) -> tuple[subprocess.Popen[bytes], int]:
+def start_core(
+    tmp: Path, engines: list[str], environ: dict[str, str] | None = None, **workers: object
+) -> tuple[subprocess.Popen[bytes], int]:
+    """
+    A core serving C{engines} from their virtualenvs, with C{environ} for the core and
+    (inherited) its workers, or this process's.
+    """
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     config = {
@@ -256,7 +262,7 @@ def start_core(tmp: Path, engines: list[str], **workers: object) -> tuple[subpro
     (tmp / "core.json").write_text(json.dumps(config))
     core = subprocess.Popen(
         [str(Path(sys.executable).parent / "rhapsode"), "serve", "--config", str(tmp / "core.json")],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, env=environ,
     )
     wait_listening(port)
     return core, port
