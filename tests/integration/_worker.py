@@ -25,6 +25,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
+from _deferreds import process_alive
 
 STARTUP_TIMEOUT = 60.0
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -283,18 +284,6 @@ def deferred_raw(*args: Any, **kwargs: Any) -> "Deferred[RawResponse]":
 
     return deferToThread(raw_request, *args, **kwargs)
 
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); read its state.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 __all__ = ["Worker", "WorkerProtocol", "start_process", "spawn_worker", "raw_request", "deferred_raw", "process_alive"]

@@ -17,7 +17,6 @@ from typing import Any, Mapping, Sequence
 
 import imageio_ffmpeg
 import pytest
-from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import (
     IConsumer,
@@ -44,6 +43,7 @@ from rhapsode_worker._encode import (
 )
 from rhapsode_worker._engine import NativeFormat
 from rhapsode_worker.errors import Unsupported
+from _deferreds import failure_of
 
 MONO_24K = NativeFormat(sample_rate=24000, channels=1)
 STEREO_22K = NativeFormat(sample_rate=22050, channels=2)
@@ -165,15 +165,6 @@ def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming:
     [(protocol, argv, process)] = reactor.spawned
     return encoder, sink, protocol, argv, process
 
-
-def failure_of(deferred: Deferred[Any]) -> Failure:
-    """
-    The failure a Deferred has already fired with, consumed so it is not logged as unhandled.
-    """
-    failures: list[Failure] = []
-    deferred.addErrback(failures.append)
-    assert failures, f"{deferred!r} has not failed"
-    return failures[0]
 
 
 def test_fakes_provide_their_interfaces() -> None:

@@ -26,6 +26,7 @@ from twisted.internet.task import deferLater
 
 from rhapsode._installer import GROUP_LEADER, Commands
 from rhapsode._jobs import Job, JobContext, JobFailed
+from _deferreds import process_alive
 
 BOUND = 10.0
 
@@ -39,20 +40,6 @@ def reactor() -> Any:
 
     return running
 
-
-def alive(pid: int) -> bool:
-    """
-    Whether a process is running (a zombie nobody has reaped yet is not).
-    """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def kill_quietly(pid: int) -> None:
@@ -94,7 +81,7 @@ async def failed(reactor: Any, context: JobContext, argv: Sequence[str], **limit
 
 async def eventually_gone(reactor: Any, pid: int, seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
-    while alive(pid):
+    while process_alive(pid):
         assert time.monotonic() < deadline, f"process {pid} is still alive"
         await deferLater(reactor, 0.05, lambda: None)
 
@@ -305,8 +292,8 @@ def test_the_group_leader_kills_its_group_when_the_core_goes() -> None:
         leader.wait(timeout=5)
         assert leader.returncode == -signal.SIGKILL
         deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in members):
-            assert time.monotonic() < deadline, [pid for pid in members if alive(pid)]
+        while any(process_alive(pid) for pid in members):
+            assert time.monotonic() < deadline, [pid for pid in members if process_alive(pid)]
             time.sleep(0.05)
     finally:
         try:

@@ -29,6 +29,7 @@ from rhapsode._state import InstalledEngine, StateDatabase, StateStore
 from rhapsode_worker.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
 
 from test_install_residency import Settings
+from _deferreds import result_of, failure_of
 
 _T = TypeVar("_T")
 CORE = "0.1.0"
@@ -49,21 +50,6 @@ TONE = {
 }
 
 
-def result_of(deferred: Deferred[Any]) -> Any:
-    results: list[Any] = []
-    deferred.addBoth(results.append)
-    assert results, f"{deferred!r} has not fired"
-    assert not isinstance(results[0], Failure), results[0]
-    return results[0]
-
-
-def failure_of(deferred: Deferred[Any]) -> Failure:
-    results: list[Any] = []
-    deferred.addBoth(results.append)
-    assert results, f"{deferred!r} has not fired"
-    assert isinstance(results[0], Failure), results[0]
-    failure: Failure = results[0]
-    return failure
 
 
 class InlinePool:

@@ -35,20 +35,11 @@ from rhapsode._jobs import (
     new_job_id,
 )
 from rhapsode_worker.errors import BadRequest, Conflict, Internal, Overloaded
+from _deferreds import result_of
 
 #: 2026-09-18T14:02:11.000Z, protocol.md section 10's example job's createdAt.
 EXAMPLE_MOMENT = 1789740131.0
 
-
-def result_of(deferred: Deferred[Any]) -> Any:
-    """
-    The result a Deferred has already fired with.
-    """
-    results: list[Any] = []
-    deferred.addBoth(results.append)
-    assert results, f"{deferred!r} has not fired"
-    assert not isinstance(results[0], Failure), results[0]
-    return results[0]
 
 
 class FakeRequest:

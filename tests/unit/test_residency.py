@@ -15,7 +15,6 @@ import pytest
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
-from twisted.python.failure import Failure
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
@@ -27,6 +26,7 @@ from rhapsode._residency import (
     iso_utc,
 )
 from rhapsode_worker.errors import BadRequest, Conflict, ModelUnavailable
+from _deferreds import result_of, failure_of
 
 #: 2026-09-20T11:04:02.118Z, the moment protocol.md section 3's example was taken.
 EXAMPLE_MOMENT = 1789902242.118
@@ -113,27 +113,6 @@ class Harness:
         return models[engine]
 
 
-def result_of(deferred: Deferred[Any]) -> Any:
-    """
-    The result a Deferred has already fired with.
-    """
-    results: list[Any] = []
-    deferred.addBoth(results.append)
-    assert results, f"{deferred!r} has not fired"
-    assert not isinstance(results[0], Failure), results[0]
-    return results[0]
-
-
-def failure_of(deferred: Deferred[Any]) -> Failure:
-    """
-    The failure a Deferred has already fired with.
-    """
-    results: list[Any] = []
-    deferred.addBoth(results.append)
-    assert results, f"{deferred!r} has not fired"
-    assert isinstance(results[0], Failure), results[0]
-    failure: Failure = results[0]
-    return failure
 
 
 def pending(deferred: Deferred[Any]) -> None:

@@ -24,6 +24,7 @@ from zope.interface.verify import verifyObject
 
 from rhapsode._supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, WorkerSupervisor
 from rhapsode_worker.errors import Internal, ModelUnavailable
+from _deferreds import result_of, failure_of
 
 SOCKET = "unix:/run/rhapsode/tone.sock"
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -185,25 +186,6 @@ def up(h: Harness) -> FakeWorker:
     return h.reactor.worker
 
 
-def result_of(deferred: Deferred[Any]) -> Any:
-    """
-    The result a Deferred has already fired with.
-    """
-    results: list[Any] = []
-    deferred.addBoth(results.append)
-    assert results, f"{deferred!r} has not fired"
-    assert not isinstance(results[0], Failure), results[0]
-    return results[0]
-
-
-def failure_of(deferred: Deferred[Any]) -> Failure:
-    """
-    The failure a Deferred has already fired with, consumed so it is not logged.
-    """
-    failures: list[Failure] = []
-    deferred.addErrback(failures.append)
-    assert failures, f"{deferred!r} has not failed"
-    return failures[0]
 
 
 def test_fakes_provide_their_interfaces() -> None:
