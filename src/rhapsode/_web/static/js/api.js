@@ -1,4 +1,5 @@
 // Calls to the core, through this site's /api proxy; refusals become ApiErrors.
+import { h, select } from "./dom.js";
 export class ApiError extends Error {
   constructor(status, body) {
     const err = body && body.error;
@@ -40,4 +41,15 @@ export function effectiveVariant(caps, named) {
   if (named && caps.variants[named]) return named;
   if (caps.current && caps.current.variant) return caps.current.variant;
   return caps.defaultVariant || Object.keys(caps.variants)[0];
+}
+
+// A select of the server's engines, the first chosen; none installed: a note in
+// `main` saying where to install one, and null.
+export async function engineSelect(main) {
+  const engines = await api("/engines");
+  if (!engines.length) {
+    main.append(h("p", { text: "This server has no engines yet. Install one on the Engines page." }));
+    return null;
+  }
+  return select(engines.map((e) => [e.id, e.displayName || e.id]), engines[0].id);
 }

@@ -1,6 +1,6 @@
 // Try it: pick an engine, variant, voice, language, delivery and dials from the
 // capability document, and hear the text as it streams.
-import { api, effectiveVariant, enc } from "./api.js";
+import { api, effectiveVariant, enc, engineSelect } from "./api.js";
 import { announce, field, h, select, sleep } from "./dom.js";
 import { StreamPlayer, parsePcmType, wavBlob } from "./player.js";
 
@@ -9,12 +9,8 @@ import { StreamPlayer, parsePcmType, wavBlob } from "./player.js";
 const AHEAD_SECONDS = 3;
 
 export async function render(main) {
-  const engines = await api("/engines");
-  if (!engines.length) {
-    main.append(h("p", { text: "This server has no engines yet. Install one on the Engines page." }));
-    return null;
-  }
-  const engine = select(engines.map((e) => [e.id, e.displayName || e.id]), engines[0].id);
+  const engine = await engineSelect(main);
+  if (!engine) return null;
   const variant = select([]);
   const voice = select([]);
   const language = select([]);

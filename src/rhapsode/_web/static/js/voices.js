@@ -1,15 +1,11 @@
 // Voices: an engine's voices, with previews; create one from a reference clip or a
 // voicepack, blend two, delete one (protocol.md section 7).
-import { api, effectiveVariant, enc } from "./api.js";
+import { api, effectiveVariant, enc, engineSelect } from "./api.js";
 import { announce, field, h, select, table } from "./dom.js";
 
 export async function render(main) {
-  const engines = await api("/engines");
-  if (!engines.length) {
-    main.append(h("p", { text: "This server has no engines yet. Install one on the Engines page." }));
-    return null;
-  }
-  const engine = select(engines.map((e) => [e.id, e.displayName || e.id]), engines[0].id);
+  const engine = await engineSelect(main);
+  if (!engine) return null;
   const listing = h("section", { "aria-labelledby": "voices-heading" });
   const forms = h("div");
   main.append(h("div", { class: "card" }, field("Engine", engine)), listing, forms);
