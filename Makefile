@@ -15,16 +15,20 @@ ENGINE_VENVS := .venvs
 # install is redone whenever the set of source files changes (not on every edit).
 SOURCES := $(VENV)/.sources
 
-$(STAMP): setup.cfg pyproject.toml engines/tone/setup.cfg $(SOURCES)
+# The distributions of this repository, released together at one version: the protocol
+# both sides share, the worker SDK, the conformance checker, and the core (the root).
+DISTRIBUTIONS := protocol sdk conform
+
+$(STAMP): setup.cfg pyproject.toml $(foreach d,$(DISTRIBUTIONS),$(d)/setup.cfg) engines/tone/setup.cfg $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet $(foreach d,$(DISTRIBUTIONS),-e $(d)) -e '.[test]' --config-settings editable_mode=strict
 	$(PY) -m pip install --quiet -e engines/tone
 	touch $(STAMP)
 
 $(SOURCES): FORCE
 	@mkdir -p $(VENV)
-	@find src twisted -name '*.py' | sort > $@.new
+	@find src twisted $(foreach d,$(DISTRIBUTIONS),$(d)/src) -name '*.py' | sort > $@.new
 	@cmp -s $@.new $@ || mv $@.new $@
 	@rm -f $@.new
 
@@ -60,11 +64,12 @@ RUN := run
 CONFIG := $(RUN)/rhapsode.json
 SERVED := tone espeak piper
 
-# The engines' virtualenvs the tests use (integration tests spawn them directly).
-$(ENGINE_VENVS)/%/.installed: setup.cfg engines/%/setup.cfg
+# The engines' virtualenvs the tests use (integration tests spawn them directly): the
+# SDK and the protocol from this checkout, and the adapter; never the core.
+$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg
 	test -x $(ENGINE_VENVS)/$*/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet --upgrade pip
-	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e . -e engines/$*
+	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e protocol -e sdk -e engines/$*
 	touch $@
 
 # Written once, when it is missing (no prerequisites on purpose): from then on it is the
@@ -84,7 +89,7 @@ bench: $(STAMP)
 	$(PY) bench/proxy.py
 
 openapi: $(STAMP)
-	$(PY) -m rhapsode_worker.contract > docs/openapi.worker.yaml
+	$(PY) -m rhapsode_protocol.contract > docs/openapi.worker.yaml
 
 clean:
 	rm -rf $(VENV) $(ENGINE_VENVS) $(RUN) build .pytest_cache .hypothesis

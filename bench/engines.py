@@ -61,7 +61,7 @@ engine_class = getattr(__import__(module), __import__(module).__all__[0])
 engine = engine_class()
 engine.voice_dir = Path(tempfile.mkdtemp())
 from rhapsode_worker import SpeakRequest
-from rhapsode_worker._split import split_text
+from rhapsode_protocol._split import split_text
 engine.load(variant)
 v = engine.variants()[variant]
 request = dict(variant=variant, language=v.languages[0],

@@ -27,8 +27,9 @@ def request(path: str, payload: dict[str, object]) -> tuple[float, float, int]:
 
 def in_process_rtf() -> float:
     from rhapsode_engine_tone import ToneEngine
+
+    from rhapsode_protocol._split import split_text
     from rhapsode_worker import SpeakRequest
-    from rhapsode_worker._split import split_text
 
     engine = ToneEngine()
     engine.voice_dir = Path(tempfile.mkdtemp())

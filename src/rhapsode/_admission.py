@@ -3,7 +3,7 @@ Admission: who gets in, and when.  At a request's head, before any handler runs 
 before its body is read (protocol.md sections 7 and 10); and for speech, a turn on its
 engine (L{Turnstile}) and room for a buffered answer (L{BufferBudget}) (section 6).
 
-The site (L{rhapsode_worker.site}) resolves the route exactly as the router will and
+The site (L{rhapsode_protocol.http.site}) resolves the route exactly as the router will and
 holds the body to the route's limit.  On top of that, here: the management guard runs
 for the management routes, C{Authorization} is removed so no handler or log ever sees
 it, and a voice upload starts streaming to its worker as it arrives, so a clip costs
@@ -19,13 +19,12 @@ from typing import Any, Collection, Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IConsumer, IReactorTime
+from twisted.web import resource
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from twisted.web import resource
-
-from rhapsode_worker.errors import Forbidden, ModelUnavailable, Overloaded, SpeechError, as_speech_error
-from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, DirectSite, EagerRequest, Route, Routes
+from rhapsode_protocol.errors import Forbidden, ModelUnavailable, Overloaded, SpeechError, as_speech_error
+from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, DirectSite, EagerRequest, Route, Routes
 
 from ._guard import check_management, check_origin, origin_key
 

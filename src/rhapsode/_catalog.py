@@ -6,7 +6,7 @@ Each engine distribution carries a C{catalog.json} at its root: display name, bo
 licences, default variant, distribution name and the Python range it installs on.
 L{read_catalog} finds an installed engine's record through its distribution's metadata;
 L{read_source} reads every record under C{install.sourceDir}, installed or not, which is
-what C{GET /catalog} lists.  L{worker_version} reads the C{rhapsode} distribution's
+what C{GET /catalog} lists.  L{worker_version} reads the C{rhapsode-worker} distribution's
 version from an engine's virtualenv (section 9's C{workerVersion}).  Nothing is imported
 and no process is spawned, so all of it answers for an engine that is down.
 """
@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 from urllib.parse import unquote, urlparse
 
-#: The distribution an engine's virtualenv gets the worker SDK from: the SDK ships
-#: inside the core's distribution, so its version is the pin (protocol.md section 9).
-SDK_DISTRIBUTION = "rhapsode"
+#: The distribution an engine's virtualenv gets the worker SDK from; its version there
+#: is the engine's workerVersion (protocol.md section 9).
+SDK_DISTRIBUTION = "rhapsode-worker"
+#: The core's own distribution: installed from a checkout, that checkout's protocol/
+#: and sdk/ folders are what an engine's virtualenv is given.
+CORE_DISTRIBUTION = "rhapsode"
 
 
 def _normalise(name: str) -> str:
@@ -136,7 +139,7 @@ def default_source_dir() -> Path | None:
     every L{rhapsode._config.Config} made asks.
     """
     try:
-        dist = metadata.distribution(SDK_DISTRIBUTION)
+        dist = metadata.distribution(CORE_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return None
     source = _source_of(dist)

@@ -25,7 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectError, DNSLookupError
 from twisted.logger import Logger
 
-from rhapsode_worker.errors import BadRequest, SpeechError
+from rhapsode_protocol.errors import BadRequest, SpeechError
 
 from . import __version__
 
@@ -771,7 +771,7 @@ async def _warm(ns: argparse.Namespace, client: Any, out: Output, now: float) ->
 def local_tools() -> dict[str, str | None]:
     """
     Where this machine's ffmpeg and uv are; None for one that is missing.  ffmpeg is the
-    one the core encodes with (PATH, else the imageio-ffmpeg wheel's); uv is the one
+    one a worker encodes with (PATH, else the imageio-ffmpeg wheel's); uv is the one
     beside this interpreter, else on PATH.
     """
     import shutil
@@ -780,10 +780,12 @@ def local_tools() -> dict[str, str | None]:
 
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
-        import imageio_ffmpeg
-
         try:
-            ffmpeg = str(imageio_ffmpeg.get_ffmpeg_exe())
+            import imageio_ffmpeg  # the doctor extra, or the SDK beside the core
+        except ImportError:
+            imageio_ffmpeg = None
+        try:
+            ffmpeg = str(imageio_ffmpeg.get_ffmpeg_exe()) if imageio_ffmpeg is not None else None
         except RuntimeError:
             ffmpeg = None
     return {"ffmpeg": ffmpeg, "uv": find_uv()}

@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.iweb import IResponse
 
-from rhapsode_worker.errors import SpeechError, error_from_envelope
+from rhapsode_protocol.errors import SpeechError, error_from_envelope
 
 _DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from zope.interface import implementer
 
-from rhapsode_worker.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
+from rhapsode_protocol.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
 
 from ._catalog import default_source_dir
 from ._guard import origin_key

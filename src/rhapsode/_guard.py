@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from rhapsode_worker.errors import Forbidden
+from rhapsode_protocol.errors import Forbidden
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _HOSTNAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*", re.ASCII)

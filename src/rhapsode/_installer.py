@@ -35,10 +35,10 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rhapsode_worker.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
-from rhapsode_worker.contract import VARIANT_NAME_PATTERN, VOICE_ID_PATTERN
+from rhapsode_protocol.contract import VARIANT_NAME_PATTERN, VOICE_ID_PATTERN
+from rhapsode_protocol.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
 
-from ._catalog import SDK_DISTRIBUTION, Catalog, _source_of
+from ._catalog import CORE_DISTRIBUTION, SDK_DISTRIBUTION, Catalog, _source_of
 from ._jobs import Job, JobContext, JobFailed, Jobs
 from ._state import InstalledEngine, StateDatabase
 
@@ -432,18 +432,21 @@ def find_uv() -> str | None:
     return shutil.which("uv")
 
 
-def sdk_source(core_version: str) -> str:
+def sdk_source(core_version: str) -> tuple[str, ...]:
     """
-    Where an engine's virtualenv gets the SDK from: the checkout this core was
-    installed from when it was, else the index, pinned to this core's version.
+    Where an engine's virtualenv gets the SDK from: the protocol's and the SDK's folders
+    of the checkout this core was installed from when it was, else the SDK from the
+    index pinned to this core's version (it pins the protocol to the same).
     """
     try:
-        source = _source_of(metadata.distribution(SDK_DISTRIBUTION))
+        source = _source_of(metadata.distribution(CORE_DISTRIBUTION))
     except metadata.PackageNotFoundError:
         source = None
-    if source is not None and ((source / "setup.cfg").is_file() or (source / "pyproject.toml").is_file()):
-        return str(source)
-    return f"{SDK_DISTRIBUTION}=={core_version}"
+    if source is not None:
+        folders = [source / name for name in ("protocol", "sdk")]
+        if all((folder / "setup.cfg").is_file() or (folder / "pyproject.toml").is_file() for folder in folders):
+            return tuple(str(folder) for folder in folders)
+    return (f"{SDK_DISTRIBUTION}=={core_version}",)
 
 
 @dataclass(frozen=True)
@@ -464,7 +467,7 @@ def plan(
     record: Mapping[str, Any],
     slot: Path,
     source_dir: Path | None,
-    sdk: str,
+    sdk: Sequence[str],
     uv: str | None,
     interpreter: str,
     interpreter_fits: bool,
@@ -497,7 +500,7 @@ def plan(
     hosts: list[str] = []
     for host in trusted:
         hosts += ["--trusted-host", host]
-    install = (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", *hosts, sdk, adapter)
+    install = (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", *hosts, *sdk, adapter)
     verify = (python, "-c", f"import {record['module']}")
     return Plan(venv=venv, packages=upgrade + (install,), verify=verify, python=python)
 
@@ -595,7 +598,7 @@ class Installer:
         environ: Mapping[str, str],
         core_version: str,
         uv: str | None = None,
-        sdk: str | None = None,
+        sdk: Sequence[str] | None = None,
     ) -> None:
         self._reactor = reactor
         self.jobs = jobs

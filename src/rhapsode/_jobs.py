@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from rhapsode_worker.errors import BadRequest, Internal, Overloaded, SpeechError
+from rhapsode_protocol.errors import BadRequest, Internal, Overloaded, SpeechError
 
 from ._residency import iso_utc
 

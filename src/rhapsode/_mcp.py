@@ -11,7 +11,7 @@ is a tool result with C{isError}; a message that is not JSON-RPC, an unknown met
 an unknown tool are JSON-RPC errors.
 
 The tools' input schemas are the request contract's and the read-only tools' output
-schemas the response contract's (L{rhapsode_worker.contract}), with every C{$ref}
+schemas the response contract's (L{rhapsode_protocol.contract}), with every C{$ref}
 inlined, because a tool's schema must stand alone.  What happens at the head (the
 Origin rule, Authorization stripped, 405 for GET and DELETE, the body limit) is the
 site's (L{rhapsode._admission}).
@@ -32,8 +32,8 @@ from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from rhapsode_worker import contract
-from rhapsode_worker.errors import SpeechError, as_speech_error
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import SpeechError, as_speech_error
 
 from ._inprocess import Answer, InProcessRequest, run
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rhapsode_worker.errors import ERROR_TABLE
+from rhapsode_protocol.errors import ERROR_TABLE
 
 if TYPE_CHECKING:
     from ._router import CoreApp

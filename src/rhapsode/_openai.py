@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from rhapsode_worker import contract
-from rhapsode_worker.errors import Internal, SpeechError, UnknownEngine, Unsupported
-from rhapsode_worker.schemas import MAX_NAME_CHARACTERS, MAX_TEXT_CHARACTERS
-from rhapsode_worker.validation import parse_json_body
-from rhapsode_worker.web import answer, json_response
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import Internal, SpeechError, UnknownEngine, Unsupported
+from rhapsode_protocol.http.answers import answer, json_response
+from rhapsode_protocol.schemas import MAX_NAME_CHARACTERS, MAX_TEXT_CHARACTERS
+from rhapsode_protocol.validation import parse_json_body
 
 from ._inprocess import InProcessRequest, run
 from ._preflight import forward_speak

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from rhapsode_worker.errors import BadRequest, Unsupported
-from rhapsode_worker.validation import check_voice_id, choose_language
-from rhapsode_worker.vocab import clean_text, is_speakable
+from rhapsode_protocol.errors import BadRequest, Unsupported
+from rhapsode_protocol.validation import check_voice_id, choose_language
+from rhapsode_protocol.vocab import clean_text, is_speakable
 
 __all__ = ["forward_dialogue", "forward_speak", "voices_to_check"]
 

@@ -19,7 +19,7 @@ from typing import IO, Any, Callable, Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
 
-from rhapsode_worker.errors import BadRequest
+from rhapsode_protocol.errors import BadRequest
 
 #: What a detached command exits with, as a shell reports an interrupted one.
 DETACHED = 130

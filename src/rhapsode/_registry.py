@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from twisted.internet.defer import Deferred, succeed
 
-from rhapsode_worker.errors import ModelUnavailable, UnknownEngine
+from rhapsode_protocol.errors import ModelUnavailable, UnknownEngine
 
 from ._upstream import WorkerClient
 

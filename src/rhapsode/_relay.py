@@ -30,9 +30,9 @@ from twisted.web.client import ResponseDone
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from rhapsode_worker import contract
-from rhapsode_worker.errors import Internal, SpeechError, error_from_envelope
-from rhapsode_worker.web import DURATION_HEADER, abort_connection, write_trailer
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import Internal, SpeechError, error_from_envelope
+from rhapsode_protocol.http.answers import DURATION_HEADER, abort_connection, write_trailer
 
 from ._admission import BufferBudget, Turnstile
 from ._metrics import Measured
@@ -119,7 +119,7 @@ class StreamRelay(Protocol):
         if self._stall is not None:
             self._stall.progress()
         # On the core's own site each piece (the first with the headers) is sent as it
-        # is written (rhapsode_worker.site.EagerChannel).
+        # is written (rhapsode_protocol.http.site.EagerChannel).
         self._request.write(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:

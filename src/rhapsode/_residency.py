@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface
 
-from rhapsode_worker.errors import BadRequest, Conflict, ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import BadRequest, Conflict, ModelUnavailable, SpeechError
 
 _T = TypeVar("_T")
 

@@ -22,12 +22,19 @@ from twisted.web import server
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from rhapsode_worker import contract
-from rhapsode_worker.errors import (
-    BadRequest, Conflict, Forbidden, Internal, SpeechError, UnknownVoice, Unsupported, as_speech_error,
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Internal,
+    SpeechError,
+    UnknownVoice,
+    Unsupported,
+    as_speech_error,
 )
-from rhapsode_worker.site import HEAD_SECONDS, IDLE_SECONDS, HandlerResource, Routes
-from rhapsode_worker.web import InFlight, answer, error_response, json_response, no_route, read_json
+from rhapsode_protocol.http.answers import InFlight, answer, error_response, json_response, no_route, read_json
+from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, HandlerResource, Routes
 
 from . import __version__
 from ._admission import MAX_UPLOAD_BYTES, BufferBudget, CoreRequest, CoreSite, IAdmissionSettings, Turnstile
@@ -36,7 +43,8 @@ from ._config import Config, ConfigSettings
 from ._installer import Installer, install_query
 from ._jobs import Jobs, last_event_id
 from ._mcp import McpServer
-from ._metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
+from ._metrics import CONTENT_TYPE as METRICS_TYPE
+from ._metrics import Metrics
 from ._openai import OpenAIShim
 from ._preflight import forward_dialogue, forward_speak, voices_to_check
 from ._registry import EngineHandle, Registry

@@ -27,7 +27,7 @@ from twisted.logger import (
 )
 from twisted.python.failure import Failure
 
-from rhapsode_worker.contract import CONTRACT_VERSIONS
+from rhapsode_protocol.contract import CONTRACT_VERSIONS
 
 from . import __version__
 from ._catalog import Catalog, read_catalog, read_source
@@ -36,8 +36,8 @@ from ._installer import Commands, Installer, find_uv
 from ._jobs import JobContext
 from ._registry import EngineHandle, Registry
 from ._relay import refusal
-from ._router import CoreApp
 from ._residency import Residency
+from ._router import CoreApp
 from ._settings import Settings
 from ._state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._supervisor import WorkerSupervisor, core_budget_env, prestart

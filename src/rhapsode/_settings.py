@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rhapsode_worker.errors import BadRequest, Conflict, UnknownEngine
+from rhapsode_protocol.errors import BadRequest, Conflict, UnknownEngine
 
 from ._config import ENGINE_SETTINGS, SECTIONS, Config, ConfigError, parse_config
 from ._guard import _forwarded_remote, _loopback_ip, is_loopback, origin_key

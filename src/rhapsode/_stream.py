@@ -4,7 +4,7 @@ text as it arrives (a language model's tokens) and hears each sentence, or claus
 soon as it is complete, with vLLM-Omni's message names ("Streaming Text Input", in the
 peer's speech API; docs/streaming.md is this server's account of it).
 
-Text is cut as it arrives (L{rhapsode_worker.text.TextCutter}, the SDK splitter's
+Text is cut as it arrives (L{rhapsode_protocol.text.TextCutter}, the SDK splitter's
 boundary rules), and each piece is spoken through the router's own speech path exactly as
 C{POST /speak} is: preflight, the engine's turnstile, the residency lease, the 256-byte
 floor and the stall watch apply unchanged.  The relay writes each answer to a
@@ -45,10 +45,10 @@ from twisted.web.server import Request
 from twisted.web.websocket import WebSocketResource, WebSocketTransport
 from wsproto.utilities import LocalProtocolError
 
-from rhapsode_worker import contract
-from rhapsode_worker.errors import BadRequest, Internal, SpeechError, Unsupported
-from rhapsode_worker.text import GRANULARITIES, TextCutter
-from rhapsode_worker.vocab import is_speakable
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, Unsupported
+from rhapsode_protocol.text import GRANULARITIES, TextCutter
+from rhapsode_protocol.vocab import is_speakable
 
 from ._openai import SPEECH_REQUEST, openai_envelope, render_error
 from ._preflight import forward_speak

@@ -33,8 +33,16 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
 
-from rhapsode_worker import CORE_DIR_VARIABLE, CORES_VARIABLE, machine_cores
-from rhapsode_worker.errors import Internal, ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import Internal, ModelUnavailable, SpeechError
+from rhapsode_protocol.spawn import (
+    CONTRACT_VARIABLE,
+    CORE_DIR_VARIABLE,
+    CORES_VARIABLE,
+    ENGINE_VARIABLE,
+    LISTEN_VARIABLE,
+    VOICE_DIR_VARIABLE,
+    machine_cores,
+)
 
 # The child makes itself a process-group leader and then becomes the worker (same pid),
 # because spawnProcess has no pre-exec hook.
@@ -409,10 +417,10 @@ class WorkerSupervisor:
         self._env = {
             **os.environ,
             **env,
-            "RHAPSODE_WORKER_LISTEN": listen,
-            "RHAPSODE_WORKER_ENGINE": engine_id,
-            "RHAPSODE_WORKER_CONTRACT": str(contract),
-            "RHAPSODE_WORKER_VOICE_DIR": os.path.join(voice_dir, engine_id),
+            LISTEN_VARIABLE: listen,
+            ENGINE_VARIABLE: engine_id,
+            CONTRACT_VARIABLE: str(contract),
+            VOICE_DIR_VARIABLE: os.path.join(voice_dir, engine_id),
             "PYTHONUNBUFFERED": "1",
         }
         self._contract = contract

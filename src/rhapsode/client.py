@@ -9,7 +9,7 @@ C{.code}, C{.retryable} and C{.field}; a stream the server aborted raises
 L{TruncatedResponse}.
 """
 
-from rhapsode_worker.errors import (
+from rhapsode_protocol.errors import (
     BadRequest,
     Conflict,
     Forbidden,

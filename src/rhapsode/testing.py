@@ -44,9 +44,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_worker import contract
-from rhapsode_worker.errors import BadRequest, SpeechError, UnknownVoice
-from rhapsode_worker.web import read_form
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import BadRequest, SpeechError, UnknownVoice
+from rhapsode_protocol.http.answers import read_form
 
 from ._client import _HTTP, RhapsodeClient
 from ._registry import EngineHandle, Registry, Supervised

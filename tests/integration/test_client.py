@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Coroutine, TypeVar
 
 import pytest
 import pytest_twisted
+from test_core_proxy import Core, start_core, wav_clip
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IConsumer, IPushProducer
@@ -36,10 +37,9 @@ from rhapsode.client import (
     UnknownEngine,
     UnknownVoice,
 )
-from rhapsode_worker.errors import ERROR_TABLE
-from rhapsode_worker._form import read_form
-from rhapsode_worker.contract import ENGINE_LIST, PUBLIC_HEALTH, VOICE, validate
-from test_core_proxy import Core, start_core, wav_clip
+from rhapsode_protocol.contract import ENGINE_LIST, PUBLIC_HEALTH, VOICE, validate
+from rhapsode_protocol.errors import ERROR_TABLE
+from rhapsode_protocol.http.form import read_form
 
 T = TypeVar("T")
 BASE = "http://rhapsode.test:8080"

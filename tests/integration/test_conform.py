@@ -1,6 +1,6 @@
 """
 The conformance checker end to end: real workers spawned under the spawn contract, and
-C{python -m rhapsode_worker.conform} run against them as a subprocess.  The tone and
+C{python -m rhapsode_conform} run against them as a subprocess.  The tone and
 chatty engines conform; the liar engine claims a cue, a delivery and seed
 reproducibility it does not perform, and must be caught naming exactly those.
 """
@@ -75,7 +75,7 @@ def worker(tmp_path: Path, module: str, engine: str, listen: str = "unix") -> It
 
 def conform(target: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rhapsode_worker.conform", target],
+        [sys.executable, "-m", "rhapsode_conform", target],
         capture_output=True,
         text=True,
         timeout=120,

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rhapsode_protocol.errors import BadRequest, Unsupported
 from rhapsode_worker._arrays import FloatArray, read_npy, read_pt, read_voicepack
-from rhapsode_worker.errors import BadRequest, Unsupported
 
 DATA = Path(__file__).parent / "data"
 GRID = [i / 4 - 1 for i in range(10)]

@@ -61,9 +61,9 @@ def venv(tmp_path: Path, sdk_version: str | None) -> str:
     site = root / "lib" / "python3.11" / "site-packages"
     site.mkdir(parents=True)
     if sdk_version is not None:
-        info = site / f"rhapsode-{sdk_version}.dist-info"
+        info = site / f"rhapsode_worker-{sdk_version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rhapsode\nVersion: {sdk_version}\n")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rhapsode-worker\nVersion: {sdk_version}\n")
     return str(root / "bin" / "python")
 
 
@@ -148,8 +148,8 @@ def test_the_version_is_read_at_declaration_never_per_request(tmp_path: Path) ->
     python = venv(tmp_path, "0.1.0")
     catalog = Catalog([], "0.1.0")
     catalog.declare("tone", "rhapsode_engine_tone", python)
-    info = Path(python).parents[1] / "lib" / "python3.11" / "site-packages" / "rhapsode-0.1.0.dist-info"
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rhapsode\nVersion: 9.9.9\n")
+    info = Path(python).parents[1] / "lib" / "python3.11" / "site-packages" / "rhapsode_worker-0.1.0.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rhapsode-worker\nVersion: 9.9.9\n")
     assert catalog.versions("tone")["workerVersion"] == "0.1.0"
     catalog.declare("tone", "rhapsode_engine_tone", python)
     assert catalog.versions("tone") == {"workerVersion": "9.9.9", "outdated": True}

@@ -13,8 +13,8 @@ import struct
 
 import pytest
 
-from rhapsode_worker import _conform as c
-from rhapsode_worker._form import read_form
+from rhapsode_conform import _checks as c
+from rhapsode_protocol.http.form import read_form
 
 BODY = (
     b"5\r\nhello\r\n"

@@ -1,13 +1,13 @@
 """
-Tests for L{rhapsode_worker.contract}: the shapes, the validator, the voice id rule, the
+Tests for L{rhapsode_protocol.contract}: the shapes, the validator, the voice id rule, the
 YAML emitter and the generated worker OpenAPI document.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import copy
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +17,9 @@ import pytest
 import yaml
 
 import rhapsode_worker
-from rhapsode_worker import schemas, validation
-from rhapsode_worker.errors import ERROR_TABLE, BadRequest, Unsupported
-from rhapsode_worker._yaml import dump_yaml
-from rhapsode_worker.contract import (
+from rhapsode_protocol import schemas, validation
+from rhapsode_protocol._yaml import dump_yaml
+from rhapsode_protocol.contract import (
     CAPABILITIES,
     DIALOGUE_REQUEST,
     ERROR,
@@ -37,6 +36,7 @@ from rhapsode_worker.contract import (
     validate,
     worker_openapi,
 )
+from rhapsode_protocol.errors import ERROR_TABLE, BadRequest, Unsupported
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_DOCUMENT = ROOT / "docs" / "openapi.worker.yaml"
@@ -569,17 +569,17 @@ def test_committed_document_is_current() -> None:
     expected = dump_yaml(worker_openapi(rhapsode_worker.__version__))
     committed = COMMITTED_DOCUMENT.read_text(encoding="utf-8")
     assert committed == expected, (
-        "docs/openapi.worker.yaml is out of date with rhapsode_worker.contract: "
+        "docs/openapi.worker.yaml is out of date with rhapsode_protocol.contract: "
         "run `make openapi` and commit the result"
     )
 
 
 def test_main_prints_the_document() -> None:
     """
-    python -m rhapsode_worker.contract prints the YAML of the worker document.
+    python -m rhapsode_protocol.contract prints the YAML of the worker document.
     """
     result = subprocess.run(
-        [sys.executable, "-m", "rhapsode_worker.contract"],
+        [sys.executable, "-m", "rhapsode_protocol.contract"],
         capture_output=True,
         check=True,
         text=True,
@@ -876,21 +876,21 @@ def test_contract_module_imports_stay_light() -> None:
     """
     light = {"contract", "schemas", "validation", "openapi", "errors", "vocab", "_yaml"}
     for name in sorted(light):
-        module = importlib.import_module(f"rhapsode_worker.{name}")
+        module = importlib.import_module(f"rhapsode_protocol.{name}")
         tree = ast.parse(Path(str(module.__file__)).read_text(encoding="utf-8"))
         local = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
-                local.add(node.module)
+                local.add(node.module or "rhapsode_protocol")  # `from . import __version__`
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 local.add(node.module)
             elif isinstance(node, ast.Import):
                 local.update(alias.name for alias in node.names)
-        allowed = set(sys.stdlib_module_names) | light | {"rhapsode_worker"}
+        allowed = set(sys.stdlib_module_names) | light | {"rhapsode_protocol"}
         assert {name.split(".")[0] for name in local} <= allowed, name
 
     probe = (
-        "import sys, rhapsode_worker.contract, rhapsode_worker.errors, rhapsode_worker.vocab; "
+        "import sys, rhapsode_protocol.contract, rhapsode_protocol.errors, rhapsode_protocol.vocab; "
         "print(sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('twisted', 'klein', 'treq', 'automat')))"
     )

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 import rhapsode_worker
-from rhapsode_worker.errors import BadRequest
-from rhapsode_worker.contract import (
+from rhapsode_protocol.contract import (
     CAPABILITIES,
     ENGINE_LIST,
     ENGINE_STATE,
@@ -28,6 +27,7 @@ from rhapsode_worker.contract import (
     validate,
     worker_openapi,
 )
+from rhapsode_protocol.errors import BadRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 _METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
@@ -309,11 +309,11 @@ def test_public_document_is_json_and_fresh_each_call() -> None:
 
 def test_worker_document_is_unchanged_by_the_public_one() -> None:
     """
-    docs/openapi.worker.yaml still equals python -m rhapsode_worker.contract, and the worker
+    docs/openapi.worker.yaml still equals python -m rhapsode_protocol.contract, and the worker
     document holds none of the core's shapes.
     """
     result = subprocess.run(
-        [sys.executable, "-m", "rhapsode_worker.contract"],
+        [sys.executable, "-m", "rhapsode_protocol.contract"],
         capture_output=True,
         check=True,
         text=True,

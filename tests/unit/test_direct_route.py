@@ -1,5 +1,5 @@
 """
-The route that skips the router (rhapsode_worker.site): a handler's answer is written
+The route that skips the router (rhapsode_protocol.http.site): a handler's answer is written
 and the request finished, a client that hangs up cancels the handler, and the site
 hands only the exact method and path to it.
 """
@@ -15,7 +15,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode_worker.site import DirectSite, HandlerResource
+from rhapsode_protocol.http.site import DirectSite, HandlerResource
 
 
 def test_the_handlers_answer_is_written_and_the_request_finished() -> None:
@@ -120,7 +120,7 @@ def test_connections_are_plain_http11_channels() -> None:
     from twisted.internet.address import IPv4Address
     from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 
-    from rhapsode_worker.site import EagerChannel
+    from rhapsode_protocol.http.site import EagerChannel
 
     site = DirectSite(Resource())
     channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))

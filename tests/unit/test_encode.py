@@ -6,9 +6,8 @@ process reactor.  No real process runs here.
 
 from __future__ import annotations
 
-import os
-
 import io
+import os
 import stat
 import struct
 import wave
@@ -17,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import imageio_ffmpeg
 import pytest
+from _deferreds import failure_of
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import (
     IConsumer,
@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
+from rhapsode_protocol.errors import Unsupported
 from rhapsode_worker._encode import (
     FORMATS,
     EncoderFailed,
@@ -42,8 +43,6 @@ from rhapsode_worker._encode import (
     wav_header,
 )
 from rhapsode_worker._engine import NativeFormat
-from rhapsode_worker.errors import Unsupported
-from _deferreds import failure_of
 
 MONO_24K = NativeFormat(sample_rate=24000, channels=1)
 STEREO_22K = NativeFormat(sample_rate=22050, channels=2)

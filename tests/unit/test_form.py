@@ -1,5 +1,5 @@
 """
-A voice upload's form (rhapsode_worker._form): fields read as werkzeug's decoder gives
+A voice upload's form (rhapsode_protocol.http.form): fields read as werkzeug's decoder gives
 them, and a hostile body refused naming "body" after reading only its first pieces.
 """
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rhapsode_protocol.http.form import MAX_PART_HEAD_BYTES, MAX_PART_HEAD_LINES, MAX_PARTS, read_form
 from rhapsode_worker import BadRequest
-from rhapsode_worker._form import MAX_PART_HEAD_BYTES, MAX_PART_HEAD_LINES, MAX_PARTS, read_form
 
 CONTENT_TYPE = b"multipart/form-data; boundary=xyz"
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 
 from rhapsode._guard import check_management, is_loopback, origin_key
-from rhapsode_worker.errors import Forbidden
+from rhapsode_protocol.errors import Forbidden
 
 TOKEN = "s3cret-management-token"
 CONFIGURED = ("https://app.example",)

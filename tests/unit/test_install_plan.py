@@ -21,7 +21,7 @@ from rhapsode._installer import (
     plan,
     trusted_hosts,
 )
-from rhapsode_worker.errors import BadRequest
+from rhapsode_protocol.errors import BadRequest
 
 # -- why a command failed ---------------------------------------------------------------
 
@@ -271,13 +271,13 @@ def test_the_plan_with_uv_seeds_the_venv_and_installs_in_one_resolve(tmp_path: P
     SDK and the adapter with a raw progress bar, then an import of the module.
     """
     slot = tmp_path / "venvs" / "kokoro"
-    steps = plan(record=RECORD, slot=slot, source_dir=None, sdk="/src/rhapsode", uv="/usr/bin/uv",
+    steps = plan(record=RECORD, slot=slot, source_dir=None, sdk=("/src/rhapsode/protocol", "/src/rhapsode/sdk"), uv="/usr/bin/uv",
                  interpreter="/usr/bin/python3.11", interpreter_fits=True, core_version="0.1.0")
     python = str(slot / "bin" / "python")
     assert steps.python == python
     assert steps.venv == (("/usr/bin/uv", "venv", "--seed", "--python", "/usr/bin/python3.11", str(slot)),)
     assert steps.packages == ((python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input",
-                               "/src/rhapsode", "rhapsode-engine-kokoro==0.1.0"),)
+                               "/src/rhapsode/protocol", "/src/rhapsode/sdk", "rhapsode-engine-kokoro==0.1.0"),)
     assert steps.verify == (python, "-c", "import rhapsode_engine_kokoro")
 
 
@@ -285,7 +285,7 @@ def test_the_plan_with_uv_hands_it_the_range_when_the_interpreter_is_outside_it(
     """
     An interpreter outside the record's range: uv is handed the range and finds one.
     """
-    steps = plan(record=RECORD, slot=tmp_path / "kokoro", source_dir=None, sdk="rhapsode==0.1.0",
+    steps = plan(record=RECORD, slot=tmp_path / "kokoro", source_dir=None, sdk=("rhapsode-worker==0.1.0",),
                  uv="uv", interpreter="/usr/bin/python3.14", interpreter_fits=False, core_version="0.1.0")
     assert steps.venv[0][3:5] == ("--python", ">=3.11,<3.14")
 
@@ -296,7 +296,7 @@ def test_the_plan_without_uv_makes_a_venv_and_upgrades_its_pip_first(tmp_path: P
     --progress-bar raw), then the one install.
     """
     slot = tmp_path / "kokoro"
-    steps = plan(record=RECORD, slot=slot, source_dir=None, sdk="rhapsode==0.1.0", uv=None,
+    steps = plan(record=RECORD, slot=slot, source_dir=None, sdk=("rhapsode-worker==0.1.0",), uv=None,
                  interpreter="/usr/bin/python3.11", interpreter_fits=True, core_version="0.1.0")
     python = str(slot / "bin" / "python")
     assert steps.venv == (("/usr/bin/python3.11", "-m", "venv", str(slot)),)
@@ -312,7 +312,7 @@ def test_the_adapter_comes_from_the_source_dir_when_its_folder_is_there(tmp_path
     """
     source = tmp_path / "engines"
     (source / "kokoro").mkdir(parents=True)
-    args: dict[str, Any] = dict(slot=tmp_path / "v", sdk="rhapsode==0.2.0", uv=None,
+    args: dict[str, Any] = dict(slot=tmp_path / "v", sdk=("rhapsode-worker==0.2.0",), uv=None,
                                 interpreter="python3", interpreter_fits=True, core_version="0.2.0")
     assert plan(record=RECORD, source_dir=source, **args).packages[-1][-1] == str(source / "kokoro")
     piper = {"id": "piper", "module": "rhapsode_engine_piper", "distribution": "rhapsode-engine-piper"}
@@ -325,7 +325,7 @@ def test_the_plan_names_each_trusted_host(tmp_path: Path) -> None:
     """
     Each trusted host is a --trusted-host before the sources; none, no option.
     """
-    steps = plan(record=RECORD, slot=tmp_path / "v", source_dir=None, sdk="sdk", uv=None,
+    steps = plan(record=RECORD, slot=tmp_path / "v", source_dir=None, sdk=("sdk",), uv=None,
                  interpreter="python3", interpreter_fits=True, core_version="0.1.0",
                  trusted=["pypi.org", "mirror:8080"])
     install = steps.packages[-1]
@@ -387,3 +387,15 @@ def test_engine_ids_that_could_escape_or_deceive_are_refused(bad: str) -> None:
     with pytest.raises(BadRequest) as caught:
         check_engine_id(bad)
     assert caught.value.field == "engine"
+
+
+def test_an_engine_is_given_the_protocol_and_the_sdk_of_the_checkout_the_core_came_from() -> None:
+    """
+    This core is installed from this checkout, so an engine's virtualenv gets the
+    checkout's protocol and SDK folders (never the core's own distribution); a core from
+    an index would name the SDK pinned to its version instead.
+    """
+    from rhapsode._installer import sdk_source
+
+    root = Path(__file__).resolve().parents[2]
+    assert sdk_source("0.1.0") == (str(root / "protocol"), str(root / "sdk"))

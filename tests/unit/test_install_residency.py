@@ -14,7 +14,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from rhapsode._residency import IResidencySettings, Lease, Residency
-from rhapsode_worker.errors import Conflict
+from rhapsode_protocol.errors import Conflict
 
 
 @implementer(IResidencySettings)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from _deferreds import failure_of, result_of
+from test_install_residency import Settings
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
@@ -26,10 +28,7 @@ from rhapsode._installer import PACKAGES_SECONDS, QUICK_SECONDS, SILENCE_SECONDS
 from rhapsode._jobs import Job, JobContext, JobFailed, Jobs
 from rhapsode._residency import Lease, Residency
 from rhapsode._state import InstalledEngine, StateDatabase, StateStore
-from rhapsode_worker.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
-
-from test_install_residency import Settings
-from _deferreds import result_of, failure_of
+from rhapsode_protocol.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
 
 _T = TypeVar("_T")
 CORE = "0.1.0"
@@ -102,9 +101,9 @@ def make_venv(slot: Path, version: str) -> None:
     (slot / "bin").mkdir(parents=True, exist_ok=True)
     (slot / "bin" / "python").write_text("")
     (slot / "pyvenv.cfg").write_text("home = /usr/bin\n")
-    info = slot / "lib" / "python3.11" / "site-packages" / f"rhapsode-{version}.dist-info"
+    info = slot / "lib" / "python3.11" / "site-packages" / f"rhapsode_worker-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rhapsode\nVersion: {version}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rhapsode-worker\nVersion: {version}\n")
 
 
 class FakeRunner:
@@ -216,7 +215,7 @@ class Harness:
             reactor=self.reactor, jobs=self.jobs, catalog=self.catalog, state=self.state, host=self.host,
             venv_dir=lambda: self.venvs, source_dir=lambda: self.source, interpreter=lambda: None,
             runner=self.runner, environ={"RHAPSODE_PIP_TRUSTED_HOSTS": "mirror.local"}, core_version=CORE,
-            uv=uv, sdk="/src/rhapsode",
+            uv=uv, sdk=("/src/rhapsode/protocol", "/src/rhapsode/sdk"),
         )
 
     def _terminate(self, engine: str) -> Deferred[None]:
@@ -454,7 +453,7 @@ def test_an_install_runs_its_steps_in_order_and_registers_the_engine(h: Harness)
         (str(Path(sys.executable).resolve()), "-m", "venv", str(slot)),
         (python, "-m", "pip", "install", "--upgrade", "pip"),
         (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", "--trusted-host", "mirror.local",
-         "/src/rhapsode", "rhapsode-engine-kokoro==0.1.0"),
+         "/src/rhapsode/protocol", "/src/rhapsode/sdk", "rhapsode-engine-kokoro==0.1.0"),
         (python, "-c", "import rhapsode_engine_kokoro"),
     ]
     assert h.runner.limits[2] == (PACKAGES_SECONDS, SILENCE_SECONDS)

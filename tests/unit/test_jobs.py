@@ -13,13 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _deferreds import result_of
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode._jobs import Jobs as _Jobs
 from rhapsode._jobs import (
     HEARTBEAT_SECONDS,
     MAX_MESSAGE_CHARACTERS,
@@ -34,8 +34,8 @@ from rhapsode._jobs import (
     last_event_id,
     new_job_id,
 )
-from rhapsode_worker.errors import BadRequest, Conflict, Internal, Overloaded
-from _deferreds import result_of
+from rhapsode._jobs import Jobs as _Jobs
+from rhapsode_protocol.errors import BadRequest, Conflict, Internal, Overloaded
 
 #: 2026-09-18T14:02:11.000Z, protocol.md section 10's example job's createdAt.
 EXAMPLE_MOMENT = 1789740131.0

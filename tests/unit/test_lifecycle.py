@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.testing import MemoryReactorClock
-from treq.testing import StubTreq
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rhapsode_worker.errors import Overloaded
+from rhapsode_protocol.errors import Overloaded
 from rhapsode_worker._lifecycle import WorkerLifecycle
 
 
@@ -187,11 +187,12 @@ def test_the_routes_ask_the_lifecycle_and_health_reports_it() -> None:
     WorkerApp counts each request through its lifecycle and answers 429 once it drains,
     with /health (never refused) saying draining: true.
     """
+    from twisted.trial.unittest import SynchronousTestCase
+
     from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant
     from rhapsode_worker._model import ModelState
     from rhapsode_worker._routes import WorkerApp
     from rhapsode_worker._schedule import Scheduler
-    from twisted.trial.unittest import SynchronousTestCase
 
     class Quiet(Engine):
         id = "quiet"

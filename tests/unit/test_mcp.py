@@ -31,7 +31,7 @@ from rhapsode._inprocess import InProcessRequest
 from rhapsode._mcp import PROTOCOL_VERSIONS, inline, tool_definitions
 from rhapsode._registry import EngineHandle, Registry
 from rhapsode._router import CoreApp
-from rhapsode_worker import contract
+from rhapsode_protocol import contract
 
 VARIANT = {
     "cues": ["laugh"],

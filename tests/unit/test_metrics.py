@@ -12,6 +12,7 @@ import json
 from typing import Any, Coroutine
 
 from prometheus_client.parser import text_string_to_metric_families
+from test_admission import FakeClient, FakeSupervisor
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock, StringTransport
@@ -21,8 +22,6 @@ from rhapsode._registry import EngineHandle, Registry
 from rhapsode._router import CoreApp
 from rhapsode.client import Overloaded, TruncatedResponse, UnknownEngine
 from rhapsode.testing import FakeEngine, StubRhapsode
-
-from test_admission import FakeClient, FakeSupervisor
 
 CASE = SynchronousTestCase()
 PIECE = b"\x01\x00" * 2400  # 0.1 s of 24 kHz 16-bit mono
@@ -164,7 +163,7 @@ def test_install_jobs_are_counted_by_kind_engine_and_outcome() -> None:
     Each install, reinstall or pull job that ends is counted under its kind, its engine
     and whether it succeeded or failed.
     """
-    from rhapsode_worker.errors import Internal
+    from rhapsode_protocol.errors import Internal
 
     stub = StubRhapsode({"tone": FakeEngine(audio=[PIECE])})
     jobs = stub.core.jobs

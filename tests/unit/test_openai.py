@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 import pytest
+from test_router import CAPABILITIES, FakeClient, FakeSupervisor
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
@@ -17,9 +18,15 @@ from twisted.trial.unittest import SynchronousTestCase
 from rhapsode._openai import openai_envelope, should_retry
 from rhapsode._registry import EngineHandle, Registry
 from rhapsode._router import CoreApp
-from rhapsode_worker.errors import BadRequest, Internal, ModelUnavailable, Overloaded, SpeechError, UnknownEngine, Unsupported
-
-from test_router import CAPABILITIES, FakeClient, FakeSupervisor
+from rhapsode_protocol.errors import (
+    BadRequest,
+    Internal,
+    ModelUnavailable,
+    Overloaded,
+    SpeechError,
+    UnknownEngine,
+    Unsupported,
+)
 
 SPEEDY = copy.deepcopy(CAPABILITIES)
 SPEEDY["variants"]["fast"] = {**SPEEDY["variants"]["expressive"], "dials": {"speed": {"min": 0.5, "max": 2.0, "default": 1.0}}}

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
+from test_catalog_route import app_with, get, record, source, venv
+from test_contract_public import MANAGEMENT
+from test_settings import Harness, _exchange
+from test_state import ThreadedReactor
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
@@ -26,7 +30,7 @@ from rhapsode._jobs import REPLAY_EVENTS, JobContext, JobFailed, Jobs
 from rhapsode._registry import Registry
 from rhapsode._router import CoreApp
 from rhapsode._state import InstalledEngine, StateDatabase, StateStore
-from rhapsode_worker.contract import (
+from rhapsode_protocol.contract import (
     CATALOG,
     CATALOG_ENTRY,
     ENGINE_SUMMARY,
@@ -40,12 +44,7 @@ from rhapsode_worker.contract import (
     public_openapi,
     validate,
 )
-from rhapsode_worker.errors import BadRequest, Internal
-
-from test_catalog_route import app_with, get, record, source, venv
-from test_contract_public import MANAGEMENT
-from test_settings import Harness, _exchange
-from test_state import ThreadedReactor
+from rhapsode_protocol.errors import BadRequest, Internal
 
 # -- the document ------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from twisted.web.test.requesthelper import DummyRequest
 from rhapsode._admission import BufferBudget, Turn, Turnstile
 from rhapsode._relay import BUFFERED_LIMIT, SECONDS_PER_CHARACTER, StreamRelay, buffered_limit
 from rhapsode._upstream.body import BufferRelay, Stalls
-from rhapsode_worker.errors import ModelUnavailable, Overloaded
-from rhapsode_worker.web import write_trailer
+from rhapsode_protocol.errors import ModelUnavailable, Overloaded
+from rhapsode_protocol.http.answers import write_trailer
 
 
 def test_core_trailer_ends_a_chunked_body() -> None:

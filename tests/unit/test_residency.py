@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _deferreds import failure_of, result_of
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
@@ -25,8 +26,7 @@ from rhapsode._residency import (
     Residency,
     iso_utc,
 )
-from rhapsode_worker.errors import BadRequest, Conflict, ModelUnavailable
-from _deferreds import result_of, failure_of
+from rhapsode_protocol.errors import BadRequest, Conflict, ModelUnavailable
 
 #: 2026-09-20T11:04:02.118Z, the moment protocol.md section 3's example was taken.
 EXAMPLE_MOMENT = 1789902242.118

@@ -14,9 +14,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode._router import CoreApp
 from rhapsode._registry import EngineHandle, Registry
-from rhapsode_worker import contract
+from rhapsode._router import CoreApp
+from rhapsode_protocol import contract
 
 CAPABILITIES = {
     "contract": 1,

@@ -14,6 +14,7 @@ from twisted.internet.defer import maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from zope.interface.verify import verifyObject
 
+from rhapsode_protocol import contract
 from rhapsode_worker import (
     DialogueRequest,
     Engine,
@@ -24,12 +25,11 @@ from rhapsode_worker import (
     SpeakRequest,
     Variant,
     Voice,
-    contract,
 )
 from rhapsode_worker._model import ModelState
+from rhapsode_worker._routes import WorkerApp
 from rhapsode_worker._runtime import ContractRefused, Spawn, SpawnError, negotiate
 from rhapsode_worker._schedule import Scheduler
-from rhapsode_worker._routes import WorkerApp
 
 
 class PlainEngine(Engine):
@@ -322,8 +322,8 @@ def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
     from _sockets import FakeSocket
     from twisted.internet.address import IPv4Address
 
+    from rhapsode_protocol.http.site import EagerRequest
     from rhapsode_worker._routes import _AudioResponse
-    from rhapsode_worker.site import EagerRequest
     from rhapsode_worker._schedule import Job
 
     app, _ = make_app(PlainEngine())

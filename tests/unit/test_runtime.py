@@ -19,8 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant
-from rhapsode_worker import _memory, _runtime
+from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, _memory, _runtime
 from rhapsode_worker._runtime import Spawn, _group_members, _run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,11 +267,12 @@ def _global_reactor_uses(path: Path, root: Path) -> list[str]:
 
 def test_the_sdk_never_uses_the_global_reactor() -> None:
     """
-    Nothing in rhapsode_worker imports the global reactor or a helper that runs on it
-    (deferToThread, the global cooperator): everything is given its reactor.  Only
-    react(), the entry point, picks the global one.
+    Nothing in rhapsode_worker or the protocol it serves with imports the global reactor
+    or a helper that runs on it (deferToThread, the global cooperator): everything is
+    given its reactor.  Only react(), the entry point, picks the global one.
     """
-    files = sorted((ROOT / "src" / "rhapsode_worker").rglob("*.py"))
+    files = sorted((ROOT / "sdk" / "src" / "rhapsode_worker").rglob("*.py"))
+    files += sorted((ROOT / "protocol" / "src" / "rhapsode_protocol").rglob("*.py"))
     assert len(files) > 10
     assert [hit for path in files for hit in _global_reactor_uses(path, ROOT)] == []
 

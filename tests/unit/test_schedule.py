@@ -16,8 +16,8 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from zope.interface.verify import verifyObject
 
+from rhapsode_protocol.errors import OutOfMemory
 from rhapsode_worker import Engine, Variant
-from rhapsode_worker.errors import OutOfMemory
 from rhapsode_worker._model import ModelState
 from rhapsode_worker._schedule import Job, Scheduler
 

@@ -14,7 +14,7 @@ from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from rhapsode_worker.site import QUEUE_ATTRIBUTES, DirectSite, send_now
+from rhapsode_protocol.http.site import QUEUE_ATTRIBUTES, DirectSite, send_now
 
 
 def test_a_real_socket_transport_has_what_send_now_reads() -> None:

@@ -131,7 +131,7 @@ def _twisted_chatter() -> None:
     legacy_log.logfile.write('127.0.0.1 - - [01/Jan/2026:00:00:00 +0000] "GET /health HTTP/1.1" 200 2\n')
     Logger(namespace="rhapsode._service.RhapsodeService").info("rhapsode listening on 127.0.0.1:8080")
     # Two of a worker's lines as its supervisor relays them: the worker's namespace, its text.
-    worker = Logger(namespace="rhapsode_worker.site.DirectSite")
+    worker = Logger(namespace="rhapsode_protocol.http.site.DirectSite")
     worker.info("[{engine}] {message}", engine="tone", message="Stopping factory <DirectSite object at 0x7f>")
     worker.info("[{engine}] {message}", engine="tone", message="serving tone on unix:/run/tone.sock")
 

@@ -1,5 +1,5 @@
 """
-The HTTP server both processes listen with (rhapsode_worker.site), fed raw bytes on a
+The HTTP server both processes listen with (rhapsode_protocol.http.site), fed raw bytes on a
 memory transport and a fake clock: every limit on a request's head and body is refused
 in the error envelope before the work it would cost, once, and the route a request is
 admitted on is the one the router will run.
@@ -17,7 +17,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.web.iweb import IRequest
 
-from rhapsode_worker.site import (
+from rhapsode_protocol.http.site import (
     HEAD_SECONDS,
     MAX_HEADER_LINES,
     MAX_REQUEST_LINE,

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rhapsode_worker._split import _sentences, split_text
+from rhapsode_protocol._split import _sentences, split_text
 
 
 def sentences(text: str) -> list[str]:
@@ -312,7 +312,7 @@ def test_the_short_text_path_agrees_with_packing(text: str, limit: int, first_li
     answered without the general packer; for any text and limits the answer is the one
     the packer gives.
     """
-    from rhapsode_worker._split import _pack
+    from rhapsode_protocol._split import _pack
 
     first = limit if first_limit is None else min(first_limit, limit)
     assert split_text(text, limit, first_limit) == _pack(text, limit, first)
@@ -323,7 +323,7 @@ def test_a_short_sentence_takes_the_short_path(monkeypatch: pytest.MonkeyPatch) 
     The short path is taken for one plain sentence (so the agreement test above covers
     it) and not for text holding a tab or a double space.
     """
-    from rhapsode_worker import _split
+    from rhapsode_protocol import _split
 
     calls: list[str] = []
     original = _split._pack
@@ -346,7 +346,7 @@ def test_split_text_is_public_on_the_sdk() -> None:
     docs/writing-an-engine.md says: it is the one the SDK splits with, and in __all__.
     """
     import rhapsode_worker
-    from rhapsode_worker import _split
+    from rhapsode_protocol import _split
 
     assert rhapsode_worker.split_text is _split.split_text
     assert "split_text" in rhapsode_worker.__all__

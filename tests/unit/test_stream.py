@@ -39,7 +39,7 @@ from zope.interface import implementer
 from rhapsode import _stream
 from rhapsode._relay import StreamRelay
 from rhapsode.testing import FakeEngine, StubRhapsode, default_capabilities
-from rhapsode_worker.errors import Overloaded
+from rhapsode_protocol.errors import Overloaded
 
 PATH = "/v1/audio/speech/stream"
 SERVER = IPv4Address("TCP", "127.0.0.1", 8080)

@@ -38,7 +38,7 @@ from rhapsode.client import (
     Unsupported,
 )
 from rhapsode.testing import FakeEngine, StubRhapsode, default_capabilities, fake_voice
-from rhapsode_worker import contract
+from rhapsode_protocol import contract
 
 CASE = SynchronousTestCase()
 

@@ -1,5 +1,5 @@
 """
-Tests for the incremental cutter (rhapsode_worker.text): text that arrives in chunks is
+Tests for the incremental cutter (rhapsode_protocol.text): text that arrives in chunks is
 cut where its whole text would be, on the long-text splitter's rules, and each piece is
 given out as soon as what follows it settles it, not later.
 """
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rhapsode_worker._split import _clauses, _sentences
-from rhapsode_worker.text import GRANULARITIES, TextCutter, cut_text
+from rhapsode_protocol._split import _clauses, _sentences
+from rhapsode_protocol.text import GRANULARITIES, TextCutter, cut_text
 
 # The splitter's own fragments (tests/unit/test_split.py), and a few that arrive mid-word.
 FRAGMENTS = [

@@ -17,7 +17,8 @@ def test_mypy_finds_no_errors(tmp_path: Path) -> None:
     mypy reports no error in src/, engines/*/src and twisted/plugins (strict, except
     calls into untyped third-party code), so an annotation that lies fails the suite.
     """
-    targets = ["src/rhapsode", "src/rhapsode_worker", "twisted/plugins"]
+    targets = ["src/rhapsode", "protocol/src/rhapsode_protocol", "sdk/src/rhapsode_worker"]
+    targets += ["conform/src/rhapsode_conform", "twisted/plugins"]
     targets += sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("engines/*/src"))
     assert len(targets) > 3, "no engine adapters found"
     result = subprocess.run(

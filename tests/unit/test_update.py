@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_settings import Harness
 from treq.testing import StubTreq
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
@@ -46,9 +47,7 @@ from rhapsode._update import (
 )
 from rhapsode.client import BadRequest
 from rhapsode.testing import FakeEngine, StubRhapsode
-from rhapsode_worker.contract import UPDATE_STATUS, public_openapi, validate
-
-from test_settings import Harness
+from rhapsode_protocol.contract import UPDATE_STATUS, public_openapi, validate
 
 CASE = SynchronousTestCase()
 RELEASE = Release("v0.2.0", "https://github.com/maroonedsoftware/rhapsode/releases/tag/v0.2.0")

@@ -19,9 +19,9 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.iweb import UNKNOWN_LENGTH
 
-from rhapsode._upstream.wire import Connection, ProtocolError, encode_request
 from rhapsode._upstream.pool import BytesProducer, WorkerClient
-from rhapsode_worker.errors import ModelUnavailable
+from rhapsode._upstream.wire import Connection, ProtocolError, encode_request
+from rhapsode_protocol.errors import ModelUnavailable
 
 
 class Reader(Protocol):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from rhapsode_protocol.vocab import clean_text, is_speakable
 from rhapsode_worker import ALL_CUES, BadRequest
 from rhapsode_worker._blend import parse_blend
-from rhapsode_worker.vocab import clean_text, is_speakable
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from rhapsode._registry import EngineHandle, Registry
 from rhapsode._watchdog import Watchdog
-from rhapsode_worker.errors import ModelUnavailable
+from rhapsode_protocol.errors import ModelUnavailable
 
 
 class Client:

@@ -18,12 +18,12 @@ from twisted.python.failure import Failure
 from twisted.web._newclient import ResponseFailed
 from twisted.web.client import ResponseDone
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IResponse, UNKNOWN_LENGTH
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from rhapsode._web import WebConfig, admit, make_site
-from rhapsode_worker.errors import Forbidden
+from rhapsode_protocol.errors import Forbidden
 
 LOCAL = {"host": ["127.0.0.1:8090"]}
 

@@ -6,7 +6,8 @@ stopped sending.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol as TypingProtocol
+from typing import Any, Callable
+from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -15,7 +16,7 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 
-from rhapsode_worker.errors import ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import ModelUnavailable, SpeechError
 
 __all__ = ["BodyTooLarge", "BufferRelay", "Stalls", "Watched", "collect", "stalled"]
 

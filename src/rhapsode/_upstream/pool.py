@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_worker.errors import ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import ModelUnavailable, SpeechError
 
 from .body import collect
 from .wire import Connection, WorkerResponse, encode_request

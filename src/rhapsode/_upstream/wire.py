@@ -31,7 +31,7 @@ from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.iweb import UNKNOWN_LENGTH
 from zope.interface import implementer
 
-from rhapsode_worker.site import send_now
+from rhapsode_protocol.http.site import send_now
 
 __all__ = ["Connection", "Headers", "ProtocolError", "WorkerResponse", "encode_request"]
 
@@ -50,7 +50,7 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 #: realtime streams 24.7-26.0 % -> 22.6-23.2 % of a core; the cost is memory, since a
 #: slow listener can hold one larger read in the core: peak RSS for those 2000 streams
 #: 93-94 -> 105-122 MB (the target is 150), and 84-90 MB since writes to clients go to
-#: the kernel as they are made (rhapsode_worker.site.send_now).  It is 64 bytes short of 128 KiB so that a
+#: the kernel as they are made (rhapsode_protocol.http.site.send_now).  It is 64 bytes short of 128 KiB so that a
 #: read relayed with its chunk framing still fits one send (Twisted sends at most 128
 #: KiB at a time; a full 128 KiB read went as a send and then a 2-byte one).  Twisted
 #: also pauses a producer writing to the socket at this size, so a voice upload queues

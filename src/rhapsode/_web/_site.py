@@ -30,7 +30,7 @@ from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, Resp
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IRequest, IResponse
 
-from rhapsode_worker.errors import BadRequest, Forbidden, ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import BadRequest, Forbidden, ModelUnavailable, SpeechError
 
 from .._guard import check_management, check_origin, is_loopback, origin_key
 

@@ -21,7 +21,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .errors import BadRequest, Unsupported
+from rhapsode_protocol.errors import BadRequest, Unsupported
 
 
 @dataclass(frozen=True)

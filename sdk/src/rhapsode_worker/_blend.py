@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import BadRequest
-from .schemas import VOICE_ID_PATTERN
+from rhapsode_protocol.errors import BadRequest
+from rhapsode_protocol.schemas import VOICE_ID_PATTERN
 
 _VOICE_ID = re.compile(VOICE_ID_PATTERN)
 

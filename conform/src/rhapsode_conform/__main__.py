@@ -1,11 +1,11 @@
 """
-The conformance checker, as a command: C{python -m rhapsode_worker.conform TARGET} (or
+The conformance checker, as a command: C{python -m rhapsode_conform TARGET} (or
 C{rhapsode-conform TARGET}) runs the worker rules against a running worker and prints one
 line per check, then a summary.
 
 TARGET is a Unix socket path (C{/x/y.sock} or C{unix:/x/y.sock}) or C{http://host:port}.
 Exit status: 0 when nothing failed, 1 when something did, 2 when nothing answers at the
-target.  The implementation is L{rhapsode_worker._conform}.
+target.  The implementation is L{rhapsode_conform._checks}.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ._conform import (
+from ._checks import (
     CHECKS,
     DEFAULT_TIMEOUT,
     Outcome,

@@ -13,7 +13,7 @@ from typing import IO
 from werkzeug.http import parse_options_header
 from werkzeug.sansio.multipart import Data, Field, File, MultipartDecoder, NeedData, State
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 #: The most parts a form may have.  A create has five known fields at most; the rest of
 #: the room is for a client that sends one it should not, to be refused by name.

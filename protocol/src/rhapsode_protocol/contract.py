@@ -1,11 +1,11 @@
 """
 The contract of Rhapsode in one place (protocol.md sections 3 to 9): the request and
-response shapes (L{rhapsode_worker.schemas}), the validator that holds requests to them
-(L{rhapsode_worker.validation}) and the OpenAPI documents built from them
-(L{rhapsode_worker.openapi}).  The spec makes the SDK the owner of the contract; the
+response shapes (L{rhapsode_protocol.schemas}), the validator that holds requests to them
+(L{rhapsode_protocol.validation}) and the OpenAPI documents built from them
+(L{rhapsode_protocol.openapi}).  The spec makes the SDK the owner of the contract; the
 core reads it through this module and its three parts.
 
-C{python -m rhapsode_worker.contract} prints the worker protocol's document; C{make
+C{python -m rhapsode_protocol.contract} prints the worker protocol's document; C{make
 openapi} writes it to C{docs/openapi.worker.yaml}.
 """
 
@@ -16,13 +16,6 @@ import sys
 from ._yaml import dump_yaml
 from .openapi import public_openapi, worker_openapi
 from .schemas import (
-    LANGUAGE_PATTERN,
-    MAX_KEEP_ALIVE_SECONDS,
-    MAX_NAME_CHARACTERS,
-    MAX_PARAMS,
-    MAX_SEED,
-    MAX_TEXT_CHARACTERS,
-    MAX_TURNS,
     CAPABILITIES,
     CATALOG,
     CATALOG_ENTRY,
@@ -34,15 +27,22 @@ from .schemas import (
     ENGINE_STATE,
     ENGINE_SUMMARY,
     ERROR,
-    FETCH_REQUEST,
     FEED_EVENT,
+    FETCH_REQUEST,
     FETCH_RESPONSE,
     HEALTH,
     INSTALL_JOB,
     INSTALL_JOB_LIST,
     JOB_STEPS,
+    LANGUAGE_PATTERN,
     LICENSE,
     LOAD_REQUEST,
+    MAX_KEEP_ALIVE_SECONDS,
+    MAX_NAME_CHARACTERS,
+    MAX_PARAMS,
+    MAX_SEED,
+    MAX_TEXT_CHARACTERS,
+    MAX_TURNS,
     MEDIA_TYPES,
     NATIVE_FORMAT,
     OUTDATED_REINSTALLS,
@@ -51,15 +51,14 @@ from .schemas import (
     PUBLIC_SPEAK_REQUEST,
     PULL_REQUEST,
     RESIDENCY,
-    UPDATE_STATUS,
     RESIDENCY_SUMMARY,
     RESIDENT_MODEL,
     SETTING_FIELD,
     SETTINGS,
     SETTINGS_PATCH,
     SPEAK_REQUEST,
-    Schema,
     TERMINATE_RESPONSE,
+    UPDATE_STATUS,
     VARIANT_CAPS,
     VARIANT_NAME_PATTERN,
     VOICE,
@@ -67,6 +66,7 @@ from .schemas import (
     VOICE_DELETED,
     VOICE_ID_PATTERN,
     VOICE_LIST,
+    Schema,
 )
 from .validation import check_voice_id, choose_language, parse_json_body, validate
 
@@ -134,7 +134,7 @@ __all__ = [
 
 def main() -> None:
     """Print the worker protocol's OpenAPI document as YAML."""
-    from rhapsode_worker import __version__
+    from . import __version__
 
     sys.stdout.write(dump_yaml(worker_openapi(__version__)))
 

@@ -2,7 +2,7 @@
 Text cut as it arrives: a stream of text (a language model's tokens, a transcript) given
 out a sentence, or a clause, at a time, each as soon as it is certain to be one.
 
-The boundaries are the SDK's long-text splitter's (L{rhapsode_worker.split_text},
+The boundaries are the SDK's long-text splitter's (L{split_text},
 protocol.md section 8), read from the same rules rather than copied: abbreviations,
 initials, decimals and "Wait... what?" stay whole, marks that need no space (CJK,
 Devanagari, Arabic) end a sentence at once, and closing quotes and brackets stay with what
@@ -17,9 +17,9 @@ whole of it.
 
 from __future__ import annotations
 
-from ._split import _clauses, _sentence_spans, _undecided_from
+from ._split import _clauses, _sentence_spans, _undecided_from, split_text
 
-__all__ = ["GRANULARITIES", "TextCutter", "cut_text"]
+__all__ = ["GRANULARITIES", "TextCutter", "cut_text", "split_text"]
 
 #: What a piece is: the whole text until a flush, a sentence, or a clause of one.
 GRANULARITIES = ("none", "sentence", "clause")

@@ -16,10 +16,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
-from ._form import read_form
-from .errors import BadRequest, SpeechError, as_speech_error
+from ..errors import BadRequest, SpeechError, as_speech_error
+from ..validation import parse_json_body
+from .form import read_form
 from .site import no_such_path, wrong_method
-from .validation import parse_json_body
 
 __all__ = [
     "DURATION_HEADER",

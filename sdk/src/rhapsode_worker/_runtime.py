@@ -20,8 +20,8 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from functools import partial
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, NoReturn, Sequence
 
@@ -31,23 +31,31 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
+    Logger,
     LogLevel,
     LogLevelFilterPredicate,
-    Logger,
     formatEvent,
     globalLogBeginner,
 )
 from twisted.python.threadpool import ThreadPool
 from zope.interface import provider
 
+from rhapsode_protocol.schemas import CONTRACT_VERSIONS
+from rhapsode_protocol.spawn import (
+    CONTRACT_VARIABLE,
+    ENGINE_VARIABLE,
+    LISTEN_VARIABLE,
+    LOG_LEVEL_VARIABLE,
+    VOICE_DIR_VARIABLE,
+)
+
 from . import _memory
 from ._encode import available_formats, find_ffmpeg
 from ._engine import IEngine
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
-from ._schedule import Scheduler
 from ._routes import WorkerApp
-from .schemas import CONTRACT_VERSIONS
+from ._schedule import Scheduler
 
 BACKLOG = 2048
 _EXIT_REFUSED = 3
@@ -78,11 +86,11 @@ class Spawn:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], engine: IEngine) -> "Spawn":
-        listen = environ.get("RHAPSODE_WORKER_LISTEN", "tcp:127.0.0.1:0")
+        listen = environ.get(LISTEN_VARIABLE, "tcp:127.0.0.1:0")
         if not (listen.startswith("unix:") or listen.startswith("tcp:")):
             raise SpawnError(f"RHAPSODE_WORKER_LISTEN must be unix:PATH or tcp:HOST:PORT, not {listen!r}")
-        name = environ.get("RHAPSODE_WORKER_ENGINE") or engine.id
-        raw = environ.get("RHAPSODE_WORKER_CONTRACT", str(max(CONTRACT_VERSIONS)))
+        name = environ.get(ENGINE_VARIABLE) or engine.id
+        raw = environ.get(CONTRACT_VARIABLE, str(max(CONTRACT_VERSIONS)))
         try:
             offer = int(raw)
         except ValueError:
@@ -91,7 +99,7 @@ class Spawn:
         default_dir = Path(
             environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         ) / "rhapsode" / "voices" / name
-        voice_dir = Path(environ.get("RHAPSODE_WORKER_VOICE_DIR") or default_dir)
+        voice_dir = Path(environ.get(VOICE_DIR_VARIABLE) or default_dir)
         return cls(listen=listen, engine=name, contract=chosen, voice_dir=voice_dir)
 
 
@@ -184,7 +192,7 @@ class _Connections:
     """
     The worker site's open connections, so a drain can close every one gracefully: a
     response written but still in a send buffer is flushed, not cut off by the process
-    exiting.  The site's connections report themselves (L{rhapsode_worker.site.EagerChannel});
+    exiting.  The site's connections report themselves (L{rhapsode_protocol.http.site.EagerChannel});
     wrapping each connection in a protocol wrapper to learn the same put a layer of
     attribute look-ups under every write.
     """
@@ -451,8 +459,8 @@ def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn
     """
     process = _Process(os.getppid())
     environ = os.environ if environ is None else environ
-    name = environ.get("RHAPSODE_WORKER_ENGINE") or str(getattr(engine, "id", "") or "")
-    level = LogLevel.levelWithName(environ.get("RHAPSODE_WORKER_LOG_LEVEL", "info"))
+    name = environ.get(ENGINE_VARIABLE) or str(getattr(engine, "id", "") or "")
+    level = LogLevel.levelWithName(environ.get(LOG_LEVEL_VARIABLE, "info"))
     observer = FilteringLogObserver(
         _json_observer(sys.stderr, name), [LogLevelFilterPredicate(defaultLogLevel=level)]
     )

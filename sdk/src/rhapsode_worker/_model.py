@@ -17,9 +17,10 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from rhapsode_protocol.errors import SpeechError, as_speech_error
+
 from . import _memory
 from ._engine import IEngine
-from .errors import SpeechError, as_speech_error
 
 UNLOADED = "unloaded"
 LOADING = "loading"

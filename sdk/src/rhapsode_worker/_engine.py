@@ -20,8 +20,9 @@ from typing import Iterator, Mapping, Sequence
 
 from zope.interface import Attribute, Interface, implementer
 
-from .errors import Unsupported
-from .vocab import ALL_CUES, ALL_DELIVERIES
+from rhapsode_protocol.errors import Unsupported
+from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES
+
 
 @dataclass(frozen=True)
 class Dial:

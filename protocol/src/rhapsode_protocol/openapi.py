@@ -1,5 +1,5 @@
 """
-The OpenAPI 3.1 documents generated from the shapes in L{rhapsode_worker.schemas}: the
+The OpenAPI 3.1 documents generated from the shapes in L{rhapsode_protocol.schemas}: the
 worker protocol's (C{make openapi} writes it to C{docs/openapi.worker.yaml}) and the
 public API's, which the core serves as C{GET /openapi.json} and which holds no worker
 route.  Each takes the version to describe, so nothing here reaches up to a package.

@@ -19,9 +19,9 @@ from __future__ import annotations
 import enum
 import os
 import shutil
-import tempfile
 import struct
 import subprocess
+import tempfile
 from functools import lru_cache
 from typing import Any, Callable, Protocol, cast
 
@@ -34,9 +34,10 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from rhapsode_protocol.errors import Internal, Unsupported
+from rhapsode_protocol.schemas import MEDIA_TYPES
+
 from ._engine import NativeFormat
-from .errors import Internal, Unsupported
-from .schemas import MEDIA_TYPES
 
 FORMATS: tuple[str, ...] = tuple(MEDIA_TYPES)
 

@@ -21,7 +21,7 @@ Boundaries, in brief:
     ellipsis or ?/! that did not end a sentence; the em dash and CJK 、，；： anywhere.
 
 Pure Python and free of state: the same text and limits always give the same pieces.  The
-incremental cutter of text that arrives in pieces (L{rhapsode_worker.text}) reads the same
+incremental cutter of text that arrives in pieces (L{rhapsode_protocol.text}) reads the same
 rules through L{_sentence_spans}, L{_clauses} and L{_undecided_from}, so a stream is cut
 where its whole text would have been.
 """

@@ -3,31 +3,15 @@ The Rhapsode worker SDK: write one class, call L{serve}, and the SDK speaks the 
 
 This module is the engine author's face; an ONNX adapter builds its sessions with
 L{BudgetedSession}, which shares the cores the core gives its workers (L{_threads}).
-The SDK also owns what the core and the workers share, each a public module of its
-own: the error taxonomy (L{errors}), the vocabulary (L{vocab}), the contract
-(L{contract}: L{schemas}, L{validation}, L{openapi}) and the HTTP helpers both
-processes serve with (L{web}, L{site}).
+What the core and the workers share (the error taxonomy, the vocabulary, the contract,
+the HTTP server both listen with) is the protocol's (C{rhapsode_protocol}), which this
+SDK builds on; the errors an adapter raises are re-exported here.
 """
 
 from typing import Mapping, NoReturn
 
-from ._arrays import FloatArray, read_npy, read_pt, read_voicepack
-from ._engine import (
-    DialogueRequest,
-    Dial,
-    Engine,
-    IEngine,
-    License,
-    NativeFormat,
-    Reference,
-    SpeakRequest,
-    Turn,
-    Variant,
-    Voice,
-)
-from ._split import split_text
-from ._threads import CORE_DIR_VARIABLE, CORES_VARIABLE, BudgetedSession, CoreGate, core_budget, machine_cores
-from .errors import (
+from rhapsode_protocol import __version__
+from rhapsode_protocol.errors import (
     BadRequest,
     Conflict,
     Forbidden,
@@ -40,9 +24,25 @@ from .errors import (
     UnknownVoice,
     Unsupported,
 )
-from .vocab import ALL_CUES, ALL_DELIVERIES, clean_text
+from rhapsode_protocol.spawn import CORE_DIR_VARIABLE, CORES_VARIABLE, machine_cores
+from rhapsode_protocol.text import split_text
+from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES, clean_text
 
-__version__ = "0.1.0"
+from ._arrays import FloatArray, read_npy, read_pt, read_voicepack
+from ._engine import (
+    Dial,
+    DialogueRequest,
+    Engine,
+    IEngine,
+    License,
+    NativeFormat,
+    Reference,
+    SpeakRequest,
+    Turn,
+    Variant,
+    Voice,
+)
+from ._threads import BudgetedSession, CoreGate, core_budget
 
 
 def serve(engine: IEngine, environ: "Mapping[str, str] | None" = None) -> "NoReturn":

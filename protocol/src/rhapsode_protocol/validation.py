@@ -1,5 +1,5 @@
 """
-Checking a request against its shape (L{rhapsode_worker.schemas}): a small JSON Schema
+Checking a request against its shape (L{rhapsode_protocol.schemas}): a small JSON Schema
 validator whose refusals are C{bad_request} envelopes naming the field, the JSON body
 reader that refuses what JSON does not allow, and the voice id rule.
 

@@ -23,6 +23,7 @@ import io
 import json
 import math
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,9 +36,9 @@ from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from . import contract
-from .vocab import ALL_CUES
-from .errors import ERROR_TABLE, SpeechError
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import ERROR_TABLE, SpeechError
+from rhapsode_protocol.vocab import ALL_CUES
 
 #: Seconds one probe may take, from its first request to its last byte: generous, since
 #: the first request of a run may load a model.
@@ -1524,6 +1525,22 @@ def _restore(ctx: Context, health: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _ffmpeg() -> str | None:
+    """
+    The ffmpeg that decodes what a worker encoded: one on PATH, else imageio-ffmpeg's.
+    """
+    found = shutil.which("ffmpeg")
+    if found is None:
+        # Imported here, so that importing the checker (for --help, say) stays light.
+        import imageio_ffmpeg
+
+        try:
+            found = str(imageio_ffmpeg.get_ffmpeg_exe())
+        except RuntimeError:
+            return None
+    return found
+
+
 def run_checks(
     target: str,
     *,
@@ -1541,11 +1558,7 @@ def run_checks(
     parsed = parse_target(target)
     client = Client(parsed, timeout)
     health = _first_contact(client)
-    # Imported here: _encode brings Twisted's Deferred machinery with it, which the
-    # checker itself never uses, so importing the checker (for --help, say) stays light.
-    from ._encode import find_ffmpeg
-
-    ctx = Context(client, find_ffmpeg())
+    ctx = Context(client, _ffmpeg())
     report = Report()
     try:
         for name, check in CHECKS:

@@ -21,10 +21,31 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from . import _memory, contract
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import (
+    BadRequest,
+    SpeechError,
+    UnknownVoice,
+    Unsupported,
+)
+from rhapsode_protocol.http.answers import (
+    DURATION_HEADER,
+    abort_connection,
+    answer,
+    json_response,
+    no_route,
+    read_json,
+    write_trailer,
+)
+from rhapsode_protocol.http.form import read_form
+from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
+from rhapsode_protocol.text import split_text
+from rhapsode_protocol.validation import choose_language
+from rhapsode_protocol.vocab import clean_text, is_speakable
+
+from . import _memory
 from ._blend import parse_blend
 from ._encode import Blocking, content_type, make_encoder
-from ._form import read_form
 from ._engine import (
     Dial,
     DialogueRequest,
@@ -36,31 +57,12 @@ from ._engine import (
     Voice,
     overrides,
 )
-from .errors import (
-    BadRequest,
-    SpeechError,
-    UnknownVoice,
-    Unsupported,
-)
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
-from ._split import split_text
-from .site import DirectSite, HandlerResource, Routes
-from .validation import choose_language
-from .vocab import clean_text, is_speakable
-from .web import (
-    DURATION_HEADER,
-    abort_connection,
-    answer,
-    json_response,
-    no_route,
-    read_json,
-    write_trailer,
-)
 
 #: A voice upload's cap (protocol.md section 7), refused at the head when declared and
-#: as it arrives when chunked (rhapsode_worker.site).
+#: as it arrives when chunked (rhapsode_protocol.http.site).
 MAX_UPLOAD_BYTES = 25 * 1000 * 1000
 #: A JSON body: a speak request is at most a few kilobytes.
 MAX_JSON_BYTES = 1024 * 1024

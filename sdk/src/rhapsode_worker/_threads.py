@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-CORES_VARIABLE = "RHAPSODE_WORKER_CORES"
-CORE_DIR_VARIABLE = "RHAPSODE_WORKER_CORE_DIR"
+from rhapsode_protocol.spawn import CORE_DIR_VARIABLE, CORES_VARIABLE, machine_cores
+
 ONNX_CACHE_VARIABLE = "RHAPSODE_WORKER_ONNX_CACHE"
 
 #: How often a run that found every core taken by another worker looks again; a run
@@ -64,16 +64,6 @@ _POLL_SECONDS = 0.01
 #: requests that arrive together reach the gate milliseconds apart, and the work thrown
 #: away is at most this long on every core.
 CUT_SECONDS = 0.1
-
-
-def machine_cores() -> int:
-    """
-    The cores this process may run on (its CPU affinity), at least one.
-    """
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def core_budget(environ: Mapping[str, str]) -> int:

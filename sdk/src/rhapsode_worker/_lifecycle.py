@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .errors import Overloaded
+from rhapsode_protocol.errors import Overloaded
 
 
 @dataclass(frozen=True)

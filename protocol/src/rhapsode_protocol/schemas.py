@@ -3,8 +3,8 @@ The request and response shapes of Rhapsode (protocol.md sections 3 to 9), one c
 each, as JSON Schema (the 2020-12 subset OpenAPI 3.1 uses) held in plain dicts.
 
 The public request shapes extend the worker's rather than repeating them.  The SDK and
-the core check bodies against these with L{rhapsode_worker.validation}, and
-L{rhapsode_worker.openapi} builds both OpenAPI documents from the same dicts, so what is
+the core check bodies against these with L{rhapsode_protocol.validation}, and
+L{rhapsode_protocol.openapi} builds both OpenAPI documents from the same dicts, so what is
 documented is what is enforced.  Standard library only: the core imports it.
 """
 

@@ -40,7 +40,7 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 from werkzeug.routing import Map, RequestRedirect
 
-from .errors import BadRequest, SpeechError
+from ..errors import BadRequest, SpeechError
 
 __all__ = [
     "DEFAULT_BODY_LIMIT",
