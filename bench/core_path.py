@@ -26,10 +26,9 @@ from twisted.internet.abstract import FileDescriptor
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock
 
-from rhapsode._router import CoreApp
-from rhapsode._config import Config
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._config import ConfigSettings
+from rhapsode._config import Config, ConfigSettings
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import build_core
 from rhapsode._upstream.pool import WorkerClient
 
 CAPABILITIES = {
@@ -79,7 +78,7 @@ def main() -> None:
     handle._capabilities = {k: v for k, v in CAPABILITIES.items() if k != "current"}
     config = Config()
     # As the service does: settings read from the config it loaded.
-    app = CoreApp(Registry({"tone": handle}), reactor=reactor, settings=ConfigSettings(lambda: config))
+    app = build_core(Registry({"tone": handle}), reactor=reactor, settings=ConfigSettings(lambda: config))
     site = app.site(access_log=False)
     client = Socket(reactor)
     channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))

@@ -43,9 +43,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from twisted.internet.defer import Deferred, succeed
-
 from _common import KeptAlive, free_port, percentile, request_bytes, tcp, wait_listening
+from twisted.internet.defer import Deferred, succeed
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = "espeak"
@@ -105,10 +104,10 @@ async def install_once(reactor: Any, tmp: Path, uv: str | None) -> dict[str, Any
     One install of espeak into a fresh venvDir; its wall time and steps.
     """
     from rhapsode import __version__
-    from rhapsode._catalog import Catalog, read_source
-    from rhapsode._installer import Commands, Installer
-    from rhapsode._jobs import Jobs
-    from rhapsode._state import StateDatabase, StateStore
+    from rhapsode._fleet.catalog import Catalog, read_source
+    from rhapsode._manage.installer import Commands, Installer
+    from rhapsode._manage.jobs import Jobs
+    from rhapsode._manage.state import StateDatabase, StateStore
 
     work = Path(tempfile.mkdtemp(dir=tmp))
     store = StateStore.open(work / "rhapsode.db", __version__)
@@ -149,7 +148,7 @@ async def install_once(reactor: Any, tmp: Path, uv: str | None) -> dict[str, Any
 
 
 async def install_figures(reactor: Any, tmp: Path, rounds: int) -> None:
-    from rhapsode._installer import find_uv
+    from rhapsode._manage.installer import find_uv
 
     uv = find_uv()
     if uv is None:
@@ -203,8 +202,8 @@ async def child_figures(reactor: Any) -> list[float]:
     """
     Each of the child's lines: from its print to its event being appended.
     """
-    from rhapsode._installer import Commands
-    from rhapsode._jobs import EventLog, JobContext, Jobs
+    from rhapsode._manage.installer import Commands
+    from rhapsode._manage.jobs import EventLog, JobContext, Jobs
 
     arrivals: list[tuple[float, str]] = []
     original = EventLog.append

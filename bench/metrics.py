@@ -16,9 +16,9 @@ from typing import Any
 from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 
-from rhapsode._metrics import ROUTES
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import CoreApp
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import build_core
+from rhapsode._speech.metrics import ROUTES
 
 ENGINES = 20
 
@@ -47,7 +47,7 @@ class Up:
 def populate(routes: Any, codes: Any) -> tuple[Any, Clock]:
     clock = Clock()
     handles = {f"engine{i:02d}": EngineHandle(f"engine{i:02d}", Idle(), Up()) for i in range(ENGINES)}  # type: ignore[arg-type]
-    app = CoreApp(Registry(handles), reactor=clock)
+    app = build_core(Registry(handles), reactor=clock)
     metrics = app.metrics
     for engine in handles:
         metrics.load_started(engine, "default")

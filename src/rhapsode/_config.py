@@ -18,21 +18,65 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlparse, urlsplit
 
 from zope.interface import implementer
 
 from rhapsode_protocol.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
 
-from ._catalog import default_source_dir
 from ._guard import origin_key
-from ._residency import IResidencySettings
-from ._update import RELEASES_URL
+from ._interfaces import IAdmissionSettings, IResidencySettings
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
+
+
+#: The core's own distribution: installed from a checkout, that checkout's protocol/
+#: and sdk/ folders are what an engine's virtualenv is given.
+CORE_DISTRIBUTION = "rhapsode"
+#: The repository's latest release, by GitHub's definition: neither a draft nor a prerelease.
+RELEASES_URL = "https://api.github.com/repos/maroonedsoftware/rhapsode/releases/latest"
+
+
+def source_of(dist: Any) -> Path | None:
+    """
+    The folder a distribution was installed from, where its metadata says (a C{pip
+    install PATH} or an editable install); None for one from an index.
+    """
+    direct = dist.read_text("direct_url.json")
+    if not direct:
+        return None
+    try:
+        url = json.loads(direct).get("url", "")
+    except (ValueError, AttributeError):
+        return None
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return None
+    return Path(unquote(parsed.path))
+
+
+@lru_cache(maxsize=1)
+def default_source_dir() -> Path | None:
+    """
+    The C{engines} folder of the checkout this core runs from, where it runs from one:
+    the folder its distribution was installed from (an editable install, or C{pip
+    install PATH}) when that holds an C{engines} folder.  None for a core installed
+    from an index, which ships no engine sources.  Worked out once per process:
+    every L{rhapsode._config.Config} made asks.
+    """
+    try:
+        dist = metadata.distribution(CORE_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+    source = source_of(dist)
+    if source is None or not (source / "engines").is_dir():
+        return None
+    return source / "engines"
 
 
 class ConfigError(Exception):
@@ -429,7 +473,7 @@ def _engines(value: Any, where: str, base: Path) -> Mapping[str, EngineConfig]:
 
 
 #: Each section of the file: its dataclass and the check of each of its keys, by the
-#: key's name in the file.  The settings API (L{rhapsode._settings}) checks a value
+#: key's name in the file.  The settings API (L{rhapsode._manage.settings}) checks a value
 #: written through it with these same checks.
 SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyType({
     "server": (
@@ -559,7 +603,7 @@ def config_source(config: Config) -> ConfigSource | None:
     return source if isinstance(source, ConfigSource) else None
 
 
-@implementer(IResidencySettings)
+@implementer(IResidencySettings, IAdmissionSettings)
 class ConfigSettings:
     """
     Residency and admission settings read from whatever config C{current} answers at
@@ -582,7 +626,7 @@ class ConfigSettings:
         config = self._current().engines.get(engine)
         return None if config is None else config.keep_alive_seconds
 
-    # The admission limits (rhapsode._admission.IAdmissionSettings).
+    # The admission limits (rhapsode._http.site.IAdmissionSettings).
 
     def concurrent_per_engine(self, engine: str) -> int:
         config = self._current()

@@ -3,7 +3,10 @@ The core as a Twisted service: build the registry from a config, listen, and sto
 worker when the service stops.
 
 It is what C{twistd rhapsode} runs and what a Twisted program adds to its application
-to embed the core as a library.
+to embed the core as a library.  It is also the composition root: L{build_core} is the
+one place that constructs the parts of the wings (fleet, speech, the public port, the
+doors, management) and wires each to its collaborators, as interfaces where a seam
+stands (L{rhapsode._interfaces}); no other constructor builds a collaborator.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
@@ -28,22 +31,36 @@ from twisted.logger import (
 from twisted.python.failure import Failure
 
 from rhapsode_protocol.contract import CONTRACT_VERSIONS
+from rhapsode_protocol.errors import refusal
+from rhapsode_protocol.http.answers import InFlight
+from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, Routes
 
 from . import __version__
-from ._catalog import Catalog, read_catalog, read_source
-from ._config import Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry
-from ._installer import Commands, Installer, find_uv
-from ._jobs import JobContext
-from ._registry import EngineHandle, Registry
-from ._relay import refusal
-from ._residency import Residency
-from ._router import CoreApp
-from ._settings import Settings
-from ._state import FILE_NAME, StateDatabase, StateError, StateStore
-from ._supervisor import WorkerSupervisor, core_budget_env, prestart
-from ._update import checker_for
-from ._upstream import WorkerClient
-from ._watchdog import Watchdog
+from ._config import RELEASES_URL, Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry
+from ._doors.mcp import McpServer
+from ._doors.openai import OpenAIShim
+from ._doors.stream import SpeechStreams
+from ._fleet.catalog import Catalog, read_catalog, read_source
+from ._fleet.registry import EngineHandle, Registry
+from ._fleet.residency import Residency
+from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
+from ._fleet.watchdog import Watchdog
+from ._http.router import CoreApp
+from ._http.site import CoreSite, core_site
+from ._http.table import ROUTES, klein_app
+from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
+from ._manage.installer import Commands, Installer, find_uv
+from ._manage.jobs import JobContext, Jobs
+from ._manage.routes import ManagementRoutes
+from ._manage.settings import Settings
+from ._manage.state import FILE_NAME, StateDatabase, StateError, StateStore
+from ._manage.update import UpdateChecker, checker_for
+from ._speech.limits import BufferBudget, Turnstile
+from ._speech.metrics import Metrics
+from ._speech.relay import SpeechRelay
+from ._speech.service import SpeechService
+from ._speech.translate import OpenAITranslation
+from ._upstream import Stalls, WorkerClient
 
 _T = TypeVar("_T")
 
@@ -65,6 +82,213 @@ def _reactor(reactor: Any) -> Any:
 
         return default
     return reactor
+
+
+class Core:
+    """
+    The core's parts, wired by L{build_core}: what the service listens with and closes,
+    and what a test or an embedding program reaches into.
+
+    @ivar router: the native public routes (L{CoreApp}), which also serve the public
+        reads (L{rhapsode._interfaces.IPublicRoutes}).
+    @ivar speech: the speech service (L{rhapsode._interfaces.ISpeech}).
+    @ivar relay: the speech relay under it; C{budget} is its buffer budget.
+    @ivar manage: the management routes, with the installer, the settings and the
+        update check they serve.
+    """
+
+    def __init__(
+        self,
+        *,
+        reactor: Any,
+        registry: Registry,
+        residency: Residency,
+        relay: SpeechRelay,
+        speech: SpeechService,
+        metrics: Metrics,
+        requests: InFlight,
+        router: CoreApp,
+        openai: OpenAIShim,
+        mcp: McpServer,
+        streams: SpeechStreams,
+        manage: ManagementRoutes,
+        jobs: Jobs,
+        catalog: Catalog,
+        site_options: Mapping[str, Any],
+        metrics_public: bool,
+    ) -> None:
+        self.reactor = reactor
+        self.registry = registry
+        self.residency = residency
+        self.relay = relay
+        self.budget: BufferBudget = relay.budget
+        self.speech = speech
+        self.metrics = metrics
+        self.requests = requests
+        self.router = router
+        self.openai = openai
+        self.mcp = mcp
+        self.streams = streams
+        self.manage = manage
+        self.jobs = jobs
+        self.catalog = catalog
+        self._site_options = dict(site_options)
+        self._metrics_public = metrics_public
+        handlers = {
+            **router.handlers(),
+            **openai.handlers(),
+            **mcp.handlers(),
+            **streams.handlers(),
+            **manage.handlers(),
+        }
+        self._handlers = handlers
+        self.klein = klein_app(handlers, ROUTES)
+
+    @property
+    def installer(self) -> Installer | None:
+        return self.manage.installer
+
+    @property
+    def updates(self) -> UpdateChecker:
+        return self.manage.updates
+
+    @updates.setter
+    def updates(self, checker: UpdateChecker) -> None:
+        self.manage.updates = checker
+
+    def resource(self) -> Any:
+        return self.klein.resource()
+
+    def site(self, access_log: bool = True) -> CoreSite:
+        """
+        The site to listen with: its requests are guarded and stripped at their headers.
+        Without C{access_log} no access line is even formatted (a log level above info).
+        """
+        routes = Routes(self.klein.url_map, {spec.key: spec.body for spec in ROUTES})
+        return core_site(
+            self.resource(),
+            routes,
+            self._handlers,
+            specs=ROUTES,
+            metrics_public=self._metrics_public,
+            log=CoreApp.log,
+            access_log=access_log,
+            reactor=self.reactor,
+            start_upload=self.router.start_upload,
+            **self._site_options,
+        )
+
+    def close(self) -> None:
+        """
+        Shutting down: stop keep-alive timers and any measurement still in flight.
+        """
+        self.streams.close()
+        self.relay.close()
+        self.residency.close()
+
+
+def build_core(
+    registry: Registry,
+    *,
+    reactor: Any,
+    contract_version: int = 1,
+    management_token: str | None = None,
+    management_origins: Sequence[str] = (),
+    cors_origins: Sequence[str] = (),
+    metrics_public: bool = False,
+    settings: IResidencySettings | None = None,
+    residency: Residency | None = None,
+    admission: IAdmissionSettings | None = None,
+    stall_seconds: float = 120.0,
+    head_timeout: float = HEAD_SECONDS,
+    idle_timeout: float = IDLE_SECONDS,
+    catalog: Catalog | None = None,
+    settings_api: Settings | None = None,
+    installer: Callable[[Jobs], Installer] | None = None,
+    updates: UpdateChecker | None = None,
+    version: str = __version__,
+) -> Core:
+    """
+    Build and wire every part of one core over C{registry}.
+
+    @param residency: the residency manager; without one, a manager over C{registry}
+        reading C{settings}, or the defaults.
+    @param admission: the limits on speech at once and buffered audio held; without
+        them, C{settings} where it answers for admission too, else the defaults.
+    @param stall_seconds: how long a worker may send nothing while answering.
+    @param head_timeout: how long a request's head may take from its first byte.
+    @param idle_timeout: how long a connection may send nothing.
+    @param metrics_public: whether C{/metrics} answers everybody; otherwise it is
+        guarded as the management routes are (it names engines and sizes).
+    @param catalog: the catalog records and each engine's C{workerVersion}, read when
+        the engines were declared; without one, C{GET /catalog} lists nothing and no
+        summary carries a version.
+    @param cors_origins: the browser origins, beside this machine's, whose pages may
+        call the public speech and discovery routes (C{cors.origins}).
+    @param installer: makes the installer over the core's jobs; without one every
+        install route answers unsupported.
+    @param updates: the update check; by default GitHub's on this reactor, on unless
+        the environment turned it off.
+    """
+    catalog = catalog if catalog is not None else Catalog((), version)
+    # The defaults, built once: a Config works out its default paths when made.
+    default = Config()
+    defaults = ConfigSettings(lambda: default)
+    if residency is None:
+        residency = Residency(
+            clock=reactor,
+            settings=settings or defaults,
+            terminate=lambda engine: registry.get(engine).terminate(),
+            unload=lambda engine: registry.get(engine).unload(),
+        )
+    if admission is None:
+        admission = settings if IAdmissionSettings.providedBy(settings) else defaults
+    assert admission is not None
+    requests = InFlight()
+    turnstile = Turnstile(reactor, admission)
+    relay = SpeechRelay(residency, turnstile, BufferBudget(admission), Stalls(reactor, stall_seconds))
+    metrics = Metrics(reactor, registry, residency, turnstile, requests)
+    residency.observer = metrics
+    speech = SpeechService(registry, residency, relay, metrics)
+    translation = OpenAITranslation(registry, speech)
+    router = CoreApp(
+        registry=registry, residency=residency, speech=speech, catalog=catalog, metrics=metrics,
+        requests=requests, version=version, contract_version=contract_version, metrics_public=metrics_public,
+    )
+    jobs = Jobs(reactor)
+    jobs.on_finished = metrics.job_finished
+    if updates is None:
+        updates = checker_for(reactor, version, RELEASES_URL, lambda: True)
+    manage = ManagementRoutes(
+        jobs=jobs, updates=updates, requests=requests, settings=settings_api,
+        installer=installer(jobs) if installer is not None else None,
+    )
+    return Core(
+        reactor=reactor,
+        registry=registry,
+        residency=residency,
+        relay=relay,
+        speech=speech,
+        metrics=metrics,
+        requests=requests,
+        router=router,
+        openai=OpenAIShim(
+            registry=registry, speech=speech, routes=router, translation=translation, requests=requests, clock=reactor
+        ),
+        mcp=McpServer(routes=router, speech=speech, version=version),
+        streams=SpeechStreams(speech=speech, translation=translation, registry=registry, clock=reactor),
+        manage=manage,
+        jobs=jobs,
+        catalog=catalog,
+        site_options={
+            "timeout": idle_timeout,
+            "head_timeout": head_timeout,
+            "management_token": management_token,
+            "management_origins": tuple(management_origins),
+            "cors_origins": tuple(cors_origins),
+        },
+        metrics_public=metrics_public,
+    )
 
 
 class RhapsodeService(service.Service):
@@ -98,12 +322,12 @@ class RhapsodeService(service.Service):
         self._stop_reactor_if_unable = stop_reactor_if_unable
         self.registry: Registry | None = None
         self.catalog: Catalog | None = None
-        self.app: CoreApp | None = None
+        self.app: Core | None = None
         self.watchdog: Watchdog | None = None
         #: With workers.prestart, each local engine's worker process starting at boot.
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
-        self._clients: list[WorkerClient] = []
+        self._clients: list[IWorkerClient] = []
         #: Why the service could not start (a folder, its port), once that has happened.
         self.failed_to_start: Any = None
         self._listen_waiters: list[Deferred[Any]] = []
@@ -177,9 +401,9 @@ class RhapsodeService(service.Service):
         if self.app is not None:
             self.app.residency.settings_changed()
 
-    def build(self) -> CoreApp:
+    def build(self) -> Core:
         """
-        The registry and the app, without listening (for tests and embedding).
+        The registry and the core, without listening (for tests and embedding).
         """
         reactor = self.reactor
         workers = self.config.workers
@@ -200,7 +424,26 @@ class RhapsodeService(service.Service):
             terminate=lambda engine: registry.get(engine).terminate(),
             unload=lambda engine: registry.get(engine).unload(),
         )
-        self.app = CoreApp(
+        install = self.config.install
+
+        def installer(jobs: Jobs) -> Installer:
+            return Installer(
+                reactor=reactor,
+                jobs=jobs,
+                catalog=catalog,
+                state=self.state,
+                host=_ServiceHost(self),
+                # install.* waits for a restart (section 10): the start's values.
+                venv_dir=lambda: install.venv_dir,
+                source_dir=lambda: install.source_dir,
+                interpreter=lambda: install.python,
+                runner=Commands(reactor, os.environ),
+                environ=os.environ,
+                core_version=__version__,
+                uv=find_uv(),
+            )
+
+        self.app = build_core(
             registry,
             reactor=reactor,
             contract_version=CONTRACT,
@@ -215,29 +458,12 @@ class RhapsodeService(service.Service):
             idle_timeout=self.config.server.idle_timeout_seconds,
             catalog=catalog,
             settings_api=self.settings,
+            installer=installer,
+            # update.check is read on every request, so a PATCH applies at once; the URL
+            # and the environment are the start's.
+            updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
-        install = self.config.install
-        self.app.installer = Installer(
-            reactor=reactor,
-            jobs=self.app.jobs,
-            catalog=catalog,
-            state=self.state,
-            host=_ServiceHost(self),
-            # install.* waits for a restart (section 10): the start's values.
-            venv_dir=lambda: install.venv_dir,
-            source_dir=lambda: install.source_dir,
-            interpreter=lambda: install.python,
-            runner=Commands(reactor, os.environ),
-            environ=os.environ,
-            core_version=__version__,
-            uv=find_uv(),
-        )
-        # update.check is read on every request, so a PATCH applies at once; the URL
-        # and the environment are the start's.
-        self.app.updates = checker_for(
-            reactor, __version__, self.config.update.url, lambda: self.config.update.check
-        )
         return self.app
 
     def _handle(self, engine_id: str, engine: EngineConfig) -> EngineHandle:

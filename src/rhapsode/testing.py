@@ -49,9 +49,10 @@ from rhapsode_protocol.errors import BadRequest, SpeechError, UnknownVoice
 from rhapsode_protocol.http.answers import read_form
 
 from ._client import _HTTP, RhapsodeClient
-from ._registry import EngineHandle, Registry, Supervised
-from ._router import CoreApp
-from ._upstream import BytesProducer, WorkerClient
+from ._fleet.registry import EngineHandle, Registry
+from ._interfaces import ISupervisor, IWorkerClient
+from ._service import Core, build_core
+from ._upstream import BytesProducer
 
 __all__ = ["FakeEngine", "StubRhapsode", "default_capabilities", "fake_voice"]
 
@@ -295,6 +296,7 @@ class _Collector:
         pass
 
 
+@implementer(ISupervisor)
 class _Process:
     """
     The fake engine's worker process as the registry sees a supervisor's: it starts at
@@ -436,10 +438,7 @@ class FakeEngine:
     def _attach(self, engine_id: str, clock: MemoryReactorClock) -> EngineHandle:
         self.id = engine_id
         self._clock = clock
-        # The handle asks its client for json() and request() only, as
-        # rhapsode._upstream.WorkerClient answers them.
-        process: Supervised = _Process(self)
-        self._handle = EngineHandle(engine_id, cast(WorkerClient, _Worker(self)), process)
+        self._handle = EngineHandle(engine_id, _Worker(self), _Process(self))
         return self._handle
 
     def _native(self) -> dict[str, Any]:
@@ -531,10 +530,13 @@ class FakeEngine:
         return health
 
 
+@implementer(IWorkerClient)
 class _Worker:
     """
     The fake engine's worker as the core's client to it sees it.
     """
+
+    address = "memory:"
 
     def __init__(self, engine: FakeEngine) -> None:
         self._engine = engine
@@ -707,8 +709,8 @@ class StubRhapsode:
 
     @ivar clock: that reactor: advance it (or L{advance}) to move time.
     @ivar engines: the fake engines, by id.
-    @ivar core: the real core's router (L{rhapsode._router.CoreApp}) the stub serves,
-        for a test that needs its site, its residency state or its speech relay.
+    @ivar core: the real core the stub serves (L{rhapsode._service.Core}: its site, its
+        residency, its speech service and relay, its routes), for a test that needs them.
     @ivar base_url: the URL the clients this makes are pointed at.
     @ivar http: a treq C{HTTPClient} whose requests reach this core, for a program
         that takes one (C{RhapsodeClient(base_url, http=stub.http)}, as L{client}).
@@ -728,7 +730,7 @@ class StubRhapsode:
         self.peer = peer
         self.engines = dict(engines)
         handles = {engine_id: engine._attach(engine_id, self.clock) for engine_id, engine in self.engines.items()}
-        self.core = CoreApp(
+        self.core: Core = build_core(
             Registry(handles),
             reactor=self.clock,
             contract_version=max(contract.CONTRACT_VERSIONS),

@@ -18,17 +18,18 @@ import pytest_twisted
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.threads import deferToThread
 
-from _worker import Worker, engine_of, spawn_worker
-from rhapsode._router import CoreApp
-from rhapsode._relay import FLOOR_BYTES
-from rhapsode._registry import EngineHandle, Registry
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import Core, build_core
+from rhapsode._speech.relay import FLOOR_BYTES
 from rhapsode._upstream.pool import WorkerClient
+
+from _worker import Worker, engine_of, spawn_worker
 
 RATE = 24000
 
 
 class Core:
-    def __init__(self, port: Any, app: CoreApp, worker: Worker) -> None:
+    def __init__(self, port: Any, app: Core, worker: Worker) -> None:
         self.port = port
         self.app = app
         self.worker = worker
@@ -44,7 +45,7 @@ async def start_core(tmp_path: Path, engine: str = "tone", admission: Any = None
 
     worker = await spawn_worker(reactor, tmp_path, engine=engine, **spawn)
     client = WorkerClient(reactor, f"unix:{worker.socket_path}")
-    app = CoreApp(Registry({engine: EngineHandle(engine, client, None)}), reactor=reactor, admission=admission)
+    app = build_core(Registry({engine: EngineHandle(engine, client, None)}), reactor=reactor, admission=admission)
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site())
     yield Core(port, app, worker)
     app.close()

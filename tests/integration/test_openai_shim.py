@@ -19,11 +19,11 @@ from typing import Any, AsyncIterator, Callable
 import openai
 import pytest
 import pytest_twisted
+from test_core_proxy import Core, call, chatty_env
+from test_core_proxy import start_core as start
 from twisted.internet.threads import deferToThread
 
 from _worker import decode_pcm, rms
-from test_core_proxy import Core, call, chatty_env
-from test_core_proxy import start_core as start
 
 RATE = 24000
 
@@ -65,7 +65,7 @@ def counted(core: Core) -> list[float]:
     Count the requests the shim translates (each retry is one).
     """
     seen: list[float] = []
-    shim = core.app.openai
+    shim = core.app.openai.translation
     original = shim.native
 
     async def native(body: Any, **kwargs: Any) -> Any:
@@ -422,6 +422,6 @@ async def test_batch_answers_each_item_and_refuses_past_the_cap(core: Core) -> N
     assert first["media_type"] == "audio/wav" and base64.b64decode(first["audio_data"])[:4] == b"RIFF"
     assert second["status"] == "error" and second["error"]["code"] == "unknown_voice"
     assert third["media_type"].startswith("audio/L16") and len(base64.b64decode(third["audio_data"])) > 10_000
-    assert core.app.speech.budget.held == 0
+    assert core.app.budget.held == 0
     over = await call(core, "POST", "/v1/audio/speech/batch", {"model": "tone", "items": [{"input": "x"}] * 33})
     assert over.status == 400 and json.loads(over.body)["error"]["param"] == "items"

@@ -22,9 +22,10 @@ from twisted.internet.task import deferLater
 from twisted.logger import capturedLogs
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from _worker import UnixEndpoints, process_alive
-from rhapsode._supervisor import WorkerSupervisor
+from rhapsode._fleet.supervisor import WorkerSupervisor
 from rhapsode_worker import Internal, ModelUnavailable
+
+from _worker import UnixEndpoints, process_alive
 
 HERE = Path(__file__).parent
 TEST_MODULES = {"PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -17,9 +17,10 @@ from typing import Any, AsyncIterator
 import pytest
 import pytest_twisted
 
-from _worker import ROOT, Worker, spawn_worker
-from rhapsode._catalog import read_catalog
+from rhapsode._fleet.catalog import read_catalog
 from rhapsode.service import parse_config
+
+from _worker import ROOT, Worker, spawn_worker
 
 GUIDE = ROOT / "docs" / "writing-an-engine.md"
 MODULE = "rhapsode_engine_mine"

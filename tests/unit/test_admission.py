@@ -1,5 +1,5 @@
 """
-Admission in the core (rhapsode._admission): at a request's head, before its body is
+Admission in the core (rhapsode._http.site): at a request's head, before its body is
 read, the management guard runs on the route as the router will resolve it, the body is
 held to its route's limit, Authorization is removed, and a voice upload starts streaming
 to its worker (protocol.md sections 7 and 10).  Driven with raw bytes on a memory
@@ -13,60 +13,31 @@ from typing import Any
 
 import pytest
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import CoreApp
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import build_core
+
+from _fakes import FakeClient, FakeSupervisor
 
 TOKEN = "s3cret-token-of-length"
 
 
-class FakeClient:
-    """
-    A worker's client that records what it was asked and answers nothing (a request
-    stays in flight) unless told to.
-    """
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[bytes, str, Any]] = []
-        self.pending: list[Deferred[Any]] = []
-
-    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
-        self.requests.append((method, path, body))
-        d: Deferred[Any] = Deferred()
-        self.pending.append(d)
-        return d
-
-    async def json(self, method: bytes, path: str, body: Any = None) -> tuple[int, Any]:
-        self.requests.append((method, path, body))
-        return 200, {"deleted": path}
-
-
-class FakeSupervisor:
-    state = "up"
-    pid = 1
-
-    def start(self) -> Any:
-        return succeed("unix:/x")
-
-    def stop(self, ask: bool = True) -> Any:
-        return succeed(None)
-
-    def health(self) -> dict[str, Any]:
-        return {"process": "up", "restarts": 0}
-
-
 def connect(peer: str = "127.0.0.1", token: str | None = None) -> tuple[Any, StringTransport, FakeClient]:
-    client = FakeClient()
-    handle = EngineHandle("tone", client, FakeSupervisor())  # type: ignore[arg-type]
-    app = CoreApp(Registry({"tone": handle}), reactor=MemoryReactorClock(), management_token=token)
+    _, channel, transport, client = connect_core(peer, token)
+    return channel, transport, client
+
+
+def connect_core(peer: str = "127.0.0.1", token: str | None = None) -> tuple[Any, Any, StringTransport, FakeClient]:
+    client = FakeClient(fallback=lambda method, path: (200, {"deleted": path}))
+    handle = EngineHandle("tone", client, FakeSupervisor("up", 1))
+    app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock(), management_token=token)
     channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     transport = StringTransport(peerAddress=IPv4Address("TCP", peer, 40000))
     channel.makeConnection(transport)
-    return channel, transport, client
+    return app, channel, transport, client
 
 
 def refusal(transport: StringTransport) -> tuple[int, dict[str, Any]]:
@@ -205,12 +176,12 @@ def test_an_unload_is_refused_while_an_upload_is_in_flight() -> None:
     POST /engines/{id}/unload answers 409 while a voice upload streams to that engine's
     worker, as it does while the engine speaks; once the upload is over it unloads.
     """
-    channel, transport, client = connect()
+    core, channel, transport, client = connect_core()
     channel.dataReceived(
         b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
         b"Content-Length: 100\r\n\r\n0123456789"
     )
-    app = channel.site.core
+    app = core.router
     unloading = channel.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     answered = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40001))
     unloading.makeConnection(answered)
@@ -220,3 +191,21 @@ def test_an_unload_is_refused_while_an_upload_is_in_flight() -> None:
     assert "voice upload" in json.loads(body)["error"]["message"]
     channel.connectionLost(Failure(ConnectionDone()))
     assert app.uploads == {"tone": 0}
+
+
+def test_a_head_too_slow_is_refused_408_before_any_request_exists() -> None:
+    """
+    A head dribbled past the head deadline is answered 408 in the taxonomy's envelope
+    and closed, although no request (no route, no request line) exists yet to shape the
+    refusal by.
+    """
+    clock = MemoryReactorClock()
+    core = build_core(Registry({}), reactor=clock, head_timeout=2)
+    channel = core.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
+    transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
+    channel.makeConnection(transport)
+    for byte in b"GET /health HTTP/1.0\r\nHost: x\r\nX-Slow: aaaaaaa":
+        channel.dataReceived(bytes([byte]))
+        clock.advance(0.25)
+    status, error = refusal(transport)
+    assert status == 408 and error["code"] == "bad_request" and "within 2 s" in error["message"]

@@ -207,3 +207,255 @@ def test_the_scan_finds_each_form_of_import(tmp_path: Path) -> None:
     assert "rhapsode_worker.errors.BadRequest" in modules
     hits = reaching([sample], package, "rhapsode", {"rhapsode_worker", "rhapsode_conform"})
     assert [hit.split(":")[1].split(" ")[0] for hit in hits] == ["2", "3", "3", "7", "7", "9", "9"]
+
+
+# -- inside the core: its wings, floor by floor ---------------------------------------------
+
+#: Each part of the core and its floor; a module belongs to the longest prefix that
+#: names it.  A wing may import its own modules and the floors below its own, never one
+#: above, and never a sibling on its floor (the faces and the composition root, on the
+#: top floor, may use one another).
+FLOORS: dict[str, int] = {
+    "rhapsode._interfaces": 0,
+    "rhapsode._guard": 1,
+    "rhapsode._upstream": 1,
+    "rhapsode._client": 1,
+    "rhapsode._config": 2,
+    "rhapsode._fleet": 3,
+    "rhapsode._speech": 4,
+    "rhapsode._manage": 4,
+    "rhapsode._http": 5,
+    # The doors: the native routes, the translations, and management's routes.
+    "rhapsode._http.router": 6,
+    "rhapsode._doors": 6,
+    "rhapsode._manage.routes": 6,
+    # The faces, the roots and the other programs.
+    "rhapsode._service": 7,
+    "rhapsode._tap": 7,
+    "rhapsode._cli": 7,
+    "rhapsode._web": 7,
+    "rhapsode.client": 7,
+    "rhapsode.service": 7,
+    "rhapsode.testing": 7,
+    "rhapsode": 7,
+}
+TOP = max(FLOORS.values())
+DOORS = ("rhapsode._http.router", "rhapsode._doors", "rhapsode._manage.routes")
+
+
+def part_of(module: str) -> str:
+    """
+    The part (a key of L{FLOORS}) that C{module} belongs to.
+    """
+    found = [part for part in FLOORS if module == part or module.startswith(part + ".")]
+    assert found, f"{module} is in no part of the core: add it to FLOORS"
+    return max(found, key=len)
+
+
+def _core_module(path: Path) -> str:
+    relative = path.relative_to(CORE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def core_imports() -> dict[str, set[tuple[int, str]]]:
+    """
+    Every module of the core and the core modules it imports, wherever the import
+    stands (a name imported from a package is taken as the package, unless it is a
+    module of it).
+    """
+    modules = {_core_module(path): path for path in _modules(CORE)}
+    found: dict[str, set[tuple[int, str]]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for line, module in imported(path, _package_of(path, CORE, "rhapsode")):
+            if module.split(".")[0] != "rhapsode":
+                continue
+            while module not in modules and "." in module:
+                module = module.rsplit(".", 1)[0]
+            if module in modules and module != name:
+                targets.add((line, module))
+        found[name] = targets
+    return found
+
+
+def upward(graph: dict[str, set[tuple[int, str]]]) -> list[str]:
+    """
+    Every import that points up a floor, or across to a sibling on the same floor below
+    the top.
+    """
+    hits = []
+    for source, targets in graph.items():
+        mine = part_of(source)
+        for line, target in targets:
+            theirs = part_of(target)
+            if theirs == mine or mine.startswith(theirs + ".") and FLOORS[theirs] < FLOORS[mine]:
+                continue
+            if FLOORS[theirs] < FLOORS[mine] or FLOORS[mine] == TOP == FLOORS[theirs]:
+                continue
+            hits.append(f"{source}:{line} -> {target} (floor {FLOORS[mine]} -> {FLOORS[theirs]})")
+    return sorted(hits)
+
+
+def circles(graph: dict[str, set[tuple[int, str]]]) -> list[list[str]]:
+    """
+    The import circles among the modules of C{graph} (each strongly connected set of
+    more than one module), found by Tarjan's algorithm.
+    """
+    edges = {source: sorted({target for _, target in targets}) for source, targets in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on.add(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_of_the_core_belongs_to_a_part() -> None:
+    """
+    No module of the core stands outside the floor plan: a new one is placed in it.
+    """
+    for name in core_imports():
+        part_of(name)
+
+
+def test_the_core_has_no_import_circle() -> None:
+    """
+    No set of the core's modules imports one another round in a circle, counting
+    function-level and TYPE_CHECKING imports.
+    """
+    assert circles(core_imports()) == []
+
+
+def test_the_wings_import_downward_only() -> None:
+    """
+    No module imports a part on a higher floor, or a sibling part on its own floor
+    (function-level and TYPE_CHECKING imports included).
+    """
+    assert upward(core_imports()) == []
+
+
+def test_no_door_imports_another_door() -> None:
+    """
+    The native routes, the doors and management's routes never import one another:
+    each gets what it needs as an interface from the composition root.
+    """
+    graph = core_imports()
+    hits = []
+    for source, targets in graph.items():
+        if not source.startswith(DOORS):
+            continue
+        for line, target in targets:
+            if target.startswith(DOORS) and target != source:
+                hits.append(f"{source}:{line} -> {target}")
+    assert hits == []
+
+
+def test_the_floor_checks_find_what_they_look_for() -> None:
+    """
+    The circle finder sees a circle of three, and the floor check an import up a floor
+    and one across a floor, so their empty answers mean something.
+    """
+    graph = {
+        "rhapsode._fleet.registry": {(1, "rhapsode._speech.relay")},
+        "rhapsode._speech.relay": {(2, "rhapsode._speech.metrics")},
+        "rhapsode._speech.metrics": {(3, "rhapsode._fleet.registry")},
+        "rhapsode._manage.jobs": {(4, "rhapsode._speech.limits")},
+        "rhapsode._speech.limits": set(),
+        "rhapsode._doors.mcp": {(5, "rhapsode._http.router")},
+        "rhapsode._http.router": set(),
+    }
+    assert circles(graph) == [["rhapsode._fleet.registry", "rhapsode._speech.metrics", "rhapsode._speech.relay"]]
+    assert upward(graph) == [
+        "rhapsode._doors.mcp:5 -> rhapsode._http.router (floor 6 -> 6)",
+        "rhapsode._fleet.registry:1 -> rhapsode._speech.relay (floor 3 -> 4)",
+        "rhapsode._manage.jobs:4 -> rhapsode._speech.limits (floor 4 -> 4)",
+    ]
+
+
+def constructions(path: Path) -> list[str]:
+    """
+    The classes of another part of the core that the constructors in C{path} build.
+    """
+    module = _core_module(path)
+    mine = part_of(module)
+    package = _package_of(path, CORE, "rhapsode")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    foreign: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1])
+            source = f"{base}.{node.module}" if node.module else base
+            if part_of(source) != mine:
+                foreign.update({alias.asname or alias.name: source for alias in node.names})
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for call in ast.walk(node):
+                if (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Name)
+                    and call.func.id in foreign
+                    and call.func.id[:1].isupper()
+                ):
+                    hits.append(f"{module}:{call.lineno} builds {call.func.id} of {foreign[call.func.id]}")
+    return hits
+
+
+def test_only_the_composition_root_builds_another_parts_objects() -> None:
+    """
+    Below the top floor no constructor builds an object of another part of the core: it
+    is given its collaborators, and the composition root (rhapsode._service.build_core)
+    builds and wires them.
+    """
+    files = [p for p in _modules(CORE) if FLOORS[part_of(_core_module(p))] < TOP]
+    assert [hit for path in files for hit in constructions(path)] == []
+
+
+def test_the_construction_check_sees_a_constructor_building_a_collaborator(tmp_path: Path) -> None:
+    """
+    A constructor in the speech wing that builds the fleet's Registry is found.
+    """
+    package = tmp_path / "rhapsode" / "_speech"
+    package.mkdir(parents=True)
+    sample = package / "sample.py"
+    sample.write_text(
+        "from .._fleet.registry import Registry\n"
+        "class Thing:\n"
+        "    def __init__(self):\n"
+        "        self.registry = Registry({})\n"
+    )
+    global CORE
+    saved, CORE = CORE, tmp_path / "rhapsode"
+    try:
+        assert constructions(sample) == ["rhapsode._speech.sample:4 builds Registry of rhapsode._fleet.registry"]
+    finally:
+        CORE = saved

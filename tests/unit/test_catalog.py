@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from rhapsode._catalog import read_catalog
+from rhapsode._fleet.catalog import read_catalog
 
 FACTS = {
     "id": "fake",

@@ -17,11 +17,13 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 import rhapsode
-from rhapsode._catalog import Catalog, default_source_dir, read_source, worker_version
-from rhapsode._config import Config, parse_config
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import MANAGEMENT, CoreApp
-from rhapsode._service import RhapsodeService
+from rhapsode._config import Config, default_source_dir, parse_config
+from rhapsode._fleet.catalog import Catalog, read_source, worker_version
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._http.table import MANAGEMENT
+from rhapsode._service import Core, RhapsodeService, build_core
+
+from _fakes import FakeClient, FakeSupervisor
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -67,43 +69,19 @@ def venv(tmp_path: Path, sdk_version: str | None) -> str:
     return str(root / "bin" / "python")
 
 
-class Worker:
-    """
-    A worker client nobody may call: these routes answer from the core's own state.
-    """
-
-    def __init__(self) -> None:
-        self.requests: list[Any] = []
-
-    async def json(self, method: bytes, path: str, body: Any = None) -> tuple[int, Any]:
-        self.requests.append((method, path))
-        raise AssertionError("the catalog and summaries must not ask a worker")
+def refuse(method: bytes, path: str) -> tuple[int, Any]:
+    raise AssertionError("the catalog and summaries must not ask a worker")
 
 
-class Supervisor:
-    state = "down"
-    pid = None
-
-    def start(self) -> Any:
-        raise AssertionError("nothing may be spawned")
-
-    def stop(self, ask: bool = True) -> Any:
-        raise AssertionError("nothing may be stopped")
-
-    def health(self) -> dict[str, Any]:
-        return {"process": "down", "restarts": 0}
-
-    def hung(self, why: str) -> None:
-        pass
+def app_with(catalog: Catalog, *engine_ids: str) -> tuple[Core, FakeClient]:
+    # A worker client nobody may call and a process nobody may start: these routes
+    # answer from the core's own state.
+    worker = FakeClient(fallback=refuse)
+    handles = {e: EngineHandle(e, worker, FakeSupervisor(startable=False)) for e in engine_ids}
+    return build_core(Registry(handles), reactor=MemoryReactorClock(), catalog=catalog), worker
 
 
-def app_with(catalog: Catalog, *engine_ids: str) -> tuple[CoreApp, Worker]:
-    worker = Worker()
-    handles = {e: EngineHandle(e, worker, Supervisor()) for e in engine_ids}  # type: ignore[arg-type]
-    return CoreApp(Registry(handles), reactor=MemoryReactorClock(), catalog=catalog), worker
-
-
-def get(app: CoreApp, path: str) -> tuple[int, Any]:
+def get(app: Core, path: str) -> tuple[int, Any]:
     case = SynchronousTestCase()
     stub = StubTreq(app.resource())
     response = case.successResultOf(stub.get("http://core" + path))
@@ -245,11 +223,11 @@ def test_engine_summaries_carry_the_declared_version(tmp_path: Path) -> None:
 
 def test_a_core_without_a_catalog_lists_nothing() -> None:
     """
-    A CoreApp built without one (an embedder's) answers GET /catalog with [] and adds
+    A Core built without one (an embedder's) answers GET /catalog with [] and adds
     no version to its summaries.
     """
     app, _ = app_with(Catalog([], "0.1.0"), "tone")
-    bare = CoreApp(app.registry, reactor=MemoryReactorClock())
+    bare = build_core(app.registry, reactor=MemoryReactorClock())
     assert get(bare, "/catalog") == (200, [])
     [summary] = get(bare, "/engines")[1]
     assert "workerVersion" not in summary
@@ -262,7 +240,7 @@ def test_the_catalog_answers_a_caller_the_guard_would_refuse() -> None:
     """
     assert not any(path == "/catalog" for _, path in MANAGEMENT)
     catalog = Catalog([record("tone")], rhapsode.__version__)
-    app = CoreApp(Registry({}), reactor=MemoryReactorClock(), catalog=catalog, management_token="t" * 32)
+    app = build_core(Registry({}), reactor=MemoryReactorClock(), catalog=catalog, management_token="t" * 32)
     channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     transport = StringTransport(peerAddress=IPv4Address("TCP", "203.0.113.9", 40000))
     channel.makeConnection(transport)

@@ -1,6 +1,6 @@
 """
 What `rhapsode serve` does with Ctrl-C and SIGTERM while it stops
-(L{rhapsode._cli.SecondInterrupt}), on a memory reactor with the process's signal table,
+(L{rhapsode._cli.commands.SecondInterrupt}), on a memory reactor with the process's signal table,
 stderr and exit faked: no signal is sent here.  tests/integration/test_core_service.py
 sends real ones to a real server.
 """
@@ -14,7 +14,7 @@ import pytest
 from twisted.internet.testing import MemoryReactor
 from twisted.logger import capturedLogs, formatEvent
 
-from rhapsode._cli import FORCED_EXIT, SecondInterrupt
+from rhapsode._cli.commands import FORCED_EXIT, SecondInterrupt
 
 
 class Process:

@@ -1,5 +1,5 @@
 """
-The client subcommands of `rhapsode` (L{rhapsode._cli}): their command line, the plain
+The client subcommands of `rhapsode` (L{rhapsode._cli.commands}): their command line, the plain
 tables they print, and what each prints and exits with against the stub core of
 L{rhapsode.testing} (the real router over an in-memory reactor, a fake engine).
 tests/integration/test_cli_client.py runs the real executable against a real server.
@@ -20,20 +20,8 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 import rhapsode
-from rhapsode._cli import (
-    DEFAULT_URL,
-    Output,
-    catalog_table,
-    engines_table,
-    parser,
-    residency_table,
-    run,
-    server_url,
-    size,
-    table,
-    until,
-    voices_table,
-)
+from rhapsode._cli.commands import DEFAULT_URL, Output, parser, run, server_url
+from rhapsode._cli.render import catalog_table, engines_table, residency_table, size, table, until, voices_table
 from rhapsode.client import RhapsodeClient
 from rhapsode.testing import FakeEngine, StubRhapsode
 

@@ -1,5 +1,5 @@
 """
-The `update`, `settings`, `warm` and `doctor` subcommands (L{rhapsode._cli}): their
+The `update`, `settings`, `warm` and `doctor` subcommands (L{rhapsode._cli.commands}): their
 command line, what each prints and exits with against the stub core of
 L{rhapsode.testing} (the real router in memory, a fake engine, a fake release source),
 or against a client that records the settings calls.
@@ -17,9 +17,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionRefusedError
 
 import rhapsode
-from rhapsode import _cli
-from rhapsode._cli import parse_value, parser, setting_line, settings_patch, settings_table, update_text
-from rhapsode._update import Release, UpdateChecker
+from rhapsode._cli import commands as _cli
+from rhapsode._cli.commands import parse_value, parser, settings_patch
+from rhapsode._cli.render import setting_line, settings_table, update_text
+from rhapsode._manage.update import Release, UpdateChecker
 from rhapsode.client import BadRequest
 from rhapsode.testing import FakeEngine, StubRhapsode
 

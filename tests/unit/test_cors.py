@@ -15,17 +15,17 @@ import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import CoreApp
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import build_core
 
-from test_admission import FakeClient, FakeSupervisor
+from _fakes import FakeClient, FakeSupervisor
 
 PAGE = "https://studio.example"
 
 
 def connect(cors: tuple[str, ...] = (PAGE,)) -> tuple[Any, StringTransport]:
-    handle = EngineHandle("tone", FakeClient(), FakeSupervisor())  # type: ignore[arg-type]
-    app = CoreApp(Registry({"tone": handle}), reactor=MemoryReactorClock(), cors_origins=cors)
+    handle = EngineHandle("tone", FakeClient(fallback=lambda method, path: (200, {"deleted": path})), FakeSupervisor("up", 1))
+    app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock(), cors_origins=cors)
     channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     transport = StringTransport(peerAddress=IPv4Address("TCP", "203.0.113.9", 40000))
     channel.makeConnection(transport)

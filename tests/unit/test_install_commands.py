@@ -24,8 +24,9 @@ import pytest_twisted
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 
-from rhapsode._installer import GROUP_LEADER, Commands
-from rhapsode._jobs import Job, JobContext, JobFailed
+from rhapsode._manage.installer import GROUP_LEADER, Commands
+from rhapsode._manage.jobs import Job, JobContext, JobFailed
+
 from _deferreds import process_alive
 
 BOUND = 10.0

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rhapsode._installer import (
+from rhapsode._manage.installer import (
     check_engine_id,
     command_env,
     failure_reason,
@@ -395,7 +395,7 @@ def test_an_engine_is_given_the_protocol_and_the_sdk_of_the_checkout_the_core_ca
     checkout's protocol and SDK folders (never the core's own distribution); a core from
     an index would name the SDK pinned to its version instead.
     """
-    from rhapsode._installer import sdk_source
+    from rhapsode._manage.installer import sdk_source
 
     root = Path(__file__).resolve().parents[2]
     assert sdk_source("0.1.0") == (str(root / "protocol"), str(root / "sdk"))

@@ -13,7 +13,8 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from rhapsode._residency import IResidencySettings, Lease, Residency
+from rhapsode._fleet.residency import Lease, Residency
+from rhapsode._interfaces import IResidencySettings
 from rhapsode_protocol.errors import Conflict
 
 

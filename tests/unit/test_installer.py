@@ -17,18 +17,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from _deferreds import failure_of, result_of
 from test_install_residency import Settings
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from rhapsode._catalog import Catalog
-from rhapsode._installer import PACKAGES_SECONDS, QUICK_SECONDS, SILENCE_SECONDS, Installer
-from rhapsode._jobs import Job, JobContext, JobFailed, Jobs
-from rhapsode._residency import Lease, Residency
-from rhapsode._state import InstalledEngine, StateDatabase, StateStore
+from rhapsode._fleet.catalog import Catalog
+from rhapsode._fleet.residency import Lease, Residency
+from rhapsode._manage.installer import PACKAGES_SECONDS, QUICK_SECONDS, SILENCE_SECONDS, Installer
+from rhapsode._manage.jobs import Job, JobContext, JobFailed, Jobs
+from rhapsode._manage.state import InstalledEngine, StateDatabase, StateStore
 from rhapsode_protocol.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
+
+from _deferreds import failure_of, result_of
 
 _T = TypeVar("_T")
 CORE = "0.1.0"

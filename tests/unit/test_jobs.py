@@ -13,14 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _deferreds import result_of
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode._jobs import (
+from rhapsode._manage.jobs import (
     HEARTBEAT_SECONDS,
     MAX_MESSAGE_CHARACTERS,
     MAX_QUEUED,
@@ -34,8 +33,10 @@ from rhapsode._jobs import (
     last_event_id,
     new_job_id,
 )
-from rhapsode._jobs import Jobs as _Jobs
+from rhapsode._manage.jobs import Jobs as _Jobs
 from rhapsode_protocol.errors import BadRequest, Conflict, Internal, Overloaded
+
+from _deferreds import result_of
 
 #: 2026-09-18T14:02:11.000Z, protocol.md section 10's example job's createdAt.
 EXAMPLE_MOMENT = 1789740131.0
@@ -868,7 +869,7 @@ def test_too_many_streams_on_one_job_or_in_all_are_overloaded(monkeypatch: pytes
     requests[0].finished.callback(None)
     jobs.open_stream(FakeRequest(), job, 0)
 
-    monkeypatch.setattr("rhapsode._jobs.STREAMS_IN_ALL", STREAMS_PER_JOB + 2)
+    monkeypatch.setattr("rhapsode._manage.jobs.STREAMS_IN_ALL", STREAMS_PER_JOB + 2)
     other = jobs.submit("piper", "install", gates.work("b"))
     jobs.open_stream(FakeRequest(), other, 0)
     jobs.open_stream(FakeRequest(), other, 0)

@@ -25,13 +25,15 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
 from twisted.web.http_headers import Headers
+from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode import _mcp
-from rhapsode._inprocess import InProcessRequest
-from rhapsode._mcp import PROTOCOL_VERSIONS, inline, tool_definitions
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import CoreApp
+from rhapsode._doors import mcp as _mcp
+from rhapsode._doors.mcp import PROTOCOL_VERSIONS, inline, tool_definitions
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import build_core
 from rhapsode_protocol import contract
+
+from _fakes import FakeClient, FakeSupervisor
 
 VARIANT = {
     "cues": ["laugh"],
@@ -86,15 +88,16 @@ class FakeResponse:
         protocol.connectionLost(Failure(ResponseDone()))
 
 
-class FakeWorker:
+class FakeWorker(FakeClient):
     """
-    A worker's client: JSON answers from its capabilities and voices, and speech that
-    is a short WAV (or raw PCM when asked for pcm), or the refusal it is told to give.
-    It records every request and the body each speech request carried.
+    A worker's client (the shared fake's table of JSON answers: its capabilities and
+    voices) whose speech is a short WAV (or raw PCM when asked for pcm), or the refusal
+    it is told to give.  It records every request and the body each speech request
+    carried.
     """
 
     def __init__(self) -> None:
-        self.calls: list[tuple[bytes, str]] = []
+        super().__init__()
         self.bodies: list[dict[str, Any]] = []
         self.refusal: tuple[int, dict[str, Any]] | None = None
         self.audio = wav_of(12000)
@@ -118,24 +121,6 @@ class FakeWorker:
         return succeed(FakeResponse(200, self.audio, headers))
 
 
-class FakeSupervisor:
-    def __init__(self) -> None:
-        self.state = "down"
-        self.pid: int | None = None
-        self.starts = 0
-
-    def start(self) -> Any:
-        self.starts += 1
-        self.state, self.pid = "up", 4242
-        return succeed("unix:/x")
-
-    def stop(self, ask: bool = True) -> Any:
-        return succeed(None)
-
-    def health(self) -> dict[str, Any]:
-        return {"process": self.state, "restarts": 0}
-
-
 class Core:
     """
     A core over one fake tone worker, and its MCP endpoint as a client reaches it.
@@ -144,8 +129,8 @@ class Core:
     def __init__(self, **settings: Any) -> None:
         self.worker = FakeWorker()
         self.supervisor = FakeSupervisor()
-        handle = EngineHandle("tone", self.worker, self.supervisor)  # type: ignore[arg-type]
-        self.app = CoreApp(Registry({"tone": handle}), reactor=MemoryReactorClock(), **settings)
+        handle = EngineHandle("tone", self.worker, self.supervisor)
+        self.app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock(), **settings)
         self.stub = StubTreq(self.app.resource())
         self.case = SynchronousTestCase()
         self._id = 0
@@ -587,13 +572,13 @@ def test_audio_is_encoded_while_still_counted_against_the_buffer_budget(monkeypa
     b64encode = base64.b64encode
 
     def encode(data: bytes) -> bytes:
-        held.append(core.app.speech.budget.held)
+        held.append(core.app.budget.held)
         return b64encode(data)
 
     monkeypatch.setattr(_mcp.base64, "b64encode", encode)
     audio_of(core.call("speak", {"engine": "tone", "text": "Hello there."}))
     assert held == [len(core.worker.audio)]
-    assert core.app.speech.budget.held == 0
+    assert core.app.budget.held == 0
 
 
 def test_an_unknown_tool_or_arguments_not_an_object_are_invalid_params() -> None:
@@ -637,12 +622,15 @@ def test_a_client_that_hangs_up_cancels_the_speech_rather_than_answering_it() ->
     core.worker.request = request  # type: ignore[method-assign]
     message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                "params": {"name": "speak", "arguments": {"engine": "tone", "text": "Hello."}}}
-    call = Deferred.fromCoroutine(core.app.mcp.post(InProcessRequest(b"POST", "/mcp", message)))  # type: ignore[arg-type]
+    request = DummyRequest([b"mcp"])
+    request.method = b"POST"
+    request.content = io.BytesIO(json.dumps(message).encode())
+    call = Deferred.fromCoroutine(core.app.mcp.post(request))
     assert len(pending) == 1 and not call.called
     call.cancel()
     core.case.failureResultOf(call, CancelledError)
     assert cancelled == ["/speak"]
-    assert core.app.speech.budget.held == 0
+    assert core.app.budget.held == 0
 
 
 # -- at the head: the core's own site --------------------------------------------------------

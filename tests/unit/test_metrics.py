@@ -12,16 +12,17 @@ import json
 from typing import Any, Coroutine
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_admission import FakeClient, FakeSupervisor
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import CoreApp
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import build_core
 from rhapsode.client import Overloaded, TruncatedResponse, UnknownEngine
 from rhapsode.testing import FakeEngine, StubRhapsode
+
+from _fakes import FakeClient, FakeSupervisor
 
 CASE = SynchronousTestCase()
 PIECE = b"\x01\x00" * 2400  # 0.1 s of 24 kHz 16-bit mono
@@ -135,8 +136,8 @@ def test_loads_evictions_and_state_are_as_residency_sees_them() -> None:
 
 
 def connect(public: bool, peer: str) -> tuple[Any, StringTransport]:
-    handle = EngineHandle("tone", FakeClient(), FakeSupervisor())  # type: ignore[arg-type]
-    app = CoreApp(Registry({"tone": handle}), reactor=MemoryReactorClock(), metrics_public=public)
+    handle = EngineHandle("tone", FakeClient(fallback=lambda method, path: (200, {"deleted": path})), FakeSupervisor("up", 1))
+    app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock(), metrics_public=public)
     channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     transport = StringTransport(peerAddress=IPv4Address("TCP", peer, 40000))
     channel.makeConnection(transport)

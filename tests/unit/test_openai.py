@@ -10,14 +10,13 @@ import copy
 from typing import Any
 
 import pytest
-from test_router import CAPABILITIES, FakeClient, FakeSupervisor
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode._openai import openai_envelope, should_retry
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._router import CoreApp
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._http.envelopes import openai_envelope, should_retry
+from rhapsode._service import build_core
 from rhapsode_protocol.errors import (
     BadRequest,
     Internal,
@@ -28,16 +27,19 @@ from rhapsode_protocol.errors import (
     Unsupported,
 )
 
+from _fakes import FakeClient, FakeSupervisor
+from test_router import CAPABILITIES
+
 SPEEDY = copy.deepcopy(CAPABILITIES)
 SPEEDY["variants"]["fast"] = {**SPEEDY["variants"]["expressive"], "dials": {"speed": {"min": 0.5, "max": 2.0, "default": 1.0}}}
 
 
 def shim(*engines: str, caps: dict[str, Any] = SPEEDY) -> Any:
     handles = {
-        engine: EngineHandle(engine, FakeClient({(b"GET", "/capabilities"): (200, caps)}), FakeSupervisor())  # type: ignore[arg-type]
+        engine: EngineHandle(engine, FakeClient({(b"GET", "/capabilities"): (200, caps)}), FakeSupervisor())
         for engine in engines
     }
-    return CoreApp(Registry(handles), reactor=MemoryReactorClock()).openai
+    return build_core(Registry(handles), reactor=MemoryReactorClock()).openai.translation
 
 
 def native(target: Any, **body: Any) -> dict[str, Any]:

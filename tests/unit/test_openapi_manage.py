@@ -13,23 +13,21 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
-from test_catalog_route import app_with, get, record, source, venv
-from test_contract_public import MANAGEMENT
-from test_settings import Harness, _exchange
-from test_state import ThreadedReactor
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 
-from rhapsode._catalog import Catalog, default_source_dir, read_source
-from rhapsode._installer import Installer
-from rhapsode._jobs import REPLAY_EVENTS, JobContext, JobFailed, Jobs
-from rhapsode._registry import Registry
-from rhapsode._router import CoreApp
-from rhapsode._state import InstalledEngine, StateDatabase, StateStore
+from rhapsode._config import default_source_dir
+from rhapsode._fleet.catalog import Catalog, read_source
+from rhapsode._fleet.registry import Registry
+from rhapsode._fleet.residency import Residency
+from rhapsode._manage.installer import Installer
+from rhapsode._manage.jobs import REPLAY_EVENTS, JobContext, JobFailed, Jobs
+from rhapsode._manage.state import InstalledEngine, StateDatabase, StateStore
+from rhapsode._service import Core, build_core
 from rhapsode_protocol.contract import (
     CATALOG,
     CATALOG_ENTRY,
@@ -45,6 +43,12 @@ from rhapsode_protocol.contract import (
     validate,
 )
 from rhapsode_protocol.errors import BadRequest, Internal
+
+from test_catalog_route import app_with, get, record, source, venv
+from test_contract_public import MANAGEMENT
+from test_installer import FakeHost, FakeRunner, Settings
+from test_settings import Harness, _exchange
+from test_state import ThreadedReactor
 
 # -- the document ------------------------------------------------------------------------
 
@@ -273,7 +277,7 @@ def test_the_settings_answers_validate(h: Harness) -> None:
     (saved) and a new token (saved: true), validate against Settings; the patch itself
     validates against SettingsPatch.
     """
-    app = CoreApp(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings)
+    app = build_core(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings)
     head, document = _exchange(app, b"GET /settings HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
     validate(SETTINGS, document)
@@ -387,7 +391,7 @@ def test_jobs_and_their_events_validate() -> None:
     never.cancel()
 
 
-def _stream(app: CoreApp, request: bytes) -> list[dict[str, str]]:
+def _stream(app: Core, request: bytes) -> list[dict[str, str]]:
     """
     The frames an event stream has written so far (it stays open).
     """
@@ -414,7 +418,7 @@ def test_the_event_stream_is_what_the_document_says() -> None:
     Last-Event-ID or ?lastEventId=; and sends resync first to a client whose resume
     point has left the replay buffer.  GET /installs and /installs/{job} validate too.
     """
-    app = CoreApp(Registry({}), reactor=MemoryReactorClock())
+    app = build_core(Registry({}), reactor=MemoryReactorClock())
     job = app.jobs.submit("kokoro", "install", _steps("venv", "packages", "verify", "register"))
     get_job = b"GET /installs/%s HTTP/1.1\r\nHost: localhost\r\n\r\n" % job.id.encode()
     head, document = _exchange(app, get_job)
@@ -463,23 +467,18 @@ def test_the_outdated_answer_validates(tmp_path: Path) -> None:
 
     jobs.submit("delta", "pull", busy, variant="base")
 
-    class Host:
-        def registered(self, engine_id: str) -> bool:
-            return True
-
-        def operator_engines(self) -> set[str]:
-            return set()
-
+    residency = Residency(clock=Clock(), settings=Settings(), terminate=lambda _: succeed(None),
+                          unload=lambda _: succeed(None))
     installer = Installer(
         reactor=MemoryReactorClock(),
         jobs=jobs,
         catalog=catalog,
         state=database,
-        host=Host(),  # type: ignore[arg-type]
+        host=FakeHost(catalog, residency, registered_ids={"alpha", "beta", "delta", "gamma"}),
         venv_dir=lambda: tmp_path / "venvs",
         source_dir=lambda: None,
         interpreter=lambda: None,
-        runner=None,  # type: ignore[arg-type]
+        runner=FakeRunner(),
         environ={},
         core_version="0.2.0",
     )

@@ -1,5 +1,5 @@
 """
-The command line's install subcommands and their display (rhapsode._progress), against a
+The command line's install subcommands and their display (rhapsode._cli.install), against a
 fake client: the licence rules, --pull's default, Ctrl-C detaching, and what a terminal and
 a pipe are shown.
 """
@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 from twisted.internet.defer import Deferred, ensureDeferred
 
-from rhapsode import _progress
-from rhapsode._progress import DETACHED, PlainProgress, RichProgress
+from rhapsode._cli import install as _progress
+from rhapsode._cli.install import DETACHED, PlainProgress, RichProgress
 
 PIPER = {"id": "piper", "displayName": "Piper", "defaultVariant": "medium",
          "license": {"code": "GPL-3.0-or-later", "weights": "CC0-1.0 AND Research", "weightsCommercialUse": False}}

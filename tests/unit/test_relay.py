@@ -18,11 +18,13 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
 from twisted.web.test.requesthelper import DummyRequest
 
-from rhapsode._admission import BufferBudget, Turn, Turnstile
-from rhapsode._relay import BUFFERED_LIMIT, SECONDS_PER_CHARACTER, StreamRelay, buffered_limit
+from rhapsode._speech.limits import BufferBudget, Turn, Turnstile
+from rhapsode._speech.relay import BUFFERED_LIMIT, SECONDS_PER_CHARACTER, StreamRelay, buffered_limit
 from rhapsode._upstream.body import BufferRelay, Stalls
 from rhapsode_protocol.errors import ModelUnavailable, Overloaded
 from rhapsode_protocol.http.answers import write_trailer
+
+from _fakes import RecordingSink
 
 
 def test_core_trailer_ends_a_chunked_body() -> None:
@@ -156,28 +158,9 @@ def test_a_buffered_answer_is_bounded_by_its_variants_ceiling() -> None:
 # -- a worker that stops sending ---------------------------------------------------------
 
 
-class Client:
-    """
-    The client's request as the relay sees it: written to, and given a producer.
-    """
-
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-        self.producer: Any = None
-
-    def write(self, data: bytes) -> None:
-        self.written.append(data)
-
-    def registerProducer(self, producer: Any, streaming: bool) -> None:
-        self.producer = producer
-
-    def unregisterProducer(self) -> None:
-        self.producer = None
-
-
 def stream(clock: Clock) -> tuple[Any, StringTransport, list[bytes]]:
-    client = Client()
-    relay_ = StreamRelay(client, None, Stalls(clock, 120.0))  # type: ignore[arg-type]
+    client = RecordingSink()
+    relay_ = StreamRelay(client, None, Stalls(clock, 120.0))
     written = client.written
     worker = StringTransport()
     relay_.makeConnection(worker)
@@ -231,7 +214,7 @@ def test_durations_round_to_the_nearest_millisecond() -> None:
     and in the core's count of a stream's bytes: 1499 frames at 1 kHz are 1499 ms, 2999
     frames at 2 kHz are 1500 ms (1499.5, rounded), and 23 frames at 24 kHz are 1 ms.
     """
-    from rhapsode._relay import _duration_ms
+    from rhapsode._speech.relay import _duration_ms
     from rhapsode_worker import NativeFormat
 
     assert NativeFormat(sample_rate=24000).duration_ms(23 * 2) == 1

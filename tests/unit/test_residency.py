@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _deferreds import failure_of, result_of
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
@@ -20,13 +19,15 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from rhapsode._config import ConfigSettings, parse_config
-from rhapsode._residency import (
+from rhapsode._fleet.residency import (
     IResidencySettings,
     Lease,
     Residency,
     iso_utc,
 )
 from rhapsode_protocol.errors import BadRequest, Conflict, ModelUnavailable
+
+from _deferreds import failure_of, result_of
 
 #: 2026-09-20T11:04:02.118Z, the moment protocol.md section 3's example was taken.
 EXAMPLE_MOMENT = 1789902242.118

@@ -161,7 +161,7 @@ def test_twisteds_warnings_and_errors_pass_at_info() -> None:
     def trouble() -> None:
         Logger(namespace="twisted.web.http").warn("a warning from twisted.web")
         legacy_log.err(ValueError("boom"), "an error through the legacy API")
-        Logger(namespace="rhapsode._admission.CoreSite").error(
+        Logger(namespace="rhapsode._http.site.CoreSite").error(
             "Starting factory failed: an error under a subclass's namespace"
         )
 

@@ -1,5 +1,5 @@
 """
-The settings document and its PATCH (L{rhapsode._settings}, protocol.md section 10):
+The settings document and its PATCH (L{rhapsode._manage.settings}, protocol.md section 10):
 three layers, live against restart keys, the refusals, the two lockout conflicts, and
 the routes behind the management guard, over a real state database.
 """
@@ -17,10 +17,11 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 
 from rhapsode._config import Config, ConfigSettings
-from rhapsode._registry import Registry
-from rhapsode._router import MANAGEMENT, CoreApp
-from rhapsode._settings import Caller, Settings, applies, layer
-from rhapsode._state import StateDatabase, StateStore
+from rhapsode._fleet.registry import Registry
+from rhapsode._http.table import MANAGEMENT
+from rhapsode._manage.settings import Caller, Settings, applies, layer
+from rhapsode._manage.state import StateDatabase, StateStore
+from rhapsode._service import Core, build_core
 
 from test_state import ThreadedReactor
 
@@ -293,7 +294,7 @@ def test_the_database_wins_over_the_file_and_installed_engines_lose_to_it() -> N
     assert raw == {"server": {"port": 1}, "engines": {"tone": {"module": "a"}}}
 
 
-def _exchange(app: CoreApp, request: bytes, peer: str = "127.0.0.1", reactor: ThreadedReactor | None = None) -> tuple[bytes, Any]:
+def _exchange(app: Core, request: bytes, peer: str = "127.0.0.1", reactor: ThreadedReactor | None = None) -> tuple[bytes, Any]:
     channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     transport = StringTransport(peerAddress=IPv4Address("TCP", peer, 40000))
     channel.makeConnection(transport)
@@ -323,7 +324,7 @@ def test_the_routes_answer_and_patch_through_the_site(h: Harness) -> None:
     Over the core's own site, a local caller's GET answers the document and its PATCH
     answers the document after the write.
     """
-    app = CoreApp(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings)
+    app = build_core(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings)
     head, document = _exchange(app, b"GET /settings HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and document["values"]["server"]["port"] == 8080
     body = b'{"residency": {"keepAliveSeconds": 33}}'
@@ -343,7 +344,7 @@ def test_a_remote_patch_naming_no_token_is_refused_and_its_token_conflict_is_409
     patch clearing the token the database holds answers 409.
     """
     h.patch({"management": {"token": TOKEN}})
-    app = CoreApp(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings, management_token=TOKEN)
+    app = build_core(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings, management_token=TOKEN)
     body = b'{"management": {"token": null}}'
     request = (
         b"PATCH /settings HTTP/1.1\r\nHost: box.example\r\nContent-Type: application/json\r\n%s"
@@ -362,6 +363,6 @@ def test_a_core_without_a_state_database_answers_unsupported() -> None:
     A core built without settings (embedded, no config file) answers /settings with
     unsupported to a caller the guard admits.
     """
-    app = CoreApp(Registry({}), reactor=MemoryReactorClock())
+    app = build_core(Registry({}), reactor=MemoryReactorClock())
     head, answer = _exchange(app, b"GET /settings HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert answer["error"]["code"] == "unsupported", head

@@ -1,5 +1,5 @@
 """
-The state database (L{rhapsode._state}): created in rollback-journal mode and migrated
+The state database (L{rhapsode._manage.state}): created in rollback-journal mode and migrated
 with user_version, written once at boot so that a file the core cannot use fails the
 start naming its path, one transaction per write, and writes on a dedicated thread.
 """
@@ -20,8 +20,8 @@ import pytest
 from twisted.internet.testing import MemoryReactorClock
 
 from rhapsode._config import load_config
+from rhapsode._manage.state import SCHEMA_VERSION, InstalledEngine, StateDatabase, StateError, StateStore
 from rhapsode._service import RhapsodeService, ServiceStartError
-from rhapsode._state import SCHEMA_VERSION, InstalledEngine, StateDatabase, StateError, StateStore
 
 
 def _tables(path: Path) -> set[str]:

@@ -1,5 +1,5 @@
 """
-The WebSocket speech stream (rhapsode._stream) in memory: the core's real site, router,
+The WebSocket speech stream (rhapsode._doors.stream) in memory: the core's real site, router,
 relay and preflight over a fake engine (rhapsode.testing), a wsproto client on an
 in-memory connection (twisted.test.iosim), and time moved only by the test's clock.
 
@@ -36,8 +36,8 @@ from wsproto.events import (
 )
 from zope.interface import implementer
 
-from rhapsode import _stream
-from rhapsode._relay import StreamRelay
+from rhapsode._doors import stream as _stream
+from rhapsode._speech.relay import StreamRelay
 from rhapsode.testing import FakeEngine, StubRhapsode, default_capabilities
 from rhapsode_protocol.errors import Overloaded
 
@@ -376,23 +376,23 @@ def test_messages_wait_in_order_while_a_config_is_checked(harness: Harness, monk
     waiting the session closes 1009 rather than hold more.
     """
     gate: Deferred[None] = Deferred()
-    checking = harness.core.openai.native
+    checking = harness.core.openai.translation.native
 
     async def slow(fields: dict[str, Any], *, stream: bool) -> dict[str, Any]:
         await gate
         return await checking(fields, stream=stream)
 
-    monkeypatch.setattr(harness.core.openai, "native", slow)
+    monkeypatch.setattr(harness.core.openai.translation, "native", slow)
     client = harness.connect()
     say(harness, client, {"type": "session.config", "model": "fake"}, text("Queued up."), DONE)
     assert harness.engine.spoken == [] and client.closed() is None
-    monkeypatch.setattr(harness.core.openai, "native", checking)
+    monkeypatch.setattr(harness.core.openai.translation, "native", checking)
     gate.callback(None)
     harness.flush()
     assert [s["text"] for s in harness.engine.spoken] == ["Queued up."]
     assert client.frames("session.done")
 
-    monkeypatch.setattr(harness.core.openai, "native", slow)
+    monkeypatch.setattr(harness.core.openai.translation, "native", slow)
     gate = Deferred()
     flood = harness.connect()
     say(harness, flood, {"type": "session.config", "model": "fake"})
@@ -634,7 +634,7 @@ def test_shutting_down_closes_every_session_1001(harness: Harness) -> None:
     harness.core.streams.close()
     harness.flush()
     assert client.closed() == (1001, "the server is shutting down")
-    assert harness.core.speech.turnstile.state("fake") == {"speaking": 0, "queued": 0}
+    assert harness.core.relay.turnstile.state("fake") == {"speaking": 0, "queued": 0}
 
 
 # -- backpressure and hanging up -----------------------------------------------------------
@@ -673,10 +673,10 @@ def test_a_client_that_hangs_up_mid_piece_releases_the_engine(harness: Harness) 
     harness.engine.chunk_interval = 1.0
     client = harness.open()
     say(harness, client, text("Interrupted. And more."), DONE)
-    assert harness.core.speech.turnstile.state("fake")["speaking"] == 1
+    assert harness.core.relay.turnstile.state("fake")["speaking"] == 1
     client.transport.loseConnection()  # type: ignore[union-attr]
     harness.flush()
-    assert harness.core.speech.turnstile.state("fake") == {"speaking": 0, "queued": 0}
+    assert harness.core.relay.turnstile.state("fake") == {"speaking": 0, "queued": 0}
     assert harness.core.residency.state("fake")["leases"] == 0
     assert harness.sessions() == set()
     # The fake worker's body was stopped, not left to play to its end, and the session
@@ -694,7 +694,7 @@ def test_a_client_that_hangs_up_while_waiting_for_a_turn_leaves_the_queue() -> N
     harness = Harness()
     harness.engine.audio = [PIECE] * 10
     harness.engine.chunk_interval = 1.0
-    turnstile = harness.core.speech.turnstile
+    turnstile = harness.core.relay.turnstile
     busy = []
     while turnstile.state("fake")["queued"] == 0:
         client = harness.open()
@@ -725,7 +725,7 @@ def test_a_client_that_closes_mid_piece_is_answered_and_the_piece_stopped(harnes
     harness.advance(3)
     assert client.closed() == (1000, "bye")
     assert len(client.audio()) == len(PIECE)
-    assert harness.core.speech.turnstile.state("fake") == {"speaking": 0, "queued": 0}
+    assert harness.core.relay.turnstile.state("fake") == {"speaking": 0, "queued": 0}
     assert harness.sessions() == set()
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import pytest
-from _deferreds import failure_of, result_of
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorProcess
@@ -23,8 +22,10 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rhapsode._supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, WorkerSupervisor
+from rhapsode._fleet.supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, WorkerSupervisor
 from rhapsode_protocol.errors import Internal, ModelUnavailable
+
+from _deferreds import failure_of, result_of
 
 SOCKET = "unix:/run/rhapsode/tone.sock"
 TERM, KILL = signal.SIGTERM, signal.SIGKILL

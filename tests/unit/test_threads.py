@@ -23,7 +23,7 @@ from twisted.logger import LogLevel, capturedLogs
 
 import rhapsode_worker
 from rhapsode._config import WorkersConfig, load_config
-from rhapsode._supervisor import core_budget_env, prestart
+from rhapsode._fleet.supervisor import core_budget_env, prestart
 from rhapsode_worker import _threads
 from rhapsode_worker._threads import (
     CoreGate,

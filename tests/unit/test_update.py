@@ -1,5 +1,5 @@
 """
-The update check (L{rhapsode._update}, protocol.md section 9, "The core asks whether it is
+The update check (L{rhapsode._manage.update}, protocol.md section 9, "The core asks whether it is
 current"): lazy on a Clock, a day for an answer and six hours after a failure, POST
 /update/check's five minutes and its shared flight, the ten-second timeout, off by the
 setting (live) or the environment, the x.y.z comparison, what is asked of GitHub and
@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_settings import Harness
 from treq.testing import StubTreq
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
@@ -24,13 +23,12 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 import rhapsode
-from rhapsode._config import ConfigError, parse_config
-from rhapsode._router import CORS_ROUTES, MANAGEMENT, UPDATE, UPDATE_CHECK
-from rhapsode._settings import applies
-from rhapsode._update import (
+from rhapsode._config import RELEASES_URL, ConfigError, parse_config
+from rhapsode._http.table import CORS_ROUTES, MANAGEMENT, UPDATE, UPDATE_CHECK
+from rhapsode._manage.settings import applies
+from rhapsode._manage.update import (
     FRESH_SECONDS,
     RECENT_SECONDS,
-    RELEASES_URL,
     RETRY_SECONDS,
     TIMEOUT_SECONDS,
     GitHubReleases,
@@ -48,6 +46,8 @@ from rhapsode._update import (
 from rhapsode.client import BadRequest
 from rhapsode.testing import FakeEngine, StubRhapsode
 from rhapsode_protocol.contract import UPDATE_STATUS, public_openapi, validate
+
+from test_settings import Harness
 
 CASE = SynchronousTestCase()
 RELEASE = Release("v0.2.0", "https://github.com/maroonedsoftware/rhapsode/releases/tag/v0.2.0")

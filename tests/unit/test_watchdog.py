@@ -1,59 +1,32 @@
 """
-The watchdog (rhapsode._watchdog) on a Clock: a worker that leaves GET /health
+The watchdog (rhapsode._fleet.watchdog) on a Clock: a worker that leaves GET /health
 unanswered is found out in bounded time and killed (local) or fenced off (remote), and
 a worker that answers, however busy, is left alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode._registry import EngineHandle, Registry
-from rhapsode._watchdog import Watchdog
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._fleet.watchdog import Watchdog
 from rhapsode_protocol.errors import ModelUnavailable
 
+from _fakes import FakeClient, FakeSupervisor
 
-class Client:
+
+def held_client() -> FakeClient:
     """
     A worker's client whose health answers the test holds or gives.
     """
-
-    def __init__(self) -> None:
-        self.asked: list[Deferred[tuple[int, Any]]] = []
-        self.aborted = 0
-
-    def json(self, method: bytes, path: str, body: Any = None) -> "Deferred[tuple[int, Any]]":
-        assert (method, path) == (b"GET", "/health")
-        answer: Deferred[tuple[int, Any]] = Deferred()
-        self.asked.append(answer)
-        return answer
-
-    def abort_all(self) -> None:
-        self.aborted += 1
+    return FakeClient(hold=True)
 
 
-class Supervisor:
-    def __init__(self, state: str = "up") -> None:
-        self.state = state
-        self.pid = 7
-        self.why: list[str] = []
-
-    def hung(self, why: str) -> None:
-        self.why.append(why)
-
-    def start(self) -> Any:
-        return succeed("unix:/w")
-
-    def stop(self, ask: bool = True) -> Any:
-        return succeed(None)
-
-    def health(self) -> dict[str, Any]:
-        return {"process": self.state, "restarts": 0}
+def up_supervisor(state: str = "up") -> FakeSupervisor:
+    return FakeSupervisor(state, 7)
 
 
 def watch(handle: EngineHandle) -> tuple[Watchdog, Clock]:
@@ -68,14 +41,14 @@ def test_a_local_worker_that_never_answers_is_killed_within_interval_and_patienc
     Asked at the first interval and silent for the patience after, a stopped worker is
     reported hung to its supervisor, at 20 s and not before.
     """
-    client, supervisor = Client(), Supervisor()
-    dog, clock = watch(EngineHandle("tone", client, supervisor))  # type: ignore[arg-type]
+    client, supervisor = held_client(), up_supervisor()
+    dog, clock = watch(EngineHandle("tone", client, supervisor))
     clock.advance(5)
-    assert len(client.asked) == 1
+    assert len(client.asked) == 1 and client.calls == [(b"GET", "/health")]
     clock.advance(14.9)
-    assert supervisor.why == [] and len(client.asked) == 1  # one question at a time
+    assert supervisor.hangs == [] and len(client.asked) == 1  # one question at a time
     clock.advance(0.1)
-    assert supervisor.why == ["did not answer GET /health within 15 s"]
+    assert supervisor.hangs == ["did not answer GET /health within 15 s"]
     dog.stop()
 
 
@@ -84,13 +57,13 @@ def test_a_busy_worker_that_answers_is_left_alone() -> None:
     A worker that answers each health check (from its event loop, while it synthesises)
     is never reported, however long it runs.
     """
-    client, supervisor = Client(), Supervisor()
-    dog, clock = watch(EngineHandle("tone", client, supervisor))  # type: ignore[arg-type]
+    client, supervisor = held_client(), up_supervisor()
+    dog, clock = watch(EngineHandle("tone", client, supervisor))
     for _ in range(20):
         clock.advance(5)
         clock.advance(3)
         client.asked[-1].callback((200, {"process": "up"}))
-    assert supervisor.why == [] and len(client.asked) >= 10
+    assert supervisor.hangs == [] and len(client.asked) >= 10
     dog.stop()
 
 
@@ -98,8 +71,8 @@ def test_a_worker_that_is_not_up_is_not_asked() -> None:
     """
     A local worker that is down or starting is its supervisor's business: not asked.
     """
-    client, supervisor = Client(), Supervisor(state="down")
-    dog, clock = watch(EngineHandle("tone", client, supervisor))  # type: ignore[arg-type]
+    client, supervisor = held_client(), up_supervisor(state="down")
+    dog, clock = watch(EngineHandle("tone", client, supervisor))
     clock.advance(60)
     assert client.asked == []
     dog.stop()
@@ -111,8 +84,8 @@ def test_a_remote_worker_that_stops_answering_is_fenced_off_until_it_answers() -
     shows as down, and requests for it are refused as retryable model_unavailable at
     once, until a health check is answered again.
     """
-    client = Client()
-    handle = EngineHandle("far", client, None)  # type: ignore[arg-type]
+    client = held_client()
+    handle = EngineHandle("far", client, None)
     dog, clock = watch(handle)
     clock.advance(5)
     clock.advance(15)
@@ -132,11 +105,11 @@ def test_stopping_the_watchdog_cancels_its_questions() -> None:
     """
     A shutdown leaves no timer behind and reports nothing.
     """
-    client, supervisor = Client(), Supervisor()
-    dog, clock = watch(EngineHandle("tone", client, supervisor))  # type: ignore[arg-type]
+    client, supervisor = held_client(), up_supervisor()
+    dog, clock = watch(EngineHandle("tone", client, supervisor))
     clock.advance(5)
     dog.stop()
-    assert clock.getDelayedCalls() == [] and supervisor.why == []
+    assert clock.getDelayedCalls() == [] and supervisor.hangs == []
 
 
 @pytest.mark.parametrize("seconds", [1.0, 4.9])
@@ -144,8 +117,8 @@ def test_nothing_is_asked_before_the_first_interval(seconds: float) -> None:
     """
     The first round is one interval after the start.
     """
-    client, supervisor = Client(), Supervisor()
-    dog, clock = watch(EngineHandle("tone", client, supervisor))  # type: ignore[arg-type]
+    client, supervisor = held_client(), up_supervisor()
+    dog, clock = watch(EngineHandle("tone", client, supervisor))
     clock.advance(seconds)
     assert client.asked == []
     dog.stop()

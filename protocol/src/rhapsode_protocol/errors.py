@@ -26,6 +26,7 @@ __all__ = [
     "Unsupported",
     "as_speech_error",
     "error_from_envelope",
+    "refusal",
 ]
 
 # code -> (HTTP status, retryable, meaning).  Order is the spec's; new codes go at the end.
@@ -174,6 +175,17 @@ def error_from_envelope(body: Any, status: int) -> SpeechError:
         return cls(str(err.get("message", "")), err.get("field"))
     except (KeyError, TypeError):
         return Internal(f"HTTP {status} without an error envelope")
+
+
+def refusal(error: Any, status: int) -> SpeechError:
+    """
+    The taxonomy's error an envelope's C{error} object describes, its status kept (a
+    route may have answered a code's refusal with a status of its own: 404, 413).
+    """
+    found = error_from_envelope({"error": error}, status)
+    if found.status != status:
+        found = type(found)(found.message, found.field, status=status)
+    return found
 
 
 def _looks_like_oom(exc: BaseException) -> bool:

@@ -877,6 +877,56 @@ FEED_EVENT: Schema = _object(
 )
 
 # Every named shape; a generated document holds those its paths reach.
+
+# -- the OpenAI shim (protocol.md section 11) and the peer API's batch ---------------------
+
+#: The most items one batch of the OpenAI shim carries.
+BATCH_ITEMS = 32
+
+#: A voice as the current OpenAI SDK types it: {"id": ...}.
+OPENAI_VOICE_OBJECT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"id": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARACTERS}},
+    "required": ["id"],
+    "additionalProperties": False,
+}
+
+#: The fields of OpenAI's speech request that the shim knows; any other is bad_request.
+_OPENAI_FIELDS: dict[str, Any] = {
+    "input": {"type": "string", "maxLength": MAX_TEXT_CHARACTERS},
+    "voice": {"type": ["string", "object"]},
+    "response_format": {"type": "string", "minLength": 1, "maxLength": 16},
+    "speed": {"type": "number", "minimum": 0, "maximum": 100},
+    "instructions": {"type": "string", "maxLength": MAX_TEXT_CHARACTERS},
+    "stream_format": {"type": "string", "enum": ["audio", "sse"]},
+}
+_OPENAI_MODEL = {"type": "string", "minLength": 1, "maxLength": 2 * MAX_NAME_CHARACTERS + 1}
+
+OPENAI_SPEECH_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "properties": {"model": _OPENAI_MODEL, **_OPENAI_FIELDS},
+    "required": ["model", "input"],
+    "additionalProperties": False,
+}
+
+_OPENAI_ITEM = {
+    "type": "object",
+    "properties": {k: v for k, v in _OPENAI_FIELDS.items() if k != "stream_format"},
+    "required": ["input"],
+    "additionalProperties": False,
+}
+OPENAI_BATCH_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "model": _OPENAI_MODEL,
+        "items": {"type": "array", "items": _OPENAI_ITEM, "minItems": 1, "maxItems": BATCH_ITEMS},
+        **{k: v for k, v in _OPENAI_FIELDS.items() if k not in ("input", "stream_format")},
+    },
+    "required": ["model", "items"],
+    "additionalProperties": False,
+}
+
+
 _COMPONENTS: dict[str, Schema] = {
     "SpeakRequest": SPEAK_REQUEST,
     "PublicSpeakRequest": PUBLIC_SPEAK_REQUEST,

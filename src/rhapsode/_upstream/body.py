@@ -29,7 +29,7 @@ class BodyTooLarge(ValueError):
 
 class Budget(TypingProtocol):
     """
-    Room shared by every buffered body (rhapsode._admission.BufferBudget).
+    Room shared by every buffered body (rhapsode._http.site.BufferBudget).
     """
 
     def take(self, size: int) -> None: ...

@@ -21,6 +21,7 @@ from zope.interface import implementer
 
 from rhapsode_protocol.errors import ModelUnavailable, SpeechError
 
+from .._interfaces import IWorkerClient
 from .body import collect
 from .wire import Connection, WorkerResponse, encode_request
 
@@ -137,6 +138,7 @@ class _Attempt:
             step.cancel()
 
 
+@implementer(IWorkerClient)
 class WorkerClient:
     """
     Requests to one worker at C{address}: C{unix:/path} or C{http(s)://host:port[/prefix]},

@@ -10,36 +10,13 @@ C{current}, and never spawns anything to answer C{/engines} or C{/health}.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Mapping
 
 from twisted.internet.defer import Deferred, succeed
 
 from rhapsode_protocol.errors import ModelUnavailable, UnknownEngine
 
-from ._upstream import WorkerClient
-
-
-class Supervised(Protocol):
-    """
-    What the registry needs of a local worker's supervisor.
-    """
-
-    #: Told each line the worker writes on stderr.
-    listeners: list[Callable[[str], None]]
-
-    @property
-    def state(self) -> str: ...
-
-    @property
-    def pid(self) -> int | None: ...
-
-    def start(self) -> Any: ...
-
-    def stop(self, ask: bool = True) -> Any: ...
-
-    def health(self) -> dict[str, Any]: ...
-
-    def hung(self, why: str) -> None: ...
+from .._interfaces import ISupervisor, IWorkerClient
 
 
 class EngineHandle:
@@ -50,8 +27,8 @@ class EngineHandle:
     def __init__(
         self,
         engine_id: str,
-        client: WorkerClient,
-        supervisor: Supervised | None,
+        client: IWorkerClient,
+        supervisor: ISupervisor | None,
         catalog: Mapping[str, Any] | None = None,
     ) -> None:
         self.id = engine_id
@@ -76,7 +53,7 @@ class EngineHandle:
     def remote(self) -> bool:
         return self.supervisor is None
 
-    async def ready(self) -> WorkerClient:
+    async def ready(self) -> IWorkerClient:
         """
         The worker's client, once its process is up (spawning it if it is down).
 

@@ -32,6 +32,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorT
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from rhapsode_protocol.errors import Internal, ModelUnavailable, SpeechError
 from rhapsode_protocol.spawn import (
@@ -43,6 +44,8 @@ from rhapsode_protocol.spawn import (
     VOICE_DIR_VARIABLE,
     machine_cores,
 )
+
+from .._interfaces import ISupervisor
 
 # The child makes itself a process-group leader and then becomes the worker (same pid),
 # because spawnProcess has no pre-exec hook.
@@ -371,6 +374,7 @@ _WITH_PROCESS = (_Starting, _Up, _Draining, _Aborting)
 _LATE_INPUTS = frozenset({"verb", "hung"})
 
 
+@implementer(ISupervisor)
 class WorkerSupervisor:
     """
     Spawns one engine's worker, restarts it when it crashes, and stops it.

@@ -17,9 +17,8 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from types import FrameType
-from typing import IO, Any, Awaitable, Callable, Mapping, Sequence
+from typing import IO, Any, Awaitable, Callable, Mapping
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectError, DNSLookupError
@@ -27,7 +26,22 @@ from twisted.logger import Logger
 
 from rhapsode_protocol.errors import BadRequest, SpeechError
 
-from . import __version__
+from .. import __version__
+from .install import COMMANDS as _INSTALL_COMMANDS
+from .install import add_parsers as _install_parsers
+from .render import (
+    catalog_table,
+    engines_table,
+    in_use,
+    residency_table,
+    setting_line,
+    settings_table,
+    size,
+    table,
+    until,
+    update_text,
+    voices_table,
+)
 
 #: What a forced quit exits with: not the signal, which is how a clean stop ends.
 FORCED_EXIT = 1
@@ -182,7 +196,6 @@ def parser() -> argparse.ArgumentParser:
     )
     commands.add_parser("version", parents=[client], help="this client's version and the server's")
     _manage_parsers(commands, client, listing)
-    from ._progress import add_parsers as _install_parsers
 
     _install_parsers(commands, client, listing)
     return top
@@ -196,159 +209,6 @@ def server_url(given: str | None, environ: Mapping[str, str]) -> str:
 
 
 # -- plain text ----------------------------------------------------------------------
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """
-    Borderless, left-aligned columns three spaces apart, as C{ollama ps} prints them;
-    no line ends in spaces.
-    """
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-    lines = []
-    for row in [list(headers), *rows]:
-        lines.append("   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def size(count: int | None) -> str:
-    """
-    A byte count in binary units: C{512 B}, C{1.5 KiB}, C{310 MiB}, C{2.1 GiB}.
-    """
-    if count is None:
-        return "-"
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    if unit == "B":
-        return f"{count} B"
-    return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
-
-
-def _plural(count: int, unit: str) -> str:
-    return f"{count} {unit}" + ("" if count == 1 else "s")
-
-
-def until(model: dict[str, Any], now: float) -> str:
-    """
-    When a resident model goes, in words: C{speaking (n)} while leased, C{Never} for a
-    keep-alive of -1, C{4 minutes from now}, and C{Stopping...} once its time is up.
-    """
-    leases = model.get("leases") or 0
-    if leases:
-        return f"speaking ({leases})"
-    if model.get("keepAliveSeconds") == -1:
-        return "Never"
-    expires = model.get("expiresAt")
-    if not isinstance(expires, str):
-        return "-"
-    try:
-        left = datetime.fromisoformat(expires.replace("Z", "+00:00")).timestamp() - now
-    except ValueError:
-        return expires
-    if left <= 0:
-        return "Stopping..."
-    seconds = int(left)
-    if seconds < 1:
-        return "a moment from now"
-    for unit, length in (("day", 86400), ("hour", 3600), ("minute", 60)):
-        if seconds >= length:
-            return _plural(seconds // length, unit) + " from now"
-    return _plural(seconds, "second") + " from now"
-
-
-def _licence(entry: dict[str, Any]) -> tuple[str, str]:
-    licence = entry.get("license")
-    if not isinstance(licence, dict):
-        return "-", "-"
-    weights = str(licence.get("weights", "-"))
-    if licence.get("weightsCommercialUse") is False:
-        weights += " (non-commercial)"
-    return str(licence.get("code", "-")), weights
-
-
-def _worker(entry: dict[str, Any]) -> str:
-    version = entry.get("workerVersion")
-    if not isinstance(version, str):
-        return "-"
-    return version + (" (outdated)" if entry.get("outdated") else "")
-
-
-def engines_table(engines: list[dict[str, Any]]) -> str:
-    """
-    C{GET /engines} as C{rhapsode engines} prints it.
-    """
-    rows = []
-    for engine in engines:
-        model = str(engine.get("model", "-"))
-        if engine.get("variant"):
-            model += f" ({engine['variant']})"
-        rows.append(
-            [
-                str(engine.get("id", "-")),
-                str(engine.get("displayName", "-")),
-                str(engine.get("process", "-")),
-                model,
-                *_licence(engine),
-                _worker(engine),
-            ]
-        )
-    return table(["ENGINE", "NAME", "PROCESS", "MODEL", "CODE", "WEIGHTS", "WORKER"], rows)
-
-
-def voices_table(voices: list[dict[str, Any]]) -> str:
-    """
-    C{GET /engines/{id}/voices} as C{rhapsode voices} prints it.
-    """
-    rows = [
-        [
-            str(voice.get("id", "-")),
-            str(voice.get("label", "-")),
-            "yes" if voice.get("builtin") else "no",
-            ", ".join(str(tag) for tag in voice.get("tags") or []) or "-",
-        ]
-        for voice in voices
-    ]
-    return table(["VOICE", "LABEL", "BUILTIN", "TAGS"], rows)
-
-
-def catalog_table(entries: list[dict[str, Any]]) -> str:
-    """
-    C{GET /catalog} as C{rhapsode catalog} prints it.
-    """
-    rows = [
-        [
-            str(entry.get("id", "-")),
-            str(entry.get("displayName", "-")),
-            str(entry.get("installed", "-")),
-            *_licence(entry),
-            str(entry.get("defaultVariant", "-")),
-            str(entry.get("python", "-")),
-            _worker(entry),
-        ]
-        for entry in entries
-    ]
-    return table(["ENGINE", "NAME", "INSTALLED", "CODE", "WEIGHTS", "DEFAULT", "PYTHON", "WORKER"], rows)
-
-
-def residency_table(residency: dict[str, Any], now: float) -> str:
-    """
-    C{GET /residency} as C{rhapsode ps} prints it: what is loaded, the next to go first.
-    """
-    rows = [
-        [
-            str(model.get("engine", "-")),
-            str(model.get("variant", "-")),
-            size(model.get("sizeBytes")),
-            until(model, now),
-        ]
-        for model in residency.get("models") or []
-    ]
-    return table(["ENGINE", "VARIANT", "SIZE", "UNTIL"], rows)
 
 
 # -- running a client subcommand -----------------------------------------------------
@@ -468,7 +328,7 @@ async def run(ns: argparse.Namespace, client: Any, out: Output, url: str, now: f
 
 
 def _client_main(reactor: Any, ns: argparse.Namespace) -> "Deferred[None]":
-    from .client import RhapsodeClient
+    from ..client import RhapsodeClient
 
     url = server_url(ns.url, os.environ)
     token = getattr(ns, "token", None) or os.environ.get("RHAPSODE_MANAGEMENT_TOKEN") or None
@@ -513,7 +373,7 @@ def _serve(args: list[str]) -> None:
     reactor.callWhenRunning(SecondInterrupt(reactor).arm)
     sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode", *args]
     run()
-    from ._tap import made
+    from .._tap import made
 
     # twistd exits 0 however its reactor stopped; a server that could not start did not run.
     failed = [service.failed_to_start for service in made if service.failed_to_start is not None]
@@ -531,7 +391,7 @@ def _web(args: list[str]) -> None:
 
     sys.argv = ["twistd", "--nodaemon", "--pidfile=", "rhapsode-web", *args]
     run()
-    from ._web._tap import made
+    from .._web._tap import made
 
     failed = [service.failed_to_start for service in made if service.failed_to_start is not None]
     if failed:
@@ -587,95 +447,10 @@ def _manage_parsers(commands: Any, client: argparse.ArgumentParser, listing: arg
     )
 
 
-def update_text(document: dict[str, Any]) -> str:
-    """
-    C{GET /update} as C{rhapsode update} prints it: this server's version, the latest
-    release, and whether to update and where from.
-    """
-    version = str(document.get("version", "-"))
-    distribution = str(document.get("distribution", "source"))
-    lines = [f"version     {version} ({distribution})"]
-    check = document.get("check")
-    if check == "off":
-        lines.append("check       off: this server does not ask (update.check, or RHAPSODE_UPDATE_CHECK=0)")
-    elif check == "pending":
-        lines.append("check       pending: the server is asking now; run `rhapsode update` again, or `rhapsode update --check`")
-    elif check == "failed":
-        lines.append("check       failed: the last attempt got no answer; the server asks again in six hours")
-    elif check == "ok":
-        lines.append(f"latest      {document.get('latest', '-')} (asked {document.get('checkedAt', '-')})")
-        if document.get("updateAvailable"):
-            lines.append(f"available   yes: {document.get('releaseUrl', '-')}")
-            if distribution == "docker":
-                lines.append("how         docker compose pull && docker compose up -d, then reinstall the engines `rhapsode engines` marks outdated")
-            else:
-                lines.append("how         update this installation (git pull, then make), then reinstall the engines `rhapsode engines` marks outdated")
-        else:
-            lines.append("available   no: this is the latest release")
-    else:
-        lines.append(f"check       {check}")
-    return "\n".join(lines) + "\n"
-
-
 async def _update_command(ns: argparse.Namespace, client: Any, out: Output, now: float) -> int:
     document = await (client.check_update() if ns.check else client.update())
     _listing(ns, out, document, lambda: update_text(document))
     return 0
-
-
-def _value_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
-
-
-def _in_use(values: dict[str, Any], key: str) -> Any:
-    """
-    The value C{values} holds for a dotted key; the token only as whether one is set.
-    """
-    head, _, rest = key.partition(".")
-    if key == "management.token":
-        return "(set)" if (values.get("management") or {}).get("tokenSet") else "(not set)"
-    if head == "engines":
-        engine, _, name = rest.rpartition(".")
-        return ((values.get("engines") or {}).get(engine) or {}).get(name)
-    return (values.get(head) or {}).get(rest)
-
-
-def settings_table(document: dict[str, Any]) -> str:
-    """
-    C{GET /settings} as C{rhapsode settings} prints it: a row per setting with the value
-    in use, where it came from, whether a change applies live, and a value saved for the
-    next start.
-    """
-    values = document.get("values") or {}
-    rows = []
-    for field in document.get("fields") or []:
-        key = str(field.get("key", "-"))
-        saved = "-"
-        if "saved" in field:
-            saved = "(new token)" if key == "management.token" else _value_text(field["saved"])
-        rows.append([
-            key,
-            _value_text(_in_use(values, key)),
-            str(field.get("source", "-")),
-            str(field.get("applies", "-")),
-            saved,
-        ])
-    return table(["KEY", "VALUE", "SOURCE", "APPLIES", "SAVED (NEXT START)"], rows)
-
-
-def setting_line(document: dict[str, Any], key: str) -> str:
-    """
-    One setting in one line: its value, source and when a change applies.
-    """
-    fields = {str(f.get("key")): f for f in document.get("fields") or []}
-    field = fields.get(key)
-    if field is None:
-        raise BadRequest(f"{key}: no such setting (`rhapsode settings` lists them)", field=key)
-    line = f"{key} = {_value_text(_in_use(document.get('values') or {}, key))} ({field.get('source')}, {field.get('applies')})"
-    if "saved" in field:
-        saved = "a new token" if key == "management.token" else _value_text(field["saved"])
-        line += f"; saved {saved}, in use from the next start"
-    return line + "\n"
 
 
 def settings_patch(key: str, value: Any) -> dict[str, Any]:
@@ -722,7 +497,7 @@ async def _settings_command(ns: argparse.Namespace, client: Any, out: Output, no
         line = setting_line(document, ns.key)
         if ns.json:
             field = next(f for f in document["fields"] if f.get("key") == ns.key)
-            out.line(json.dumps({**field, "value": _in_use(document["values"], ns.key)}, indent=2, ensure_ascii=False))
+            out.line(json.dumps({**field, "value": in_use(document["values"], ns.key)}, indent=2, ensure_ascii=False))
         else:
             out.line(line)
         return 0
@@ -776,7 +551,7 @@ def local_tools() -> dict[str, str | None]:
     """
     import shutil
 
-    from ._installer import find_uv
+    from .._manage.installer import find_uv
 
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
@@ -892,8 +667,6 @@ async def _doctor(ns: argparse.Namespace, client: Any, out: Output, now: float) 
     out.line(table(["CHECK", "STATUS", "DETAIL"], rows))
     return FAILED if any(row[1] == _FAIL for row in rows) else 0
 
-
-from ._progress import COMMANDS as _INSTALL_COMMANDS  # noqa: E402
 
 _COMMANDS.update(_INSTALL_COMMANDS)
 _COMMANDS.update({"update": _update_command, "settings": _settings_command, "warm": _warm, "doctor": _doctor})

@@ -1,44 +1,45 @@
 """
-The speech relay (protocol.md sections 3 and 6): a request the router has checked gets a
-turn on its engine and a residency lease, goes to its worker, and the worker's audio
-comes back to the client.
+The speech relay (protocol.md sections 3 and 6): an utterance the speech service has
+checked gets a turn on its engine and a residency lease, goes to its worker, and the
+worker's audio comes back through an L{IAudioSink}: whichever door the utterance came in
+by, the relay writes to that interface alone.
 
 A streamed answer is relayed chunk by chunk with backpressure by wiring rather than
-buffering: the relay stands between the worker's connection and the client request as
-the request's producer, so a slow client pauses the worker's socket and nothing in the
-core holds a whole stream.  A body that ends short of the 256-byte floor, or that the
-worker truncates or stops sending, makes the core abort the client's connection
-("Failing after the headers have gone"): a client never receives a clean short 200.  A
-buffered answer is read whole, within a bound its variant's ceiling sets and within the
-core's budget for all buffered answers, before anything is written, so every failure is
-still an error envelope.
+buffering: the relay stands between the worker's connection and the sink as the sink's
+producer, so a slow reader pauses the worker's socket and nothing in the core holds a
+whole stream.  A body that ends short of the 256-byte floor, or that the worker truncates
+or stops sending, makes the relay abort the sink ("Failing after the headers have gone"):
+a client never receives a clean short 200.  A buffered answer is read whole, within a
+bound its variant's ceiling sets and within the core's budget for all buffered answers,
+before anything is written, so every failure is still the door's to answer.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
-from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import Internal, SpeechError, error_from_envelope
-from rhapsode_protocol.http.answers import DURATION_HEADER, abort_connection, write_trailer
+from rhapsode_protocol.errors import Internal, SpeechError, refusal
+from rhapsode_protocol.http.answers import DURATION_HEADER
 
-from ._admission import BufferBudget, Turnstile
-from ._metrics import Measured
-from ._registry import EngineHandle
-from ._residency import Residency
-from ._upstream import BytesProducer, Stalls, Watched, collect, stalled
+from .._fleet.registry import EngineHandle
+from .._fleet.residency import Residency
+from .._interfaces import IAudioSink
+from .._upstream import BytesProducer, Stalls, Watched, collect, stalled
+from .limits import BufferBudget, Turnstile
+from .metrics import Measured
+
+__all__ = ["BUFFERED_LIMIT", "ERROR_LIMIT", "FLOOR_BYTES", "SpeechRelay", "StreamRelay", "buffered_limit"]
 
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
@@ -85,18 +86,18 @@ def buffered_limit(caps: Mapping[str, Any], variant: str, turns: int = 1) -> int
 @implementer(IPushProducer)
 class StreamRelay(Protocol):
     """
-    Receives a worker's 200 body and writes it to the client as it arrives.
+    Receives a worker's 200 body and writes it to a sink as it arrives.
 
-    It is the client request's producer, passing pauses on to the worker's socket and
-    telling its L{Stall} when the client, not the worker, is why nothing moves.
-    C{done} fires with the byte count when the worker ended the body properly, and
-    fails when it did not; C{trailers} then holds the trailer fields the worker sent.
+    It is the sink's producer, passing pauses on to the worker's socket and telling its
+    L{Stall} when the reader, not the worker, is why nothing moves.  C{done} fires with
+    the byte count when the worker ended the body properly, and fails when it did not;
+    C{trailers} then holds the trailer fields the worker sent.
     """
 
     def __init__(
-        self, request: IRequest, response: Any, stalls: Stalls | None = None, measured: Measured | None = None
+        self, sink: IAudioSink, response: Any, stalls: Stalls | None = None, measured: Measured | None = None
     ) -> None:
-        self._request = request
+        self._sink = sink
         self._response = response
         self._stalls = stalls
         self._measured = measured
@@ -109,8 +110,8 @@ class StreamRelay(Protocol):
     def connectionMade(self) -> None:
         if self._stalls is not None:
             self._stall = self._stalls.watch(self._give_up)
-        # A full client buffer pauses reading from the worker.
-        self._request.registerProducer(self, True)  # type: ignore[attr-defined]
+        # A reader that falls behind pauses reading from the worker.
+        self._sink.registerProducer(self)
 
     def dataReceived(self, data: bytes) -> None:
         if not self.received and self._measured is not None:
@@ -118,15 +119,12 @@ class StreamRelay(Protocol):
         self.received += len(data)
         if self._stall is not None:
             self._stall.progress()
-        # On the core's own site each piece (the first with the headers) is sent as it
-        # is written (rhapsode_protocol.http.site.EagerChannel).
-        self._request.write(data)
+        self._sink.write(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if self._stall is not None:
             self._stall.stop()
-        if getattr(self._request, "producer", None) is not None:
-            self._request.unregisterProducer()  # type: ignore[attr-defined]
+        self._sink.unregisterProducer()
         if self._stalled:
             self.done.errback(stalled(self._stalls.seconds if self._stalls else 0))
         elif isinstance(reason.value, ResponseDone):
@@ -139,7 +137,7 @@ class StreamRelay(Protocol):
         self._stalled = True
         self.stopProducing()
 
-    # IPushProducer, for the client's connection
+    # IPushProducer, for the sink
 
     def pauseProducing(self) -> None:
         if self._stall is not None:
@@ -155,51 +153,10 @@ class StreamRelay(Protocol):
         self.transport.stopProducing()  # type: ignore[union-attr]
 
 
-class SseRelay(StreamRelay):
-    """
-    A worker's audio as OpenAI's server-sent events: each piece that arrives goes out as
-    a C{speech.audio.delta} event carrying it in base64, with the same backpressure.
-    Nothing goes out before the floor's worth has arrived, so a body that is not audio
-    can still be refused with an envelope rather than announced as speech.
-    """
-
-    def __init__(
-        self, request: IRequest, response: Any, stalls: Stalls | None = None, measured: Measured | None = None
-    ) -> None:
-        super().__init__(request, response, stalls, measured)
-        self._held: list[bytes] = []
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received += len(data)
-        if self._stall is not None:
-            self._stall.progress()
-        if self.received < FLOOR_BYTES:
-            self._held.append(data)
-            return
-        if self._held:
-            data = b"".join(self._held) + data
-            self._held = []
-        if self._measured is not None:
-            self._measured.first_audio()
-        self._request.write(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
-
-
-def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
-    """
-    One server-sent event named C{kind}; its data is C{payload} with C{type} as JSON.
-    """
-    data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
-    return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
-
-
 def relay(
-    response: Any,
-    request: IRequest,
-    stalls: Stalls | None = None,
-    kind: type[StreamRelay] = StreamRelay,
-    measured: Measured | None = None,
+    response: Any, sink: IAudioSink, stalls: Stalls | None = None, measured: Measured | None = None
 ) -> "Deferred[StreamRelay]":
-    stream = kind(request, response, stalls, measured)
+    stream = StreamRelay(sink, response, stalls, measured)
     response.deliverBody(stream)
     return stream.done.addCallback(lambda _: stream)
 
@@ -209,8 +166,8 @@ class SpeechRelay:
     Speaking through a worker: a turn on its engine, a lease on its model for as long
     as the answer takes, the request sent, and the audio relayed or buffered.
 
-    @param stall_seconds: how long a worker may send nothing (no head, no audio) while
-        its reader is ready, before the request fails.
+    @param stalls: the sweep that fails a request whose worker sends nothing (no head,
+        no audio) for its stall time while the reader is ready.
     """
 
     log = Logger()
@@ -220,14 +177,12 @@ class SpeechRelay:
         residency: Residency,
         turnstile: Turnstile,
         budget: BufferBudget,
-        clock: IReactorTime,
-        stall_seconds: float = 120.0,
+        stalls: Stalls,
     ) -> None:
         self.residency = residency
         self.turnstile = turnstile
         self.budget = budget
-        self._clock = clock
-        self.stalls = Stalls(clock, stall_seconds)
+        self.stalls = stalls
         self._background: set[Deferred[None]] = set()
         self._measuring: set[str] = set()
 
@@ -241,46 +196,43 @@ class SpeechRelay:
 
     async def dispatch(
         self,
-        request: IRequest,
-        finished: Any,
+        sink: IAudioSink,
         engine: EngineHandle,
         path: str,
         forward: dict[str, Any],
-        caps: dict[str, Any],
+        caps: Mapping[str, Any],
         keep_alive: int | None,
-        *,
-        sse: bool = False,
         measured: Measured | None = None,
-    ) -> Any:
+    ) -> None:
         """
-        Speak C{forward} through the worker's C{path}, holding a turn and a lease on the
-        model for as long as the answer takes; with C{sse}, a stream goes out as
-        server-sent events (L{SseRelay}).
+        Speak C{forward} through the worker's C{path} into C{sink}, holding a turn and a
+        lease on the model for as long as the answer takes.
+
+        @raise SpeechError: refused before C{sink} started (the door answers it).
         """
         variant = forward["variant"]
         body = BytesProducer(json.dumps(forward).encode())
         async with self._speaking(engine.id, variant, keep_alive):
-            response = await self._ask(engine, finished, b"POST", path, body)
+            response = await self._ask(engine, sink.finished, b"POST", path, body)
             if not self._answered(engine, variant, response.code):
-                return await self._relay_error(request, response)
+                await self._relay_error(response)
             if not forward.get("stream", True):
                 turns = len(forward.get("turns", ())) or 1
                 limit = buffered_limit(caps, variant, turns)
-                return await self.buffered(request, response, finished, limit, measured)
-            if sse:
-                return await self._events(request, finished, response, measured)
-            return await self._streamed(request, finished, response, forward.get("format", "wav"), caps, measured)
+                await self.buffered(sink, response, limit, measured)
+                return
+            await self._streamed(sink, response, forward.get("format", "wav"), caps, measured)
 
     async def preview(
-        self, request: IRequest, finished: Any, engine: EngineHandle, voice_id: str, caps: dict[str, Any], variant: str
-    ) -> bytes:
+        self, sink: IAudioSink, engine: EngineHandle, voice_id: str, caps: Mapping[str, Any], variant: str
+    ) -> None:
         """
         A voice's preview, which speaks, so takes a turn and a lease as speech does.
         """
         async with self._speaking(engine.id, variant, None):
-            response = await self._ask(engine, finished, b"GET", f"/voices/{voice_id}/preview", None)
+            response = await self._ask(engine, sink.finished, b"GET", f"/voices/{voice_id}/preview", None)
             self._answered(engine, variant, response.code)
-            return await self.buffered(request, response, finished, buffered_limit(caps, variant))
+            await self.buffered(sink, response, buffered_limit(caps, variant))
 
     @asynccontextmanager
     async def _speaking(self, engine: str, variant: str, keep_alive: int | None) -> AsyncIterator[None]:
@@ -371,9 +323,9 @@ class SpeechRelay:
             # Recorded even when absent: the worker had nothing to say about this load.
             self.residency.record_size(engine.id, variant, health.get("modelBytes"))
 
-    async def _relay_error(self, request: IRequest, response: Any) -> bytes:
+    async def _relay_error(self, response: Any) -> None:
         """
-        Raise the refusal the worker answered with, its status kept, for the route to
+        Raise the refusal the worker answered with, its status kept, for the door to
         write in its own envelope (the taxonomy's, or a translation's).
         """
         raw = await collect(response, ERROR_LIMIT, stalls=self.stalls)
@@ -386,124 +338,82 @@ class SpeechRelay:
 
     async def buffered(
         self,
-        request: IRequest,
+        sink: IAudioSink,
         response: Any,
-        finished: "Deferred[Any]",
-        limit: int = BUFFERED_LIMIT,
+        limit: int = 0,
         measured: Measured | None = None,
-    ) -> bytes:
+    ) -> None:
         """
         A worker's whole answer, held within C{limit} and the core's buffer budget until
-        the client's request has finished.
+        the sink's reader is done with it, then written to the sink in one piece.
         """
         if response.code != 200:
-            return await self._relay_error(request, response)
-        body = await collect(response, limit, self.budget, self.stalls)
-        finished.addBoth(lambda _: self.budget.give_back(len(body)))
+            await self._relay_error(response)
+        body = await collect(response, limit or BUFFERED_LIMIT, self.budget, self.stalls)
+        sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
         if len(body) < FLOOR_BYTES:
-            # Not audio, whatever the status said; the headers have not gone, so say so.
+            # Not audio, whatever the status said; nothing has gone, so say so.
             raise Internal(f"the worker answered 200 with {len(body)} bytes, which is not audio")
         headers = response.headers
-        request.setResponseCode(200)
+        head: list[tuple[bytes, bytes]] = []
         for name in (b"Content-Type", DURATION_HEADER):
             value = headers.getRawHeaders(name)
             if value:
-                request.setHeader(name, value[0])
-        request.setHeader(b"Content-Length", b"%d" % len(body))
+                head.append((name, value[0]))
+        head.append((b"Content-Length", b"%d" % len(body)))
+        told = headers.getRawHeaders(DURATION_HEADER)
+        duration = int(told[0]) if told and told[0].isdigit() else None
         if measured is not None:
             measured.first_audio()
             measured.sent = len(body)
-            told = headers.getRawHeaders(DURATION_HEADER)
-            measured.audio_ms = int(told[0]) if told and told[0].isdigit() else None
-        return body
+            measured.audio_ms = duration
+        sink.begin(200, head)
+        sink.write(body)
+        sink.end(duration)
 
     async def _streamed(
         self,
-        request: IRequest,
-        finished: Any,
+        sink: IAudioSink,
         response: Any,
         fmt: str,
-        caps: dict[str, Any],
+        caps: Mapping[str, Any],
         measured: Measured | None = None,
-    ) -> Any:
-        request.setResponseCode(200)
+    ) -> None:
+        head = [(b"Trailer", DURATION_HEADER)]
         content_type = response.headers.getRawHeaders(b"Content-Type")
         if content_type:
-            request.setHeader(b"Content-Type", content_type[0])
-        request.setHeader(b"Trailer", DURATION_HEADER)
+            head.insert(0, (b"Content-Type", content_type[0]))
+        sink.begin(200, head)
         try:
-            stream = await relay(response, request, self.stalls, measured=measured)
-        except Exception as error:
-            if isinstance(error, SpeechError):
+            stream = await relay(response, sink, self.stalls, measured)
+        except Exception as exc:
+            error = exc if isinstance(exc, SpeechError) else Internal(f"the worker's stream broke off: {exc}")
+            if not sink.started:
+                raise error from None
+            if isinstance(exc, SpeechError):
                 self.log.warn("aborting a stream: {why}", why=error.message)
-            abort_connection(request)
-            _aborted(measured, error)
-            await _settled(finished)
-            return None
+            _aborted(measured, exc)
+            await sink.abort(error)
+            return
         received = stream.received
         if measured is not None:
             measured.sent = received
         if received < FLOOR_BYTES:
+            if not sink.started:
+                raise Internal(f"the worker answered 200 with {received} bytes, which is not audio")
             # Too late for an envelope: the status is on the wire.  An abort is the only
             # way left to say this was not audio.
             self.log.warn("aborting a {n}-byte stream: under the floor", n=received)
-            abort_connection(request)
             _aborted(measured, None)
-            await _settled(finished)
-            return None
+            await sink.abort(Internal(f"the worker answered 200 with {received} bytes, which is not audio"))
+            return
         # The worker's own trailer is authoritative (it counted the PCM); where it cannot
         # be read, pcm and wav can still be counted from the bytes.
         told = stream.trailers.get(DURATION_HEADER.lower(), b"")
         duration = int(told) if told.isdigit() else _duration_ms(fmt, caps.get("nativeFormat", {}), received)
         if measured is not None:
             measured.audio_ms = duration
-        write_trailer(request, duration)
-        return None
-
-
-    async def _events(
-        self, request: IRequest, finished: Any, response: Any, measured: Measured | None = None
-    ) -> bytes | None:
-        """
-        A stream as server-sent events (OpenAI's C{stream_format: "sse"}): a delta per
-        piece, then C{speech.audio.done}.  A failure before the first event is still an
-        envelope; one after it is a C{speech.audio.error} event and a clean end, which
-        an event stream, unlike raw audio, can say.
-        """
-        request.setResponseCode(200)
-        request.setHeader(b"Content-Type", b"text/event-stream")
-        request.setHeader(b"Cache-Control", b"no-cache")
-        try:
-            stream = await relay(response, request, self.stalls, SseRelay, measured)
-        except Exception as exc:
-            error = exc if isinstance(exc, SpeechError) else Internal(f"the worker's stream broke off: {exc}")
-            if not getattr(request, "startedWriting", False):
-                raise error from None
-            self.log.warn("ending an event stream early: {why}", why=error.message)
-            _aborted(measured, error)
-            late = error.envelope()["error"]
-            kind = "invalid_request_error" if error.status < 500 and not error.retryable else "server_error"
-            request.write(sse_event("speech.audio.error", {"error": {
-                "message": late["message"], "type": kind, "code": error.code, "retryable": error.retryable,
-            }}))
-            return b""
-        if stream.received < FLOOR_BYTES:
-            raise Internal(f"the worker answered 200 with {stream.received} bytes, which is not audio")
-        if measured is not None:
-            measured.sent = stream.received
-        request.write(sse_event("speech.audio.done", {}))
-        return b""
-
-
-def refusal(error: Any, status: int) -> SpeechError:
-    """
-    The taxonomy's error an envelope's C{error} object describes, its status kept (a
-    route may have answered a code's refusal with a status of its own: 404, 413).
-    """
-    found = error_from_envelope({"error": error}, status)
-    if found.status != status:
-        found = type(found)(found.message, found.field, status=status)
-    return found
+        sink.end(duration)
 
 
 def _aborted(measured: Measured | None, error: BaseException | None) -> None:
@@ -513,13 +423,3 @@ def _aborted(measured: Measured | None, error: BaseException | None) -> None:
     """
     if measured is not None:
         measured.end("cancelled" if isinstance(error, CancelledError) else "aborted")
-
-
-async def _settled(finished: Any) -> None:
-    """
-    Wait for the client connection's end to land before Klein looks at the request.
-    """
-    try:
-        await finished
-    except Exception:
-        pass

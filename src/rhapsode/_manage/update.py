@@ -27,8 +27,8 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from zope.interface import Attribute, Interface, implementer
 
-#: The repository's latest release, by GitHub's definition: neither a draft nor a prerelease.
-RELEASES_URL = "https://api.github.com/repos/maroonedsoftware/rhapsode/releases/latest"
+from .._config import RELEASES_URL
+
 #: How long an answer stands, and how long after a failure the next check waits.
 FRESH_SECONDS = 24 * 3600.0
 RETRY_SECONDS = 6 * 3600.0
@@ -139,7 +139,7 @@ class GitHubReleases:
         self._http = http
 
     def latest(self) -> "Deferred[Release]":
-        from ._upstream import collect
+        from .._upstream import collect
 
         async def ask() -> Release:
             response = await self._http.request(

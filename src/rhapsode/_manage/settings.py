@@ -3,7 +3,7 @@ The settings document (protocol.md section 10, "Settings"): C{GET /settings} and
 C{PATCH}.
 
 A value comes from three layers, each over the one before: the defaults, the operator's
-config file, and the state database (L{rhapsode._state}).  A C{PATCH} writes only the
+config file, and the state database (L{rhapsode._manage.state}).  A C{PATCH} writes only the
 database.  A few settings are read by the core each time it uses them and so apply as
 soon as they are written (L{LIVE}); the rest wait for the next start, and until then the
 document shows the value in use and, beside it, the one saved.
@@ -20,9 +20,9 @@ from typing import Any
 
 from rhapsode_protocol.errors import BadRequest, Conflict, UnknownEngine
 
-from ._config import ENGINE_SETTINGS, SECTIONS, Config, ConfigError, parse_config
-from ._guard import _forwarded_remote, _loopback_ip, is_loopback, origin_key
-from ._state import StateDatabase
+from .._config import ENGINE_SETTINGS, SECTIONS, Config, ConfigError, parse_config
+from .._guard import _forwarded_remote, _loopback_ip, is_loopback, origin_key
+from .state import StateDatabase
 
 #: The settings that apply as soon as they are written: the core reads each when it
 #: uses it (the residency manager and admission read them through ConfigSettings).

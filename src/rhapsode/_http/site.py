@@ -1,35 +1,49 @@
 """
-Admission: who gets in, and when.  At a request's head, before any handler runs and
-before its body is read (protocol.md sections 7 and 10); and for speech, a turn on its
-engine (L{Turnstile}) and room for a buffered answer (L{BufferBudget}) (section 6).
+The public port's site: who gets in, and when, at a request's head, before any handler
+runs and before its body is read (protocol.md sections 7 and 10).
 
-The site (L{rhapsode_protocol.http.site}) resolves the route exactly as the router will and
-holds the body to the route's limit.  On top of that, here: the management guard runs
-for the management routes, C{Authorization} is removed so no handler or log ever sees
-it, and a voice upload starts streaming to its worker as it arrives, so a clip costs
-the core neither memory nor disk.  A refusal here is written straight to the
-connection, which is then closed: the body it refuses is never read.
+The protocol's site (L{rhapsode_protocol.http.site}) resolves the route exactly as the
+router will and holds the body to the route's limit.  On top of that, here, by the route
+table (L{rhapsode._http.table}): the management guard runs for the management routes,
+C{Authorization} is removed so no handler or log ever sees it, the CORS and Origin rules
+apply, and a voice upload starts streaming to its worker as it arrives, so a clip costs
+the core neither memory nor disk.  A refusal here is written straight to the connection,
+which is then closed: the body it refuses is never read.  What admission decided travels
+with the request as one typed record (L{Admitted}), which the handlers read through
+L{admitted_of}.
 """
 
 from __future__ import annotations
 
 import json
-from collections import deque
-from typing import Any, Collection, Protocol
+from dataclasses import dataclass
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IConsumer, IReactorTime
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IConsumer
+from twisted.logger import Logger
 from twisted.web import resource
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_protocol.errors import Forbidden, ModelUnavailable, Overloaded, SpeechError, as_speech_error
-from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, DirectSite, EagerRequest, Route, Routes
+from rhapsode_protocol.errors import Forbidden, ModelUnavailable, SpeechError, as_speech_error
+from rhapsode_protocol.http.site import (
+    HEAD_SECONDS,
+    IDLE_SECONDS,
+    DirectSite,
+    EagerRequest,
+    HandlerResource,
+    Route,
+    Routes,
+)
 
-from ._guard import check_management, check_origin, origin_key
+from .._guard import check_management, check_origin, origin_key
+from .._interfaces import StartUpload
+from .envelopes import openai_envelope, should_retry
+from .table import MANAGED, METRICS, ROUTES, RouteSpec
 
-#: A voice upload above this is refused (protocol.md section 7): generous for any clip.
-MAX_UPLOAD_BYTES = 25 * 1000 * 1000
+__all__ = ["Admitted", "CoreRequest", "CoreSite", "Upload", "admitted_of", "cors_headers", "core_site", "require_guard"]
+
 #: Bytes an upload may hold while its worker starts, before the client is paused.
 _EARLY_BUFFER = 256 * 1024
 
@@ -93,12 +107,12 @@ class Upload:
         return self._done
 
     def pauseProducing(self) -> None:
-        channel = getattr(self._request, "channel", None)
+        channel = self._request.channel
         if channel is not None:
             channel.pauseProducing()
 
     def resumeProducing(self) -> None:
-        channel = getattr(self._request, "channel", None)
+        channel = self._request.channel
         if channel is not None:
             channel.resumeProducing()
 
@@ -108,15 +122,53 @@ class Upload:
         self.fail(ModelUnavailable("the worker went away during the upload; try again"))
 
 
+@dataclass
+class Admitted:
+    """
+    What admission decided at a request's head, for the handlers to read.
+
+    @ivar guarded: the management guard admitted the request.
+    @ivar preflight: for a CORS preflight, the origin to allow and the headers asked for.
+    @ivar upstream: for a voice upload, the worker's answer to the body streaming to it.
+    """
+
+    route: Route
+    guarded: bool = False
+    preflight: tuple[bytes, bytes] | None = None
+    upstream: "Deferred[Any] | None" = None
+
+
+#: A request that no core site admitted (a test's, or one built in memory): unguarded.
+NOT_ADMITTED = Admitted(Route("", ""))
+
+
+def admitted_of(request: Any) -> Admitted:
+    """
+    What admission decided of C{request}; L{NOT_ADMITTED} for one that did not come in
+    through a L{CoreSite}.
+    """
+    admitted = request.admitted if isinstance(request, CoreRequest) else None
+    return admitted if admitted is not None else NOT_ADMITTED
+
+
+def require_guard(request: Any) -> None:
+    """
+    The guard runs at the headers (L{rhapsode._http.site}); a management route reached
+    any other way refuses rather than runs unguarded.
+
+    @raise Forbidden: C{request} did not pass the management guard.
+    """
+    if not admitted_of(request).guarded:
+        raise Forbidden("management route reached without passing the management guard")
+
+
 class CoreRequest(EagerRequest):
     """
     A request guarded, stripped and (for a voice upload) streamed at its head.
     """
 
-    #: Set once the management guard has admitted this request.
-    guarded = False
-    #: For a CORS preflight admitted at its head: the methods and headers to allow.
-    preflight: tuple[bytes, bytes] | None = None
+    #: What admission decided, once it has.
+    admitted: Admitted | None = None
     upload: Upload | None = None
     upstream: "Deferred[Any] | None" = None
     _received = False
@@ -175,13 +227,15 @@ class CoreSite(DirectSite):
     The core's site: its requests (L{CoreRequest}s) are admitted at their heads by the
     route table, then guarded, stripped and, for a voice upload, streamed as above.
 
-    @param management: the (method, rule) of every management route.
+    @param management: the (method, rule) of every route the management guard runs for.
     @param upload: the (method, rule) of the route whose body streams to a worker.
     @param origin_checked: the (method, rule) of the routes open to anybody but a
         browser page whose Origin is neither this machine's nor in
-        C{management.origins} (C{/mcp}, section 12; the speech WebSocket).
+        C{management_origins} (C{/mcp}, section 12; the speech WebSocket).
     @param cors: the (method, rule) of the public routes a page on one of the core's
         C{cors_origins} may call from a browser, preflight included.
+    @param start_upload: begins the worker's request for a voice upload admitted at
+        its head, with the request whose body streams to it.
     """
 
     requestFactory = CoreRequest
@@ -189,7 +243,6 @@ class CoreSite(DirectSite):
     def __init__(
         self,
         resource: Any,
-        core: Any,
         direct: dict[tuple[bytes, bytes], Any] | None = None,
         access_log: bool = True,
         reactor: Any = None,
@@ -201,15 +254,23 @@ class CoreSite(DirectSite):
         cors: Collection[tuple[str, str]] = (),
         timeout: float = IDLE_SECONDS,
         head_timeout: float = HEAD_SECONDS,
+        management_token: str | None = None,
+        management_origins: Sequence[str] = (),
+        cors_origins: Sequence[str] = (),
+        start_upload: StartUpload | None = None,
     ) -> None:
         super().__init__(
             resource, direct, access_log, reactor=reactor, routes=routes, timeout=timeout, head_timeout=head_timeout
         )
-        self.core = core
         self.management = frozenset(management)
         self.upload = upload
         self.origin_checked = frozenset(origin_checked)
         self.cors = frozenset(cors)
+        self.management_token = management_token
+        self.management_origins = tuple(management_origins)
+        self.cors_origins = tuple(cors_origins)
+        self._allowed = {origin_key(o) for o in self.cors_origins} - {None}
+        self._start_upload = start_upload
         self.displayTracebacks = False
 
     # -- CORS (the cors.origins setting) ---------------------------------------------
@@ -225,11 +286,10 @@ class CoreSite(DirectSite):
         if len(values) != 1:
             return None
         origin = values[0].decode("latin-1").strip()
-        allowed = getattr(self.core, "cors_origins", ())
-        if "*" in allowed:
+        if "*" in self.cors_origins:
             return origin.encode("latin-1")
         key = origin_key(origin)
-        if key is not None and key in {origin_key(o) for o in allowed}:
+        if key is not None and key in self._allowed:
             return origin.encode("latin-1")
         return None
 
@@ -247,13 +307,13 @@ class CoreSite(DirectSite):
                     " (cors.origins)"
                 )
             asked = b", ".join(request.requestHeaders.getRawHeaders(b"access-control-request-headers") or [])
-            request.preflight = (origin, asked[:1024])
             request.route = Route("OPTIONS", route.rule, route.arguments, 0)
+            request.admitted = Admitted(request.route, preflight=(origin, asked[:1024]))
             return
         super().admit(request, method, target, length)
 
     def getResourceFor(self, request: Any) -> Any:
-        if getattr(request, "preflight", None) is not None:
+        if admitted_of(request).preflight is not None:
             request.site = self
             return _PREFLIGHT
         return super().getResourceFor(request)
@@ -264,16 +324,14 @@ class CoreSite(DirectSite):
         OpenAI routes (their clients parse only that), the taxonomy's elsewhere; with
         the CORS headers a page on an allowed origin needs to read it.
         """
-        line = getattr(request, "line", None)
         headers = list(error.headers)
-        route = getattr(request, "route", None)
-        if route is not None:
-            origin = self._cors_origin(request, route)
+        # None where the channel refuses before a request exists (a head too slow).
+        known = request if isinstance(request, EagerRequest) else None
+        if known is not None and known.route is not None:
+            origin = self._cors_origin(known, known.route)
             if origin is not None:
                 headers.extend(cors_headers(origin))
-        if line is not None and line[1].startswith(b"/v1/"):
-            from ._openai import openai_envelope, should_retry
-
+        if known is not None and known.line is not None and known.line[1].startswith(b"/v1/"):
             return json.dumps(openai_envelope(error)).encode(), headers + [should_retry(error)]
         return json.dumps(error.envelope()).encode(), headers
 
@@ -281,32 +339,72 @@ class CoreSite(DirectSite):
         assert isinstance(request, CoreRequest)
         # Set first, so a refusal below can carry the CORS headers a page needs to read it.
         request.route = route
+        admitted = request.admitted = Admitted(route)
         if (route.method, route.rule) in self.origin_checked and self._cors_origin(request, route) is None:
-            check_origin(_headers(request), self.core.management_origins)
+            check_origin(_headers(request), self.management_origins)
         if (route.method, route.rule) in self.management:
-            core = self.core
             check_management(
                 peer=_peer(request),
                 headers=_headers(request),
-                token=core.management_token,
-                origins=core.management_origins,
+                token=self.management_token,
+                origins=self.management_origins,
             )
-            request.guarded = True
+            admitted.guarded = True
         # Gone before any handler runs, and so never logged.
         request.requestHeaders.removeHeader(b"authorization")
 
     def admitted(self, request: EagerRequest, route: Route, length: int | None) -> None:
         assert isinstance(request, CoreRequest)
-        core = self.core
         origin = self._cors_origin(request, route)
         if origin is not None:
             for name, value in cors_headers(origin):
                 request.responseHeaders.setRawHeaders(name, [value])
-        if (route.method, route.rule) == self.upload:
+        if (route.method, route.rule) == self.upload and self._start_upload is not None:
             request.upload = Upload(request, length)
             engine_id = str(route.arguments["engine_id"])
-            request.upstream = Deferred.fromCoroutine(core.start_upload(engine_id, request))
+            request.upstream = Deferred.fromCoroutine(self._start_upload(engine_id, request))
             request.upstream.addErrback(request.upstream_failed)
+            if request.admitted is not None:
+                request.admitted.upstream = request.upstream
+
+
+def core_site(
+    resource: Any,
+    routes: Routes,
+    direct: Mapping[str, Any],
+    *,
+    specs: Iterable[RouteSpec] = ROUTES,
+    metrics_public: bool = False,
+    log: Logger | None = None,
+    **options: Any,
+) -> CoreSite:
+    """
+    The core's site for the route table C{specs}: its guard, CORS, Origin and upload
+    rules taken from each route's entry; the routes marked direct answered by the
+    handlers in C{direct} (by name) without Klein's routing.  C{options} are
+    L{CoreSite}'s own (timeouts, the management token and origins, the CORS origins,
+    the upload starter, the reactor, the access log).
+    """
+    specs = tuple(specs)
+    guarded = [
+        spec.key for spec in specs
+        if spec.guard == MANAGED or (spec.guard == METRICS and not metrics_public)
+    ]
+    uploads = [spec.key for spec in specs if spec.upload]
+    return CoreSite(
+        resource,
+        {
+            (spec.method.encode(), spec.rule.encode()): HandlerResource(direct[spec.name], log or Logger())
+            for spec in specs
+            if spec.direct
+        },
+        routes=routes,
+        management=guarded,
+        upload=uploads[0] if uploads else None,
+        origin_checked=[spec.key for spec in specs if spec.origin_checked],
+        cors=[spec.key for spec in specs if spec.cors],
+        **options,
+    )
 
 
 #: What a page's script may read of an answer beyond the CORS-safelisted headers.
@@ -333,7 +431,9 @@ class _Preflight(resource.Resource):
     isLeaf = True
 
     def render(self, request: Any) -> bytes:
-        origin, asked = request.preflight
+        preflight = admitted_of(request).preflight
+        assert preflight is not None  # getResourceFor sends only preflights here
+        origin, asked = preflight
         request.setResponseCode(204)
         for name, value in cors_headers(origin):
             request.setHeader(name, value)
@@ -346,145 +446,3 @@ class _Preflight(resource.Resource):
 
 
 _PREFLIGHT = _Preflight()
-
-
-class IAdmissionSettings(Protocol):
-    """
-    The admission limits, asked for each time one is used (a settings API may change
-    them live).  Every method answers at once.
-    """
-
-    def concurrent_per_engine(self, engine: str) -> int: ...
-
-    def queued_per_engine(self, engine: str) -> int: ...
-
-    def queue_wait_seconds(self) -> float: ...
-
-    def buffered_bytes(self) -> int: ...
-
-
-class Turn:
-    """
-    One request's turn to speak on its engine; leave it when the answer has ended,
-    however it ended.  Leaving twice is harmless.
-    """
-
-    def __init__(self, line: "_Line") -> None:
-        self._line: _Line | None = line
-
-    def leave(self) -> None:
-        line, self._line = self._line, None
-        if line is not None:
-            line.left()
-
-
-class _Line:
-    """
-    One engine's speakers and the queue waiting behind them.
-    """
-
-    def __init__(self) -> None:
-        self.speaking = 0
-        self.waiting: deque[Deferred[None]] = deque()
-
-    def left(self) -> None:
-        self.speaking -= 1
-        while self.waiting:
-            waiter = self.waiting.popleft()
-            if not waiter.called:
-                self.speaking += 1
-                waiter.callback(None)
-                return
-
-
-class Turnstile:
-    """
-    How many requests speak on each engine at once, and how many may wait for a turn
-    (protocol.md section 6, overloaded): past both, a request is refused at once as
-    overloaded, retryable, with a Retry-After, instead of joining a queue with no end.
-    A request that waits longer than C{queue_wait_seconds} is refused the same way.
-    """
-
-    def __init__(self, clock: IReactorTime, settings: IAdmissionSettings) -> None:
-        self._clock = clock
-        self._settings = settings
-        self._lines: dict[str, _Line] = {}
-
-    def state(self, engine: str) -> dict[str, int]:
-        line = self._lines.get(engine)
-        return {"speaking": line.speaking, "queued": len(line.waiting)} if line else {"speaking": 0, "queued": 0}
-
-    async def enter(self, engine: str) -> Turn:
-        """
-        A turn to speak on C{engine}, at once or after those ahead of it.
-
-        @raise Overloaded: the queue is full, or the turn did not come in time.
-        """
-        line = self._lines.setdefault(engine, _Line())
-        if line.speaking < self._settings.concurrent_per_engine(engine) and not line.waiting:
-            line.speaking += 1
-            return Turn(line)
-        most = self._settings.queued_per_engine(engine)
-        if len(line.waiting) >= most:
-            raise _overloaded(
-                f'engine "{engine}" has {line.speaking} request(s) speaking and {most} waiting; try again shortly'
-            )
-        waiter: Deferred[None] = Deferred()
-        line.waiting.append(waiter)
-        patience = self._settings.queue_wait_seconds()
-        timer = self._clock.callLater(patience, waiter.cancel)
-        try:
-            await waiter
-        except CancelledError:
-            if waiter in line.waiting:
-                line.waiting.remove(waiter)
-            if timer.active():
-                raise  # the caller gave up, not the wait
-            raise _overloaded(
-                f'engine "{engine}" had no turn free within {patience:g} s; try again shortly'
-            ) from None
-        finally:
-            if timer.active():
-                timer.cancel()
-        return Turn(line)
-
-
-def _overloaded(message: str) -> Overloaded:
-    error = Overloaded(message)
-    error.headers = ((b"Retry-After", b"%d" % RETRY_AFTER_SECONDS),)
-    return error
-
-
-#: What a refused request is told to wait before it tries again.
-RETRY_AFTER_SECONDS = 1
-
-
-class BufferBudget:
-    """
-    How much audio the core holds at once for buffered (C{stream: false}) answers, all
-    of them together: each is read whole before its status is written (section 6), so
-    without a bound forty long ones at once took the core from 109 to 653 MB.  A body
-    that would take the total past the budget fails its request as overloaded
-    (retryable): the answers already held are the ones that finish.
-    """
-
-    def __init__(self, settings: IAdmissionSettings) -> None:
-        self._settings = settings
-        self.held = 0
-
-    def take(self, size: int) -> None:
-        """
-        Hold C{size} more bytes.
-
-        @raise Overloaded: the budget has no room for them.
-        """
-        most = self._settings.buffered_bytes()
-        if self.held + size > most:
-            raise _overloaded(
-                f"the core is holding {self.held} bytes of buffered audio, its limit {most}; "
-                "try again shortly, or ask for stream: true"
-            )
-        self.held += size
-
-    def give_back(self, size: int) -> None:
-        self.held -= size

@@ -17,16 +17,21 @@ the taxonomy's codes plus C{ok}, C{aborted} and C{cancelled}.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IReactorTime
+from zope.interface import implementer
 
 from rhapsode_protocol.errors import ERROR_TABLE
+from rhapsode_protocol.http.answers import InFlight
 
-if TYPE_CHECKING:
-    from ._router import CoreApp
+from .._fleet.registry import Registry
+from .._fleet.residency import Residency
+from .._interfaces import IResidencyObserver
+from .limits import Turnstile
 
 __all__ = ["CONTENT_TYPE", "Measured", "Metrics", "ROUTES"]
 
@@ -77,15 +82,24 @@ class Measured:
         self._metrics._record(self, outcome if outcome in _OUTCOMES else "internal")
 
 
+@implementer(IResidencyObserver)
 class Metrics:
     """
-    The metrics of one core (L{rhapsode._router.CoreApp}); its clock times requests.
+    The metrics of one core; its clock times requests, and what is a state is read at
+    scrape time from the registry, the residency, the turnstile and the requests in flight.
     """
 
-    def __init__(self, core: "CoreApp", clock: Any) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        engines: Registry,
+        residency: Residency,
+        turnstile: Turnstile,
+        requests: InFlight,
+    ) -> None:
         # The _created series say when a label set was first seen, which nobody reads.
         disable_created_metrics()
-        self.core = core
+        self.engines = engines
         self.clock = clock
         self.registry = CollectorRegistry(auto_describe=False)
         registry = self.registry
@@ -115,10 +129,10 @@ class Metrics:
         self.jobs = Counter(
             "rhapsode_install_jobs", "Install, reinstall and pull jobs finished, by kind, engine and outcome.",
             ["kind", "engine", "outcome"], registry=registry)
-        registry.register(_StateCollector(core))
+        registry.register(_StateCollector(self.engines, residency, turnstile, requests))
 
     def engine_label(self, engine_id: str) -> str:
-        return engine_id if engine_id in self.core.registry else UNKNOWN
+        return engine_id if engine_id in self.engines else UNKNOWN
 
     def begin(self, route: str, engine_id: str) -> Measured:
         """
@@ -141,7 +155,7 @@ class Metrics:
         if measured.audio_ms and elapsed > 0:
             self.realtime.labels(engine).observe(measured.audio_ms / 1000 / elapsed)
 
-    # -- residency, as it happens (rhapsode._residency's observer) ------------------------
+    # -- residency, as it happens (rhapsode._fleet.residency's observer) ------------------------
 
     def load_started(self, engine: str, variant: str) -> None:
         self.loads.labels(self.engine_label(engine)).inc()
@@ -168,11 +182,13 @@ class _StateCollector(Collector):
     What is a state rather than an event, read from the core at scrape time.
     """
 
-    def __init__(self, core: "CoreApp") -> None:
-        self.core = core
+    def __init__(self, engines: Registry, residency: Residency, turnstile: Turnstile, requests: InFlight) -> None:
+        self._engines = engines
+        self._residency = residency
+        self._turnstile = turnstile
+        self._requests = requests
 
     def collect(self) -> Iterator[Metric]:
-        core = self.core
         speaking = GaugeMetricFamily("rhapsode_requests_speaking", "Speech requests holding a turn, by engine.",
                                      labels=["engine"])
         queued = GaugeMetricFamily("rhapsode_requests_queued", "Speech requests waiting for a turn, by engine.",
@@ -181,8 +197,8 @@ class _StateCollector(Collector):
                                labels=["engine", "state"])
         restarts = CounterMetricFamily("rhapsode_worker_restarts", "Worker restarts after a crash, by engine.",
                                        labels=["engine"])
-        turnstile = core.speech.turnstile
-        for handle in core.registry:
+        turnstile = self._turnstile
+        for handle in self._engines:
             line = turnstile.state(handle.id)
             speaking.add_metric([handle.id], line["speaking"])
             queued.add_metric([handle.id], line["queued"])
@@ -195,8 +211,8 @@ class _StateCollector(Collector):
         size = GaugeMetricFamily("rhapsode_model_bytes", "What a resident model's load cost, where measured.",
                                  labels=["engine", "variant"])
         leases = GaugeMetricFamily("rhapsode_model_leases", "Requests holding a resident model.", labels=["engine"])
-        for handle in core.registry:
-            model = core.residency.state(handle.id)
+        for handle in self._engines:
+            model = self._residency.state(handle.id)
             if not model["resident"]:
                 continue
             resident.add_metric([handle.id, model["variant"], "true" if model["loaded"] else "false"], 1.0)
@@ -204,5 +220,5 @@ class _StateCollector(Collector):
             if model.get("sizeBytes") is not None:
                 size.add_metric([handle.id, model["variant"]], float(model["sizeBytes"]))
         in_flight = GaugeMetricFamily("rhapsode_requests_in_flight", "Requests being answered, every route.",
-                                      value=float(core.requests.count))
+                                      value=float(self._requests.count))
         yield from (speaking, queued, up, restarts, resident, size, leases, in_flight)

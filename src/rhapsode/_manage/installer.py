@@ -38,9 +38,10 @@ from twisted.python.failure import Failure
 from rhapsode_protocol.contract import VARIANT_NAME_PATTERN, VOICE_ID_PATTERN
 from rhapsode_protocol.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
 
-from ._catalog import CORE_DISTRIBUTION, SDK_DISTRIBUTION, Catalog, _source_of
-from ._jobs import Job, JobContext, JobFailed, Jobs
-from ._state import InstalledEngine, StateDatabase
+from .._config import CORE_DISTRIBUTION, source_of
+from .._fleet.catalog import SDK_DISTRIBUTION, Catalog
+from .jobs import Job, JobContext, JobFailed, Jobs
+from .state import InstalledEngine, StateDatabase
 
 _T = TypeVar("_T")
 
@@ -439,7 +440,7 @@ def sdk_source(core_version: str) -> tuple[str, ...]:
     index pinned to this core's version (it pins the protocol to the same).
     """
     try:
-        source = _source_of(metadata.distribution(CORE_DISTRIBUTION))
+        source = source_of(metadata.distribution(CORE_DISTRIBUTION))
     except metadata.PackageNotFoundError:
         source = None
     if source is not None:

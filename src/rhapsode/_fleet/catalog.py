@@ -17,18 +17,15 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
-from urllib.parse import unquote, urlparse
+
+from .._config import source_of
 
 #: The distribution an engine's virtualenv gets the worker SDK from; its version there
 #: is the engine's workerVersion (protocol.md section 9).
 SDK_DISTRIBUTION = "rhapsode-worker"
-#: The core's own distribution: installed from a checkout, that checkout's protocol/
-#: and sdk/ folders are what an engine's virtualenv is given.
-CORE_DISTRIBUTION = "rhapsode"
 
 
 def _normalise(name: str) -> str:
@@ -70,24 +67,6 @@ def _distribution(module: str, python: str) -> Any:
     return None
 
 
-def _source_of(dist: Any) -> Path | None:
-    """
-    The folder a distribution was installed from, where its metadata says (a C{pip
-    install PATH} or an editable install); None for one from an index.
-    """
-    direct = dist.read_text("direct_url.json")
-    if not direct:
-        return None
-    try:
-        url = json.loads(direct).get("url", "")
-    except (ValueError, AttributeError):
-        return None
-    parsed = urlparse(url)
-    if parsed.scheme != "file":
-        return None
-    return Path(unquote(parsed.path))
-
-
 def read_catalog(module: str, python: str) -> dict[str, Any] | None:
     """
     The catalog facts of the engine whose worker module is C{module}, installed for
@@ -96,7 +75,7 @@ def read_catalog(module: str, python: str) -> dict[str, Any] | None:
     dist = _distribution(module, python)
     if dist is None:
         return None
-    source = _source_of(dist)
+    source = source_of(dist)
     if source is None:
         return None
     facts = _record(source / "catalog.json")
@@ -127,25 +106,6 @@ def worker_version(python: str | None) -> str | None:
     dist = _in_venv(SDK_DISTRIBUTION, sites)
     version = dist.version if dist is not None else None
     return version if isinstance(version, str) and version else None
-
-
-@lru_cache(maxsize=1)
-def default_source_dir() -> Path | None:
-    """
-    The C{engines} folder of the checkout this core runs from, where it runs from one:
-    the folder its distribution was installed from (an editable install, or C{pip
-    install PATH}) when that holds an C{engines} folder.  None for a core installed
-    from an index, which ships no engine sources.  Worked out once per process:
-    every L{rhapsode._config.Config} made asks.
-    """
-    try:
-        dist = metadata.distribution(CORE_DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        return None
-    source = _source_of(dist)
-    if source is None or not (source / "engines").is_dir():
-        return None
-    return source / "engines"
 
 
 def read_source(source_dir: Path | None) -> list[dict[str, Any]]:

@@ -21,6 +21,8 @@ from twisted.internet.defer import CancelledError, Deferred
 
 from rhapsode_protocol.errors import BadRequest
 
+from .render import table
+
 #: What a detached command exits with, as a shell reports an interrupted one.
 DETACHED = 130
 _PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
@@ -291,7 +293,6 @@ async def jobs(ns: argparse.Namespace, client: Any, out: _Out, now: float) -> in
 
             out.line(json.dumps(listed, indent=2))
             return 0
-        from ._cli import table
 
         rows = [[j["id"], j["kind"], j["engine"], j.get("variant", ""), j["state"], j.get("step", ""),
                  j["createdAt"]] for j in listed]

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from ._registry import EngineHandle, Registry
+from .registry import EngineHandle, Registry
 
 __all__ = ["Watchdog"]
 

@@ -27,62 +27,15 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import Interface
 
 from rhapsode_protocol.errors import BadRequest, Conflict, ModelUnavailable, SpeechError
+
+from .._interfaces import IResidencySettings
 
 _T = TypeVar("_T")
 
 #: How an operator may give a model's memory back (POST /engines/{engine}/unload).
 UNLOAD_MODES = ("terminate", "unload")
-
-
-class IResidencySettings(Interface):
-    """
-    The residency settings, asked for each time one is used.  Every method answers
-    at once and never blocks.
-    """
-
-    def max_resident_models() -> int:
-        """
-        How many models may be resident at once (1 or more).
-        """
-
-    def eviction_wait_seconds() -> float:
-        """
-        How long an acquire waits for a leased model to let go before it fails.
-        """
-
-    def keep_alive_seconds() -> int:
-        """
-        The server's keep-alive: seconds an idle model stays, -1 for no deadline.
-        """
-
-    def engine_keep_alive_seconds(engine: str) -> int | None:
-        """
-        The engine's own keep-alive, or C{None} where it has none of its own.
-        """
-
-
-class IResidencyObserver(Interface):
-    """
-    Told of what happens to models, as it happens (the core's metrics).
-    """
-
-    def load_started(engine: str, variant: str) -> None:
-        """
-        A model was admitted to load (a new one, or a worker switching variant).
-        """
-
-    def load_finished(engine: str, variant: str, seconds: float) -> None:
-        """
-        Its worker first answered in it, C{seconds} after its admission.
-        """
-
-    def evicted(engine: str, reason: str) -> None:
-        """
-        A model left: C{room}, C{expired}, C{unload} or C{crash}.
-        """
 
 
 class _Turns:

@@ -5,13 +5,13 @@ soon as it is complete, with vLLM-Omni's message names ("Streaming Text Input", 
 peer's speech API; docs/streaming.md is this server's account of it).
 
 Text is cut as it arrives (L{rhapsode_protocol.text.TextCutter}, the SDK splitter's
-boundary rules), and each piece is spoken through the router's own speech path exactly as
-C{POST /speak} is: preflight, the engine's turnstile, the residency lease, the 256-byte
+boundary rules), and each piece is spoken through the speech service (L{ISpeech}) exactly
+as C{POST /speak} is: preflight, the engine's turnstile, the residency lease, the 256-byte
 floor and the stall watch apply unchanged.  The relay writes each answer to a
-L{_SentenceRequest}, a stand-in for the HTTP request, which turns the worker's audio
-into binary messages and registers the relay as the WebSocket's producer, so a listener
-that reads slowly pauses the worker's socket, as it would over HTTP.  One piece is spoken
-at a time, in order.
+L{_PieceSink}, this door's L{IAudioSink}, which turns the worker's audio into binary
+messages and registers the relay as the WebSocket's producer, so a listener that reads
+slowly pauses the worker's socket, as it would over HTTP.  One piece is spoken at a time,
+in order.
 
 twisted.web.websocket (Twisted's own, from the C{websocket} extra) carries the frames.
 Three things it leaves to its user, found here:
@@ -33,28 +33,29 @@ import re
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.error import ConnectionAborted, ConnectionDone
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.iweb import IRequest
 from twisted.web.server import Request
 from twisted.web.websocket import WebSocketResource, WebSocketTransport
 from wsproto.utilities import LocalProtocolError
+from zope.interface import implementer
 
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, Unsupported
+from rhapsode_protocol.schemas import OPENAI_SPEECH_REQUEST
 from rhapsode_protocol.text import GRANULARITIES, TextCutter
 from rhapsode_protocol.vocab import is_speakable
 
-from ._openai import SPEECH_REQUEST, openai_envelope, render_error
-from ._preflight import forward_speak
-
-if TYPE_CHECKING:
-    from ._router import CoreApp
+from .._fleet.registry import Registry
+from .._http.envelopes import openai_envelope, render_error
+from .._interfaces import IAudioSink, ISpeech, Utterance
+from .._speech.preflight import forward_speak
+from .._speech.translate import OpenAITranslation
 
 __all__ = ["SpeechStreams", "StreamSession"]
 
@@ -84,7 +85,7 @@ NORMAL, GOING_AWAY, UNSUPPORTED_DATA, INVALID_DATA, POLICY, TOO_BIG, INTERNAL = 
 
 #: session.config: the OpenAI speech request's fields but its input (the text comes in
 #: input.text) and stream_format, and the peer's additions.
-_OPENAI_FIELDS = {k: v for k, v in SPEECH_REQUEST["properties"].items() if k not in ("input", "stream_format")}
+_OPENAI_FIELDS = {k: v for k, v in OPENAI_SPEECH_REQUEST["properties"].items() if k not in ("input", "stream_format")}
 SESSION_CONFIG: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -156,17 +157,38 @@ class _Phase(Enum):
     GONE = "gone"  # the connection is lost
 
 
+@dataclass(frozen=True)
+class _Speaking:
+    """
+    What a session speaks with: the speech service, the OpenAI translation its config
+    is read by, the registry its model names, and the clock its timers run on.
+    """
+
+    speech: ISpeech
+    translation: OpenAITranslation
+    registry: Registry
+    clock: IReactorTime
+
+
 class SpeechStreams:
     """
-    The WebSocket route's resource and its sessions, over a core (L{CoreApp}).
+    The WebSocket route's resource and its sessions, over the speech service.
     """
 
     log = Logger()
 
-    def __init__(self, core: "CoreApp") -> None:
-        self.core = core
+    def __init__(
+        self, *, speech: ISpeech, translation: OpenAITranslation, registry: Registry, clock: IReactorTime
+    ) -> None:
+        self._speaking = _Speaking(speech, translation, registry, clock)
         self.sessions: set[StreamSession] = set()
         self._resource = _StreamResource(self)
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        """
+        The handler of the table's WebSocket route, by name.
+        """
+        return {"openai_stream": lambda request: self.resource()}
 
     def resource(self) -> WebSocketResource:
         """
@@ -175,7 +197,7 @@ class SpeechStreams:
         return self._resource
 
     def buildProtocol(self, request: Request) -> "StreamSession":
-        session = StreamSession(self.core, request, self.sessions.discard)
+        session = StreamSession(self._speaking, request, self.sessions.discard)
         self.sessions.add(session)
         return session
 
@@ -208,7 +230,7 @@ class StreamSession:
     One WebSocket session: its messages read in order, its text cut, its pieces spoken
     one at a time through the core's speech path, and its frames sent.
 
-    Its timers run on the core's reactor (C{core.reactor}).
+    Its timers run on the core's reactor (C{speaking.clock}).
 
     @ivar utterances: how many utterances it has ended (input.done).
     @ivar spoken: how many pieces it has spoken, well or not.
@@ -216,11 +238,11 @@ class StreamSession:
 
     log = Logger()
 
-    def __init__(self, core: "CoreApp", request: Request, forget: Callable[["StreamSession"], None]) -> None:
-        self._core = core
+    def __init__(self, speaking: _Speaking, request: Request, forget: Callable[["StreamSession"], None]) -> None:
+        self._speaking = speaking
         self._request = request
         self._forget = forget
-        self._clock = core.reactor
+        self._clock = speaking.clock
         self._phase = _Phase.CONFIGURING
         self._timer: IDelayedCall | None = None
         self._ws: Any = None  # the WebSocket transport; its loseConnection takes a reason
@@ -237,7 +259,7 @@ class StreamSession:
         self._queue: deque[_Item] = deque()
         self._queued_characters = 0
         self._speaker: Deferred[None] | None = None
-        self._sentence: _SentenceRequest | None = None
+        self._sentence: _PieceSink | None = None
         self._unread = 0
         self._closed_with: tuple[int, str] | None = None
         self.utterances = 0
@@ -433,12 +455,13 @@ class StreamSession:
             raise Unsupported(
                 f'the stream carries pcm, not "{fields["response_format"]}"', field="response_format"
             )
-        native = await self._core.openai.native({**fields, "input": "a"}, stream=True)
+        translation = self._speaking.translation
+        native = await translation.native({**fields, "input": "a"}, stream=True)
         native.update(extra)
         contract.validate(contract.PUBLIC_SPEAK_REQUEST, native)
-        engine = self._core.registry.get(native["engine"])
+        engine = self._speaking.registry.get(native["engine"])
         caps = await engine.capabilities()
-        variant = engine.effective_variant(native.get("variant"), self._core._resident(engine))
+        variant = translation.effective(engine, native.get("variant"))
         forward_speak(native, caps, variant)
         most = caps["variants"][variant].get("maxCharacters")
         ceiling = min(most, MAX_PENDING_CHARACTERS) if isinstance(most, int) else MAX_PENDING_CHARACTERS
@@ -526,19 +549,16 @@ class StreamSession:
 
     async def _say(self, piece: _Piece) -> None:
         """
-        Speak one piece through the router's speech path, its audio sent as it comes,
+        Speak one piece through the speech service, its audio sent as it comes,
         and then say how it went.
         """
-        sentence = _SentenceRequest(self, piece)
+        sentence = _PieceSink(self, piece)
         self._sentence = sentence
         failure: SpeechError | None = None
         try:
-            native = await self._core.openai.native({**piece.config.fields, "input": piece.text}, stream=True)
+            native = await self._speaking.translation.native({**piece.config.fields, "input": piece.text}, stream=True)
             native.update(piece.config.native)
-            await self._core._speech(
-                sentence.as_request(), sentence.finished, native["engine"], native, "/speak", forward_speak,
-                route="stream",
-            )
+            await self._speaking.speech.speak(sentence, Utterance(native["engine"], native, route="stream"))
         except CancelledError:
             raise
         except SpeechError as refused:
@@ -548,7 +568,7 @@ class StreamSession:
             failure = Internal("the piece could not be spoken: the server failed")
         finally:
             self._sentence = None
-            sentence.end()
+            sentence.done()
         self.spoken += 1
         if failure is None and sentence.broken:
             failure = Internal(f"the audio broke off after {sentence.sent} bytes")
@@ -596,7 +616,7 @@ class StreamSession:
             return
         self._ws.detachProducer()
 
-    def audio_starts(self, sentence: "_SentenceRequest") -> None:
+    def audio_starts(self, sentence: "_PieceSink") -> None:
         piece = sentence.piece
         self._send({
             "type": "audio.start",
@@ -688,41 +708,30 @@ class StreamSession:
             return "-"
 
 
-class _SentenceRequest:
+@implementer(IAudioSink)
+class _PieceSink:
     """
-    What the speech relay writes one piece's answer to, standing in for the twisted.web
-    request it writes a C{/speak} answer to: the status and headers are kept, the first
-    write announces the audio (audio.start, with the rate the Content-Type gave) and
-    every write is a binary message, and the relay registers as the WebSocket's
-    producer.  An abort of the "connection" (a body under the floor, truncated or
-    stalled) fails this piece, never the WebSocket.
+    What the speech relay writes one piece's answer to: the status and headers are kept,
+    the first write announces the audio (audio.start, with the rate the Content-Type
+    gave) and every write is a binary message, and the relay registers as the
+    WebSocket's producer.  An abort (a body under the floor, truncated or stalled) fails
+    this piece, never the WebSocket.
 
     @ivar finished: fires when the piece is done, and fails when the connection is lost
-        or the relay aborts it: what C{request.notifyFinish()} is to the relay.
+        or the relay aborts it.
     """
-
-    #: Never chunked: the relay's HTTP trailer has nothing to end (audio.done says it).
-    chunked = 0
 
     def __init__(self, session: StreamSession, piece: _Piece) -> None:
         self.session = session
         self.piece = piece
         self.finished: Deferred[None] = Deferred()
-        self.channel = _Line(self)
         self.code: int | None = None
         self.content_type = b""
-        self.startedWriting = False
+        self.started = False
+        self._writing = False
         self.producer: IPushProducer | None = None
         self.sent = 0
         self.broken = False
-
-    def as_request(self) -> IRequest:
-        """
-        This, as the request the relay is typed to write to: it has every part of one the
-        relay uses, and no other.
-        """
-        request: IRequest = self  # type: ignore[assignment]
-        return request
 
     @property
     def sample_rate(self) -> int | None:
@@ -734,38 +743,42 @@ class _SentenceRequest:
         found = _CHANNELS.search(self.content_type)
         return int(found.group(1)) if found else 1
 
-    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self.started = True
         self.code = code
+        for name, value in headers:
+            if name.lower() == b"content-type":
+                self.content_type = value
 
-    def setHeader(self, name: bytes | str, value: bytes | str) -> None:
-        raw = name.encode("latin-1") if isinstance(name, str) else name
-        if raw.lower() == b"content-type":
-            self.content_type = value.encode("latin-1") if isinstance(value, str) else value
-
-    def registerProducer(self, producer: IPushProducer, streaming: bool) -> None:
+    def registerProducer(self, producer: IPushProducer) -> None:
         self.producer = producer
         self.session.attach(producer)
 
     def unregisterProducer(self) -> None:
-        self.producer = None
-        self.session.detach()
+        if self.producer is not None:
+            self.producer = None
+            self.session.detach()
 
     def write(self, data: bytes) -> None:
         if not data:
             return
-        if not self.startedWriting:
-            self.startedWriting = True
+        if not self._writing:
+            self._writing = True
             self.session.audio_starts(self)
         self.sent += len(data)
         self.session.send_audio(data)
 
-    def abort(self) -> None:
+    def end(self, duration_ms: int | None) -> None:
+        pass  # audio.done says it, once the speech service has returned
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
         """
         The relay gives up on this piece after its first bytes: it failed.
         """
         self.broken = True
         if not self.finished.called:
             self.finished.errback(Failure(ConnectionAborted("the piece's audio broke off")))
+        return succeed(None)
 
     def lose(self, why: Failure) -> None:
         """
@@ -778,25 +791,8 @@ class _SentenceRequest:
         if not self.finished.called:
             self.finished.errback(why)
 
-    def end(self) -> None:
+    def done(self) -> None:
         if not self.finished.called:
             self.finished.callback(None)
         # Consumed once the relay has seen it, so a failure is never logged as unhandled.
         self.finished.addErrback(lambda _: None)
-
-
-class _Line:
-    """
-    A piece's stand-in for the request's channel and its transport: what the relay
-    aborts when a piece fails after its first bytes.
-    """
-
-    def __init__(self, sentence: _SentenceRequest) -> None:
-        self.transport = self
-        self._sentence = sentence
-
-    def abortConnection(self) -> None:
-        self._sentence.abort()
-
-    def loseConnection(self) -> None:
-        self._sentence.abort()

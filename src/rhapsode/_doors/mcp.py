@@ -5,7 +5,7 @@ stateless Streamable HTTP.
 Each POST carries one JSON-RPC message and gets one JSON answer, or 202 and no body for
 a notification or a client's response; no session is kept and no C{Mcp-Session-Id} is
 sent.  A tool builds the request of the route it stands for and runs it through that
-route's own handler in process (L{rhapsode._inprocess}), so the validation, the
+route's own handler in process (L{rhapsode._speech.inprocess}), so the validation, the
 ceiling, the residency lease and the error taxonomy are the route's.  A route's refusal
 is a tool result with C{isError}; a message that is not JSON-RPC, an unknown method and
 an unknown tool are JSON-RPC errors.
@@ -14,7 +14,7 @@ The tools' input schemas are the request contract's and the read-only tools' out
 schemas the response contract's (L{rhapsode_protocol.contract}), with every C{$ref}
 inlined, because a tool's schema must stand alone.  What happens at the head (the
 Origin rule, Authorization stripped, 405 for GET and DELETE, the body limit) is the
-site's (L{rhapsode._admission}).
+site's (L{rhapsode._http.site}).
 
 The dicts are written by hand: the SDK's server is ASGI, and its types would bring
 pydantic into the core and into every engine's virtualenv.
@@ -26,19 +26,17 @@ import base64
 import functools
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import SpeechError, as_speech_error
+from rhapsode_protocol.errors import SpeechError, as_speech_error, refusal
 
-from ._inprocess import Answer, InProcessRequest, run
-
-if TYPE_CHECKING:
-    from ._router import CoreApp
+from .._interfaces import IPublicRoutes, ISpeech, Utterance
+from .._speech.inprocess import Answer, MemorySink
 
 __all__ = ["McpServer", "PROTOCOL_VERSIONS", "tool_definitions"]
 
@@ -267,31 +265,19 @@ def refused(error: SpeechError) -> Result:
     return {"content": [{"type": "text", "text": text}], "isError": True}
 
 
-def _route_refused(answer: Answer) -> Result:
+def _structured(code: int, document: Any, wrap: bool) -> Result:
     """
-    A route's refusal, read from its envelope.
+    A read-only route's answer as structured content, and the same JSON as text; a
+    worker's refusal as the tool's.
     """
-    try:
-        envelope = answer.json()["error"]
-        text = refusal_text(str(envelope["code"]), str(envelope["message"]), bool(envelope["retryable"]))
-    except (ValueError, KeyError, TypeError):
-        text = refusal_text("internal", f"the route answered HTTP {answer.code} without an error envelope", False)
-    return {"content": [{"type": "text", "text": text}], "isError": True}
-
-
-def _structured(answer: Answer, wrap: bool) -> Result:
-    """
-    A read-only route's answer as structured content, and the same JSON as text.
-    """
-    if answer.code != 200:
-        return _route_refused(answer)
-    document = answer.json()
+    if code != 200:
+        return refused(refusal(document.get("error") if isinstance(document, dict) else None, code))
     if wrap:
         structured = {"items": document}
         text = json.dumps(structured)
     else:
         structured = document
-        text = answer.body.decode("utf-8")
+        text = json.dumps(document)
     return {"content": [{"type": "text", "text": text}], "structuredContent": structured, "isError": False}
 
 
@@ -300,8 +286,6 @@ def _audio(answer: Answer, said: str) -> Answered:
     A speech route's buffered answer as audio content (its Content-Type verbatim) and a
     line saying what it is.
     """
-    if answer.code != 200:
-        return _route_refused(answer)
     mime = answer.content_type or "application/octet-stream"
     line = f"Spoke {said}: {mime}, {len(answer.body)} bytes"
     duration = answer.header(_DURATION)
@@ -339,13 +323,14 @@ Tool = Callable[[dict[str, Any]], Awaitable[Answered]]
 
 class McpServer:
     """
-    The MCP endpoint over a core's router (L{rhapsode._router.CoreApp}).
+    The MCP endpoint over the public routes' reads and the speech service.
     """
 
     log = Logger()
 
-    def __init__(self, core: "CoreApp", version: str) -> None:
-        self.core = core
+    def __init__(self, *, routes: IPublicRoutes, speech: ISpeech, version: str) -> None:
+        self.routes = routes
+        self.speech = speech
         self.version = version
         self.specs = {spec.name: spec for spec in tool_definitions()}
         self._listing = RawJson(_dumps({"tools": [spec.listing() for spec in self.specs.values()]}))
@@ -362,6 +347,13 @@ class McpServer:
             "tools/list": self._tools_list,
             "tools/call": self._tools_call,
         }
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        """
+        The handler of the table's MCP route, by name.
+        """
+        # Looked up per request, so a test may watch post by replacing it.
+        return {"mcp": lambda request: self.post(request)}
 
     async def post(self, request: IRequest) -> bytes:
         """
@@ -443,32 +435,33 @@ class McpServer:
     # -- tools ---------------------------------------------------------------------------
 
     async def _list_engines(self, arguments: dict[str, Any]) -> Result:
-        async def engines(request: Any) -> bytes:
-            return self.core._engines(request)
-
-        return _structured(await run(engines, InProcessRequest(b"GET", "/engines")), wrap=True)
+        return _structured(200, self.routes.engines(), wrap=True)
 
     async def _engine_capabilities(self, arguments: dict[str, Any]) -> Result:
-        engine = arguments["engine"]
-        request = InProcessRequest(b"GET", f"/engines/{engine}/capabilities")
-        return _structured(await run(self.core._capabilities, request, engine), wrap=False)
+        code, document = await self.routes.capabilities(arguments["engine"])
+        return _structured(code, document, wrap=False)
 
     async def _list_voices(self, arguments: dict[str, Any]) -> Result:
-        engine = arguments["engine"]
-        request = InProcessRequest(b"GET", f"/engines/{engine}/voices")
-        return _structured(await run(self.core._voices, request, engine), wrap=True)
+        code, voices = await self.routes.voices(arguments["engine"])
+        return _structured(code, voices, wrap=True)
+
+    async def _spoken(self, utterance: Utterance, schema: dict[str, Any], said: str) -> Answered:
+        """
+        Speak C{utterance} into memory, its body held to the route's own schema first,
+        and encode the audio while it is still counted against the buffer budget.
+        """
+        contract.validate(schema, dict(utterance.body))
+        sink = MemorySink()
+        try:
+            await self.speech.speak(sink, utterance)
+            return _audio(sink.answer, said)
+        finally:
+            sink.release()
 
     async def _speak(self, arguments: dict[str, Any]) -> Answered:
         body = {"format": "wav", **arguments, "stream": False}
         said = f'with engine "{arguments["engine"]}", {_voice_named(arguments)}'
-
-        async def encode(answer: Answer) -> Answered:
-            return _audio(answer, said)
-
-        # Encoded under hold: the audio stays counted against the buffer budget until then.
-        request = InProcessRequest(b"POST", "/speak", body)
-        request.metrics_route = "mcp"
-        return await run(self.core.speak, request, hold=encode)
+        return await self._spoken(Utterance(body["engine"], body, route="mcp"), contract.PUBLIC_SPEAK_REQUEST, said)
 
     async def _speak_dialogue(self, arguments: dict[str, Any]) -> Answered:
         engine = arguments["engine"]
@@ -476,13 +469,8 @@ class McpServer:
         turns = len(arguments["turns"])
         said = f'a dialogue of {turns} turn{"" if turns == 1 else "s"} with engine "{engine}", '
         said += _voices_named(arguments)
-
-        async def encode(answer: Answer) -> Answered:
-            return _audio(answer, said)
-
-        request = InProcessRequest(b"POST", f"/engines/{engine}/dialogue", body)
-        request.metrics_route = "mcp"
-        return await run(self.core._dialogue, request, engine, hold=encode)
+        utterance = Utterance(engine, body, dialogue=True, route="mcp")
+        return await self._spoken(utterance, contract.PUBLIC_DIALOGUE_REQUEST, said)
 
 
 # -- the wire -------------------------------------------------------------------------------

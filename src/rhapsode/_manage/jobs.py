@@ -26,7 +26,7 @@ from zope.interface import implementer
 
 from rhapsode_protocol.errors import BadRequest, Internal, Overloaded, SpeechError
 
-from ._residency import iso_utc
+from .._fleet.residency import iso_utc
 
 #: The steps of each kind of job, in order (an install adds "weights" when it pulls).
 STEPS: dict[str, tuple[str, ...]] = {

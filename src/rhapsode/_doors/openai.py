@@ -1,0 +1,253 @@
+"""
+The OpenAI shim (protocol.md section 11) and the discovery routes OpenAI's clients read.
+
+C{POST /v1/audio/speech} is a translation into C{/speak} and nothing more: it builds the
+native request (L{rhapsode._speech.translate}) and hands it to the speech service
+(L{ISpeech}) with an HTTP sink, so the ceiling, the cue stripping, the dial check, the
+residency lease and the rules for failing after the headers are the ones C{/speak}
+applies.  What differs is the envelope: OpenAI's clients
+parse only OpenAI's, so every refusal here is that shape, with the taxonomy's status
+and code, and an C{x-should-retry} header that makes the official SDKs retry exactly
+what the taxonomy calls retryable.
+
+Two additions to section 11, because the clients people run send them: C{voice} may be
+C{{"id": ...}} (the current SDK types it so), and C{stream_format: "sse"} is served for
+pcm and wav as OpenAI defines it (LiveKit asks for it on every model but tts-1).
+
+The discovery routes (C{/v1/models}, C{/v1/models/{id}}, C{/v1/audio/models},
+C{/v1/audio/voices}) go beyond section 11, which waited for a client that needs them:
+Open WebUI and Home Assistant's integration do.  They are open, like C{/engines}.
+
+C{POST /v1/audio/speech/batch} is the peer API's batch: up to 32 items, each a buffered
+utterance spoken into memory (L{MemorySink}), answered together.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from typing import Any, Awaitable, Callable
+
+from twisted.internet.defer import CancelledError
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.web.iweb import IRequest
+
+from rhapsode_protocol.errors import SpeechError, UnknownEngine, Unsupported, as_speech_error, refusal
+from rhapsode_protocol.http.answers import InFlight, answer, json_response
+from rhapsode_protocol.schemas import OPENAI_BATCH_REQUEST, OPENAI_SPEECH_REQUEST
+from rhapsode_protocol.validation import parse_json_body
+
+from .._fleet.registry import Registry
+from .._http.envelopes import openai_envelope, render_error
+from .._http.sinks import HttpSink, SseSink
+from .._interfaces import IAudioSink, IPublicRoutes, ISpeech, Utterance
+from .._speech.inprocess import MemorySink
+from .._speech.translate import OpenAITranslation
+
+__all__ = ["SSE_FORMATS", "OpenAIShim"]
+
+#: The formats an SSE stream carries: base64 of raw PCM or of a WAV, as OpenAI's does.
+SSE_FORMATS = ("pcm", "wav")
+
+
+class OpenAIShim:
+    """
+    The OpenAI routes over the speech service, the public reads and the registry of
+    engines the models name.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        speech: ISpeech,
+        routes: IPublicRoutes,
+        translation: OpenAITranslation,
+        requests: InFlight,
+        clock: IReactorTime,
+    ) -> None:
+        self.registry = registry
+        self.speech = speech
+        self.routes = routes
+        self.translation = translation
+        self.requests = requests
+        #: When the models were first offered: OpenAI's C{created}, the core's start.
+        self.created = int(clock.seconds())
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        """
+        The handlers of the table's OpenAI routes, by name.
+        """
+        return {
+            "openai_speech": self.speech_route,
+            "openai_batch": self.batch,
+            "openai_models": self.models,
+            "openai_model": self.model,
+            "openai_audio_models": self.audio_models,
+            "openai_voices": self.voices,
+        }
+
+    async def _answer(self, request: IRequest, handler: Callable[[], Awaitable[Any]]) -> Any:
+        return await answer(request, handler, self.log, self.requests.enter, self.requests.leave, render_error)
+
+    # -- POST /v1/audio/speech -------------------------------------------------------------
+
+    async def speech_route(self, request: IRequest) -> Any:
+        # Both made now: a sink takes the request's notifyFinish at the route's start.
+        raw, events = HttpSink(request), SseSink(request)
+
+        async def handle() -> None:
+            body = self._read(request, OPENAI_SPEECH_REQUEST)
+            sse = body.get("stream_format") == "sse"
+            native = await self.translation.native(body, stream=True)
+            if sse and native["format"] not in SSE_FORMATS:
+                raise Unsupported(
+                    f'stream_format "sse" carries pcm or wav, not "{native["format"]}"', field="stream_format"
+                )
+            sink: IAudioSink = events if sse else raw
+            await self.speech.speak(sink, Utterance(native["engine"], native, route="openai"))
+
+        return await self._answer(request, handle)
+
+    @staticmethod
+    def _read(request: IRequest, schema: dict[str, Any]) -> dict[str, Any]:
+        request.content.seek(0)
+        raw = request.content.read()  # the site held it to the route's limit
+        return parse_json_body(raw if raw.strip() else b"{}", schema)
+
+    # -- POST /v1/audio/speech/batch -------------------------------------------------------
+
+    async def batch(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            body = self._read(request, OPENAI_BATCH_REQUEST)
+            self.translation.resolve_model(body["model"])  # an unknown model refuses the whole batch
+            # The peer's default for a batch is wav (OpenAI's single request is mp3's).
+            shared = {"response_format": "wav", **{k: v for k, v in body.items() if k != "items"}}
+            results: list[dict[str, Any]] = []
+            held: list[MemorySink] = []
+            try:
+                for index, item in enumerate(body["items"]):
+                    results.append(await self._item(index, {**shared, **item}, held))
+            finally:
+                # Every item's audio stayed counted against the core's buffer budget
+                # until the batch's answer was built: together they are bounded by it.
+                for sink in held:
+                    sink.release()
+            succeeded = sum(1 for result in results if result["status"] == "success")
+            return json_response(request, 200, {
+                "id": "speech-batch-" + secrets.token_hex(8),
+                "results": results,
+                "total": len(results),
+                "succeeded": succeeded,
+                "failed": len(results) - succeeded,
+            })
+
+        return await self._answer(request, handle)
+
+    async def _item(self, index: int, item: dict[str, Any], held: list[MemorySink]) -> dict[str, Any]:
+        sink = MemorySink()
+        held.append(sink)
+        try:
+            native = await self.translation.native(item, stream=False)
+            await self.speech.speak(sink, Utterance(native["engine"], native, route="batch"))
+        except CancelledError:
+            raise
+        except Exception as exc:
+            refused = as_speech_error(exc)
+            if refused.code == "internal":
+                self.log.failure("batch item {index} failed", index=index)
+            return {"index": index, "status": "error", "error": openai_envelope(refused)["error"]}
+        answered = sink.answer
+        return {
+            "index": index,
+            "status": "success",
+            "audio_data": base64.b64encode(answered.body).decode("ascii"),
+            "media_type": answered.content_type,
+        }
+
+    # -- discovery -------------------------------------------------------------------------
+
+    async def _entries(self) -> list[dict[str, Any]]:
+        """
+        One model per configured engine, and one per C{engine:variant}.  Reading the
+        variants may start an engine's worker (a process, never a model, section 3); an
+        engine that cannot start is listed alone.
+        """
+        entries = []
+        for handle in self.registry:
+            entries.append(self._entry(handle.id))
+            try:
+                caps = await handle.capabilities()
+            except SpeechError as error:
+                self.log.warn("reading {engine}'s variants: {why}", engine=handle.id, why=error.message)
+                continue
+            for variant in caps.get("variants", {}):
+                entries.append(self._entry(f"{handle.id}:{variant}"))
+        return entries
+
+    def _entry(self, model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": self.created, "owned_by": "rhapsode"}
+
+    async def models(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            return json_response(request, 200, {"object": "list", "data": await self._entries()})
+
+        return await self._answer(request, handle)
+
+    async def audio_models(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            # Open WebUI reads "models" here, and "data" from /v1/models.
+            entries = await self._entries()
+            return json_response(request, 200, {"object": "list", "models": entries, "data": entries})
+
+        return await self._answer(request, handle)
+
+    async def model(self, request: IRequest, model_id: str) -> Any:
+        async def handle() -> bytes:
+            engine_id, variant = self.translation.resolve_model(model_id)
+            if variant is not None:
+                caps = await self.registry.get(engine_id).capabilities()
+                if variant not in caps.get("variants", {}):
+                    known = ", ".join(f"{engine_id}:{v}" for v in caps.get("variants", {}))
+                    raise UnknownEngine(f'no model "{model_id}" (models of {engine_id}: {known})', field="model")
+            return json_response(request, 200, self._entry(model_id))
+
+        return await self._answer(request, handle)
+
+    async def voices(self, request: IRequest) -> Any:
+        async def handle() -> bytes:
+            wanted = request.args.get(b"model")
+            if wanted:
+                engines = [self.translation.resolve_model(wanted[0].decode("utf-8", "replace"))[0]]
+            else:
+                engines = [handle.id for handle in self.registry]
+            flat: list[dict[str, Any]] = []
+            grouped: list[dict[str, Any]] = []
+            seen: set[str] = set()
+            for engine_id in engines:
+                try:
+                    code, voices = await self.routes.voices(engine_id)
+                except SpeechError as error:
+                    if wanted:
+                        raise
+                    code, voices = error.status, None
+                if code != 200 or not isinstance(voices, list):
+                    if wanted:
+                        raise refusal(voices.get("error", {}) if isinstance(voices, dict) else {}, code)
+                    # One engine that cannot list its voices does not hide the others'.
+                    self.log.warn("listing {engine}'s voices: HTTP {code}", engine=engine_id, code=code)
+                    continue
+                listed = []
+                for voice in voices:
+                    entry = {"id": voice["id"], "name": voice.get("label", voice["id"])}
+                    listed.append(entry)
+                    if voice["id"] not in seen:
+                        seen.add(voice["id"])
+                        flat.append({**entry, "engine": engine_id, "tags": voice.get("tags", [])})
+                grouped.append({"model": engine_id, "voices": listed})
+            return json_response(request, 200, {"object": "list", "voices": flat, "data": grouped})
+
+        return await self._answer(request, handle)

@@ -1,0 +1,93 @@
+"""
+An utterance answered in memory, for the doors that hand audio back inside a document of
+their own (MCP's speak tools, the batch): a L{MemorySink} the relay writes a buffered
+answer to, as it writes one to an HTTP response, so the ceiling, the residency lease, the
+buffer budget and the error taxonomy are the ones C{POST /speak} applies.
+
+A buffered answer only: a streamed one needs a reader to push back on, and none of these
+callers asks for one.  The answer's bytes stay counted against the core's buffer budget
+until the caller has used them and said so (L{MemorySink.release}).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IPushProducer
+from zope.interface import implementer
+
+from rhapsode_protocol.errors import SpeechError
+
+from .._interfaces import IAudioSink
+
+__all__ = ["Answer", "MemorySink"]
+
+
+@dataclass
+class Answer:
+    """
+    What an utterance answered: its status, its headers, and its bytes.
+    """
+
+    code: int = 200
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    body: bytes = b""
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get(b"content-type", b"").decode("latin-1")
+
+    def header(self, name: bytes) -> str | None:
+        value = self.headers.get(name.lower())
+        return value.decode("latin-1") if value is not None else None
+
+
+@implementer(IAudioSink)
+class MemorySink:
+    """
+    Collects one buffered answer in memory.
+
+    @ivar answer: what was written, once L{end} has been called.
+    @ivar broken: the reason the answer could not be whole, if it could not.
+    """
+
+    def __init__(self) -> None:
+        self.finished: Deferred[None] = Deferred()
+        self.started = False
+        self.answer = Answer()
+        self.broken: SpeechError | None = None
+        self._parts: list[bytes] = []
+        self.whole = False
+
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.answer.code = code
+        self.answer.headers = {name.lower(): value for name, value in headers}
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        pass  # memory never pushes back
+
+    def unregisterProducer(self) -> None:
+        pass
+
+    def end(self, duration_ms: int | None) -> None:
+        self.answer.body = b"".join(self._parts)
+        self._parts = []
+        self.whole = True
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        self.broken = error or SpeechError("the answer broke off")
+        return succeed(None)
+
+    def release(self) -> None:
+        """
+        The caller is done with the answer: what it held of the core's buffer budget is
+        given back.  Releasing twice is harmless.
+        """
+        if not self.finished.called:
+            self.finished.callback(None)
