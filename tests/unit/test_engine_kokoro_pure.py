@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from rhapsode_worker import BadRequest, Internal, UnknownVoice, Unsupported, read_npy
+from rhapsode_worker import BadRequest, Internal, UnknownVoice, Unsupported
+from rhapsode_worker.arrays import read_npy
 
 SRC = Path(__file__).resolve().parents[2] / "engines" / "kokoro" / "src" / "rhapsode_engine_kokoro"
 

@@ -1,11 +1,13 @@
 """
 The Rhapsode worker SDK: write one class, call L{serve}, and the SDK speaks the protocol.
 
-This module is the engine author's face; an ONNX adapter builds its sessions with
-L{BudgetedSession}, which shares the cores the core gives its workers (L{_threads}).
-What the core and the workers share (the error taxonomy, the vocabulary, the contract,
-the HTTP server both listen with) is the protocol's (C{rhapsode_protocol}), which this
-SDK builds on; the errors an adapter raises are re-exported here.
+This module is the engine author's face: what every adapter needs, and nothing more.
+What serves one family of engines has a public module of its own:
+L{rhapsode_worker.onnx} (the onnxruntime session that shares the core's cores) and
+L{rhapsode_worker.arrays} (voicepacks read as data).  What the core and the workers
+share (the error taxonomy, the vocabulary, the contract, the HTTP server both listen
+with) is the protocol's (C{rhapsode_protocol}), which this SDK builds on; the errors an
+adapter raises are re-exported here.
 """
 
 from typing import Mapping, NoReturn
@@ -24,11 +26,9 @@ from rhapsode_protocol.errors import (
     UnknownVoice,
     Unsupported,
 )
-from rhapsode_protocol.spawn import CORE_DIR_VARIABLE, CORES_VARIABLE, machine_cores
 from rhapsode_protocol.text import split_text
 from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES, clean_text
 
-from ._arrays import FloatArray, read_npy, read_pt, read_voicepack
 from ._engine import (
     Dial,
     DialogueRequest,
@@ -42,7 +42,6 @@ from ._engine import (
     Variant,
     Voice,
 )
-from ._threads import BudgetedSession, CoreGate, core_budget
 
 
 def serve(engine: IEngine, environ: "Mapping[str, str] | None" = None) -> "NoReturn":
@@ -56,19 +55,13 @@ def serve(engine: IEngine, environ: "Mapping[str, str] | None" = None) -> "NoRet
     run(engine, environ)
 
 __all__ = [
-    "CORES_VARIABLE",
-    "CORE_DIR_VARIABLE",
-    "machine_cores",
     "ALL_CUES",
     "ALL_DELIVERIES",
     "BadRequest",
-    "BudgetedSession",
     "Conflict",
-    "CoreGate",
     "Dial",
     "DialogueRequest",
     "Engine",
-    "FloatArray",
     "Forbidden",
     "IEngine",
     "Internal",
@@ -88,10 +81,6 @@ __all__ = [
     "Voice",
     "__version__",
     "clean_text",
-    "core_budget",
-    "read_npy",
-    "read_pt",
-    "read_voicepack",
     "serve",
     "split_text",
 ]

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rhapsode_worker import BadRequest, UnknownVoice, Unsupported, Voice, read_voicepack
+from rhapsode_worker import BadRequest, UnknownVoice, Unsupported, Voice
+from rhapsode_worker.arrays import read_voicepack
 
 STYLE_SHAPE = (510, 1, 256)
 STYLE_VALUES = 510 * 256

@@ -45,11 +45,11 @@ from rhapsode_worker import (
     License,
     ModelUnavailable,
     NativeFormat,
-    BudgetedSession,
     SpeakRequest,
     Variant,
     Voice,
 )
+from rhapsode_worker.onnx import BudgetedSession
 
 from ._tuning import (
     RAW_PHONEMES,
