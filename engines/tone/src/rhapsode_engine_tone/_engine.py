@@ -14,7 +14,6 @@ import sys
 import zlib
 from array import array
 from dataclasses import dataclass
-from importlib.metadata import version
 from typing import Iterable, Iterator, Mapping, Sequence, cast
 
 from rhapsode_worker import (
@@ -22,7 +21,6 @@ from rhapsode_worker import (
     Dial,
     DialogueRequest,
     Engine,
-    License,
     ModelUnavailable,
     NativeFormat,
     Reference,
@@ -37,7 +35,6 @@ from ._render import CHARACTERS_PER_SECOND, PRIVATE_TAG, Reader, parse
 from ._synth import SAMPLE_RATE, Palette, silence
 from ._voices import BUILTINS, DEFAULT_VOICE, ToneVoice, VoiceStore
 
-_VERSION = version("rhapsode-engine-tone")
 _LANGUAGES = ("en", "fr", "de", "es", "ja")
 
 _VARIANTS: dict[str, Variant] = {
@@ -122,17 +119,7 @@ class ToneEngine(Engine):
     Rhapsode's arithmetic test engine.
     """
 
-    id = "tone"
-    display_name = "Tone"
-    license = License(
-        code="MIT",
-        weights="MIT",
-        weights_commercial_use=True,
-        notes="Arithmetic synthesis: no weights. It speaks from its own tables, part of this MIT adapter.",
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = "expressive"
-    adapter_version = _VERSION
     upstream_version = None
     max_characters = 4096
     segment_characters = 200
@@ -158,7 +145,7 @@ class ToneEngine(Engine):
 
     def voices(self) -> Sequence[Voice]:
         voices = list(BUILTINS.values()) + self._store().created()
-        return [v.listing(_VERSION) for v in voices]
+        return [v.listing(self.adapter_version) for v in voices]
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
         palette = self._palette(request.variant)
@@ -230,7 +217,7 @@ class ToneEngine(Engine):
             },
         )
         self._store().save(voice)
-        return voice.listing(_VERSION)
+        return voice.listing(self.adapter_version)
 
     def blend_voice(
         self, voice_id: str, label: str, components: Sequence[tuple[str, float]]
@@ -251,7 +238,7 @@ class ToneEngine(Engine):
             origin={"kind": "blend", "components": [[v.id, w] for v, w in parts]},
         )
         store.save(voice)
-        return voice.listing(_VERSION)
+        return voice.listing(self.adapter_version)
 
     def delete_voice(self, voice_id: str) -> None:
         self._refuse_builtin(voice_id)
