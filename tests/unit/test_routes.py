@@ -6,6 +6,7 @@ adapter can claim, validation before the adapter sees anything, and draining.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -25,6 +26,7 @@ from rhapsode_worker import (
     SpeakRequest,
     Variant,
     Voice,
+    WorkerContext,
 )
 from rhapsode_worker._model import ModelState
 from rhapsode_worker._routes import WorkerApp
@@ -292,25 +294,63 @@ def test_negotiation_picks_highest_not_above_offer() -> None:
 
 def test_spawn_environment_parsed() -> None:
     """
-    The three spawn variables are read; a bad listen string or contract is refused.
+    The three spawn variables are read, and the context the engine is made with takes
+    the voice folder, the cores and a cache named after the engine's own id; a bad
+    listen string or contract is refused, and a bad core budget only when it is read
+    (a load that needs it fails, naming the variable).
     """
     env = {
         "RHAPSODE_WORKER_LISTEN": "unix:/tmp/x.sock",
         "RHAPSODE_WORKER_ENGINE": "second-tone",
         "RHAPSODE_WORKER_CONTRACT": "3",
         "RHAPSODE_WORKER_VOICE_DIR": "/tmp/v",
+        "RHAPSODE_WORKER_CORES": "3",
+        "XDG_CACHE_HOME": "/tmp/cache",
     }
-    spawn = Spawn.from_environ(env, PlainEngine())
-    assert (spawn.listen, spawn.engine, spawn.contract, str(spawn.voice_dir)) == (
-        "unix:/tmp/x.sock",
-        "second-tone",
-        1,
-        "/tmp/v",
+    spawn = Spawn.from_environ(env, "plain")
+    assert (spawn.listen, spawn.engine, spawn.contract) == ("unix:/tmp/x.sock", "second-tone", 1)
+    assert spawn.context == WorkerContext(
+        voice_dir=Path("/tmp/v"), cache_dir=Path("/tmp/cache/rhapsode/plain"), environ=env
     )
+    assert dict(spawn.context.environ) == env and spawn.context.cores == 3
     with pytest.raises(SpawnError):
-        Spawn.from_environ(dict(env, RHAPSODE_WORKER_LISTEN="udp:1"), PlainEngine())
+        Spawn.from_environ(dict(env, RHAPSODE_WORKER_LISTEN="udp:1"), "plain")
     with pytest.raises(SpawnError):
-        Spawn.from_environ(dict(env, RHAPSODE_WORKER_CONTRACT="one"), PlainEngine())
+        Spawn.from_environ(dict(env, RHAPSODE_WORKER_CONTRACT="one"), "plain")
+    unbudgeted = Spawn.from_environ(dict(env, RHAPSODE_WORKER_CORES="0"), "plain")
+    with pytest.raises(ValueError, match="RHAPSODE_WORKER_CORES must be a positive integer"):
+        unbudgeted.context.cores
+
+
+def test_the_context_defaults_follow_the_xdg_folders(tmp_path: Path) -> None:
+    """
+    Without the core's variables, voices go under XDG_DATA_HOME (or ~/.local/share) by
+    the id the worker runs as, and the cache under XDG_CACHE_HOME (or ~/.cache) by the
+    engine's own id.
+    """
+    home = Path.home()
+    bare = WorkerContext.from_environ({"RHAPSODE_WORKER_CORES": "2"}, "plain")
+    assert (bare.voice_dir, bare.cache_dir, bare.cores) == (
+        home / ".local" / "share" / "rhapsode" / "voices" / "plain",
+        home / ".cache" / "rhapsode" / "plain",
+        2,
+    )
+    named = WorkerContext.from_environ(
+        {"RHAPSODE_WORKER_ENGINE": "plain-b", "XDG_DATA_HOME": str(tmp_path)}, "plain"
+    )
+    assert named.voice_dir == tmp_path / "rhapsode" / "voices" / "plain-b"
+    assert named.cache_dir == home / ".cache" / "rhapsode" / "plain"
+
+
+def test_an_engine_made_without_a_context_says_so_when_asked() -> None:
+    """
+    An engine a test makes without a context works until it reads its context, which
+    then names the engine and what gives one.
+    """
+    with pytest.raises(RuntimeError, match="PlainEngine was made without a WorkerContext"):
+        PlainEngine().context
+    context = WorkerContext(voice_dir=Path("/v"), cache_dir=Path("/c"))
+    assert PlainEngine(context).context is context
 
 
 def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:

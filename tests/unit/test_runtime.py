@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, _memory, _runtime
+from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, WorkerContext, _memory, _runtime
 from rhapsode_worker._runtime import Spawn, _group_members, _run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,8 @@ def started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[R
     monkeypatch.setattr(_memory, "_cpu_name", None)
     reactor = Reactor()
     process = FakeProcess()
-    spawn = Spawn(listen=f"unix:{tmp_path}/w.sock", engine="plain-a", contract=1, voice_dir=tmp_path / "voices")
+    context = WorkerContext(voice_dir=tmp_path / "voices", cache_dir=tmp_path / "cache")
+    spawn = Spawn(listen=f"unix:{tmp_path}/w.sock", engine="plain-a", contract=1, context=context)
     done = Deferred.fromCoroutine(
         _run(reactor, Plain(), spawn, process, ffmpeg=None, formats=("wav", "pcm"), access_log=False)  # type: ignore[arg-type]
     )

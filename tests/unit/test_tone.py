@@ -38,6 +38,7 @@ from rhapsode_worker import (
     Turn,
     UnknownVoice,
     Unsupported,
+    WorkerContext,
 )
 
 RATE = 24000
@@ -48,8 +49,7 @@ SENTENCE = (
 
 
 def _engine(tmp_path: Path, variant: str | None = "expressive") -> ToneEngine:
-    engine = ToneEngine()
-    engine.voice_dir = tmp_path / "voices"
+    engine = ToneEngine(WorkerContext(voice_dir=tmp_path / "voices", cache_dir=tmp_path / "cache"))
     if variant is not None:
         engine.load(variant)
     return engine
@@ -277,15 +277,17 @@ def test_same_seed_same_bytes_other_seed_other_bytes(expressive: ToneEngine) -> 
     assert _speak(expressive, "expressive", SENTENCE) != _speak(expressive, "expressive", SENTENCE)
 
 
-def test_seeded_output_is_identical_in_another_process(expressive: ToneEngine) -> None:
+def test_seeded_output_is_identical_in_another_process(expressive: ToneEngine, tmp_path: Path) -> None:
     """A seed fixes the bytes across processes too: nothing depends on Python's salted hash()."""
     pcm = _speak(expressive, "expressive", SENTENCE + " [laugh] Yes?", seed=7)
     here = hashlib.sha256(pcm).hexdigest()
     script = (
         "import hashlib\n"
         "from rhapsode_engine_tone import ToneEngine\n"
-        "from rhapsode_worker import SpeakRequest\n"
-        "e = ToneEngine(); e.load('expressive')\n"
+        "from pathlib import Path\n"
+        "from rhapsode_worker import SpeakRequest, WorkerContext\n"
+        f"e = ToneEngine(WorkerContext(voice_dir=Path({str(tmp_path)!r}), cache_dir=Path({str(tmp_path)!r})))\n"
+        "e.load('expressive')\n"
         f"r = SpeakRequest(text={SENTENCE + ' [laugh] Yes?'!r}, variant='expressive', seed=7)\n"
         "print(hashlib.sha256(b''.join(e.speak(r))).hexdigest())\n"
     )

@@ -18,7 +18,7 @@ import rhapsode_worker
 import rhapsode_worker.arrays
 import rhapsode_worker.onnx
 from rhapsode_protocol import errors, spawn, text, vocab
-from rhapsode_worker import _arrays, _engine, _threads
+from rhapsode_worker import _arrays, _context, _engine, _threads
 
 #: Each public module's names, each with the module that defines it (None: the public
 #: module itself).
@@ -48,6 +48,7 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "Unsupported": errors,
         "Variant": _engine,
         "Voice": _engine,
+        "WorkerContext": _context,
         "__version__": None,
         "clean_text": vocab,
         "serve": None,

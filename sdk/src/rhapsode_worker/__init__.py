@@ -10,7 +10,7 @@ with) is the protocol's (C{rhapsode_protocol}), which this SDK builds on; the er
 adapter raises are re-exported here.
 """
 
-from typing import Mapping, NoReturn
+from typing import Callable, Mapping, NoReturn
 
 from rhapsode_protocol import __version__
 from rhapsode_protocol.errors import (
@@ -29,6 +29,7 @@ from rhapsode_protocol.errors import (
 from rhapsode_protocol.text import split_text
 from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES, clean_text
 
+from ._context import WorkerContext
 from ._engine import (
     Dial,
     DialogueRequest,
@@ -44,15 +45,18 @@ from ._engine import (
 )
 
 
-def serve(engine: IEngine, environ: "Mapping[str, str] | None" = None) -> "NoReturn":
+def serve(
+    factory: "Callable[[WorkerContext], IEngine]", environ: "Mapping[str, str] | None" = None
+) -> "NoReturn":
     """
-    Serve C{engine} under the spawn contract (see L{rhapsode_worker._runtime}).
+    Make the engine with this worker's L{WorkerContext} and serve it under the spawn
+    contract (see L{rhapsode_worker._runtime}): C{serve(MyEngine)}.
 
     Imported on call, so that importing the SDK to declare an adapter stays light.
     """
     from ._runtime import serve as run
 
-    run(engine, environ)
+    run(factory, environ)
 
 __all__ = [
     "ALL_CUES",
@@ -79,6 +83,7 @@ __all__ = [
     "Unsupported",
     "Variant",
     "Voice",
+    "WorkerContext",
     "__version__",
     "clean_text",
     "serve",

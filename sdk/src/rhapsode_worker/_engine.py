@@ -23,13 +23,14 @@ import json
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata, resources
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from zope.interface import Attribute, Interface, implementer
 
 from rhapsode_protocol.errors import Unsupported
 from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES
+
+from ._context import WorkerContext
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,6 @@ class IEngine(Interface):
     concurrency = Attribute("Generations that may run at once (default 1)")
     reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")
     private_tag_patterns = Attribute("Regexes of the engine's own tag syntax, stripped")
-    voice_dir = Attribute("Directory the SDK gives the adapter for its voice store")
 
     def variants() -> Mapping[str, Variant]:
         """Every variant this worker can load on this machine."""
@@ -379,7 +379,27 @@ class Engine:
     concurrency: int = 1
     reference_formats: Sequence[str] = ()
     private_tag_patterns: Sequence[str] = ()
-    voice_dir: Path = Path(".")
+
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        """
+        @param context: what the worker was given at spawn; L{serve} makes the engine
+            with it.  An engine made without one (in a test that never needs it) says so
+            when L{context} is read.
+        """
+        self._context = context
+
+    @property
+    def context(self) -> WorkerContext:
+        """
+        The worker's L{WorkerContext}: its voice folder, cache folder and cores.
+        """
+        context: WorkerContext | None = getattr(self, "_context", None)
+        if context is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was made without a WorkerContext; "
+                "serve() gives one, and a test passes its own"
+            )
+        return context
 
     def variants(self) -> Mapping[str, Variant]:
         return {self.default_variant: Variant()}

@@ -38,6 +38,7 @@ from rhapsode_worker import (
     Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 
 from ._catalogue import (
@@ -65,7 +66,8 @@ class EspeakEngine(Engine):
     joint_silence_ms = 0
     private_tag_patterns = (EMBEDDED_COMMAND,)
 
-    def __init__(self) -> None:
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        super().__init__(context)
         self._espeak = Espeak()
         survey = self._espeak.survey()
         self.upstream_version = survey.version

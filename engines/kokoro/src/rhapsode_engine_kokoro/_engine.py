@@ -34,7 +34,6 @@ the variant claims seed reproducibility, and the seed itself changes nothing.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
@@ -49,6 +48,7 @@ from rhapsode_worker import (
     Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 from twisted.logger import Logger
 
@@ -106,9 +106,10 @@ class KokoroEngine(Engine):
     concurrency = 2
     reference_formats = ("npy", "pt")
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        self._environ = os.environ if environ is None else environ
-        self._cache = cache_dir(self._environ)
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        super().__init__(context)
+        self._environ = self.context.environ
+        self._cache = cache_dir(self._environ, self.context.cache_dir)
         self._kokoro: Kokoro | None = None
 
     def variants(self) -> Mapping[str, Variant]:
@@ -185,7 +186,7 @@ class KokoroEngine(Engine):
         self._store().delete(voice_id)
 
     def _store(self) -> VoiceStore:
-        return VoiceStore(self.voice_dir)
+        return VoiceStore(self.context.voice_dir)
 
     @staticmethod
     def _known(variant: str) -> None:

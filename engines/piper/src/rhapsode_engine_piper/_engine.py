@@ -47,6 +47,7 @@ from rhapsode_worker import (
     SpeakRequest,
     Variant,
     Voice,
+    WorkerContext,
 )
 from rhapsode_worker.onnx import BudgetedSession
 
@@ -96,7 +97,8 @@ class PiperEngine(Engine):
     joint_silence_ms = 100
     private_tag_patterns = (RAW_PHONEMES,)
 
-    def __init__(self) -> None:
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        super().__init__(context)
         self._voice: PiperVoice | None = None
 
     def variants(self) -> Mapping[str, Variant]:

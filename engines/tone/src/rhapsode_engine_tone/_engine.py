@@ -28,6 +28,7 @@ from rhapsode_worker import (
     Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 
 from ._pitch import estimate
@@ -128,7 +129,8 @@ class ToneEngine(Engine):
     reference_formats = ("wav",)
     private_tag_patterns = (PRIVATE_TAG,)
 
-    def __init__(self) -> None:
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        super().__init__(context)
         self._resident: tuple[str, Palette] | None = None
 
     def variants(self) -> Mapping[str, Variant]:
@@ -245,7 +247,7 @@ class ToneEngine(Engine):
         self._store().delete(voice_id)
 
     def _store(self) -> VoiceStore:
-        return VoiceStore(self.voice_dir)
+        return VoiceStore(self.context.voice_dir)
 
     def _palette(self, variant: str) -> Palette:
         if self._resident is None or self._resident[0] != variant:
