@@ -1,7 +1,7 @@
 """
 Unit tests for the SDK's audio encoding (rhapsode_worker._encode): headers, content types, the
 format probe, passthrough backpressure, and the ffmpeg encoder's lifecycle against a fake
-process reactor.  No real process runs here.
+process reactor (tests/unit/_worker_fakes.py).  No real process runs here.
 """
 
 from __future__ import annotations
@@ -12,23 +12,16 @@ import stat
 import struct
 import wave
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import imageio_ffmpeg
 import pytest
 from _deferreds import failure_of
-from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
-from twisted.internet.interfaces import (
-    IConsumer,
-    IProcessProtocol,
-    IProcessTransport,
-    IProducer,
-    IPushProducer,
-    IReactorProcess,
-)
+from _worker_fakes import FakeProcess, FakeProcessReactor, RecordingProducer
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.interfaces import IConsumer, IProcessTransport, IPushProducer, IReactorProcess
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from rhapsode_protocol.errors import Unsupported
@@ -48,112 +41,6 @@ MONO_24K = NativeFormat(sample_rate=24000, channels=1)
 STEREO_22K = NativeFormat(sample_rate=22050, channels=2)
 
 
-@implementer(IProcessTransport, IConsumer)
-class FakeProcess:
-    """
-    A process transport that records what the encoder asks of it.
-    """
-
-    def __init__(self) -> None:
-        self.pid: int | None = 4242
-        self.stdin = b""
-        self.calls: list[str] = []
-        self.producer: IProducer | None = None
-
-    def write(self, data: bytes) -> None:
-        self.stdin += data
-
-    def writeSequence(self, seq: Sequence[bytes]) -> None:
-        self.stdin += b"".join(seq)
-
-    def writeToChild(self, childFD: int, data: bytes) -> None:
-        raise NotImplementedError
-
-    def closeStdin(self) -> None:
-        self.calls.append("closeStdin")
-
-    def closeStdout(self) -> None:
-        self.calls.append("closeStdout")
-
-    def closeStderr(self) -> None:
-        self.calls.append("closeStderr")
-
-    def closeChildFD(self, descriptor: int) -> None:
-        self.calls.append(f"closeChildFD {descriptor}")
-
-    def loseConnection(self) -> None:
-        self.calls.append("loseConnection")
-
-    def signalProcess(self, signalID: str | int) -> None:
-        if self.pid is None:
-            raise ProcessExitedAlready()
-        self.calls.append(f"signal {signalID}")
-
-    def getPeer(self) -> Any:
-        raise NotImplementedError
-
-    def getHost(self) -> Any:
-        raise NotImplementedError
-
-    def registerProducer(self, producer: IProducer, streaming: bool) -> None:
-        self.producer = producer
-
-    def unregisterProducer(self) -> None:
-        self.producer = None
-
-    def pauseProducing(self) -> None:
-        self.calls.append("pause")
-
-    def resumeProducing(self) -> None:
-        self.calls.append("resume")
-
-
-@implementer(IReactorProcess)
-class FakeProcessReactor:
-    """
-    Spawns L{FakeProcess}es and keeps each with its protocol and argv.
-    """
-
-    def __init__(self) -> None:
-        self.spawned: list[tuple[IProcessProtocol, list[str], FakeProcess]] = []
-
-    def spawnProcess(
-        self,
-        processProtocol: IProcessProtocol,
-        executable: bytes | str,
-        args: Sequence[bytes | str],
-        env: Mapping[Any, Any] | None = None,
-        path: None | bytes | str = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        usePTY: bool = False,
-        childFDs: Mapping[int, int | str] | None = None,
-    ) -> IProcessTransport:
-        process = FakeProcess()
-        processProtocol.makeConnection(process)
-        self.spawned.append((processProtocol, [str(a) for a in args], process))
-        return process
-
-
-@implementer(IPushProducer)
-class RecordingProducer:
-    """
-    A PCM source that records the producer calls it receives.
-    """
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def pauseProducing(self) -> None:
-        self.calls.append("pause")
-
-    def resumeProducing(self) -> None:
-        self.calls.append("resume")
-
-    def stopProducing(self) -> None:
-        self.calls.append("stop")
-
-
 def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming: bool = True) -> Any:
     """
     An ffmpeg encoder on a fake reactor, with its sink, protocol and fake process.
@@ -165,12 +52,12 @@ def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming:
     return encoder, sink, protocol, argv, process
 
 
-
 def test_fakes_provide_their_interfaces() -> None:
-    """The fake process and reactor provide the interfaces they stand in for."""
+    """The fake process, its reactor and the PCM source provide the interfaces they stand in for."""
     verifyObject(IProcessTransport, FakeProcess())
     verifyObject(IReactorProcess, FakeProcessReactor())
     verifyObject(IPushProducer, RecordingProducer())
+
 
 
 def test_wav_header_known_size_parses() -> None:

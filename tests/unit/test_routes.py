@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from _worker_fakes import MemoryWorkerReactor, SynchronousPool
 from treq.testing import StubTreq
 from twisted.internet.defer import maybeDeferred
-from twisted.internet.testing import MemoryReactorClock
 from zope.interface.verify import verifyObject
 
 from rhapsode_protocol import contract
@@ -76,9 +76,10 @@ class RichEngine(PlainEngine):
 
 
 def make_app(engine: Engine, formats: tuple[str, ...] = ("wav", "pcm")) -> tuple[WorkerApp, StubTreq]:
-    reactor = MemoryReactorClock()
-    model = ModelState(engine, reactor, None)  # type: ignore[arg-type]
-    scheduler = Scheduler(reactor, None, model)  # type: ignore[arg-type]
+    reactor = MemoryWorkerReactor()
+    pool = SynchronousPool(reactor)
+    model = ModelState(engine, reactor, pool)
+    scheduler = Scheduler(reactor, pool, model)
     app = WorkerApp(
         engine,
         reactor=reactor,
@@ -259,13 +260,14 @@ def test_terminate_answers_then_asks_to_drain() -> None:
     POST /terminate answers 202 and schedules the drain on the reactor.
     """
     engine = PlainEngine()
-    reactor = MemoryReactorClock()
-    model = ModelState(engine, reactor, None)  # type: ignore[arg-type]
+    reactor = MemoryWorkerReactor()
+    pool = SynchronousPool(reactor)
+    model = ModelState(engine, reactor, pool)
     asked: list[bool] = []
     app = WorkerApp(
         engine,
         reactor=reactor,
-        scheduler=Scheduler(reactor, None, model),  # type: ignore[arg-type]
+        scheduler=Scheduler(reactor, pool, model),
         model=model,
         formats=("wav",),
         ffmpeg=None,
@@ -374,7 +376,7 @@ def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
         channel.makeConnection(sock)
         request: Any = EagerRequest(channel)
         request.method, request.clientproto, request.uri = b"POST", b"HTTP/1.1", b"/speak"
-        answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))  # type: ignore[arg-type]
+        answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))
         answer.pcm(b"\x01\x00" * 100)
         answer.pcm(b"\x02\x00" * 100)
         if stream:
@@ -766,16 +768,15 @@ def test_audio_arriving_after_the_client_went_is_dropped_not_a_crash() -> None:
     core cancelled the request as the job yielded) is dropped: no header is set, no
     producer registered on the gone connection, nothing raised.
     """
-    from types import SimpleNamespace
-
     from twisted.web.test.requesthelper import DummyRequest
 
     from rhapsode_worker._routes import _AudioResponse
+    from rhapsode_worker._schedule import Job
 
-    request = DummyRequest([b"speak"])
+    request: Any = DummyRequest([b"speak"])
     request._disconnected = True
     request.channel = None
-    worker = SimpleNamespace(engine=None, reactor=None, ffmpeg=None, blocking=None)
-    answer = _AudioResponse(worker, request, "pcm", True, object())  # type: ignore[arg-type]
+    worker, _ = make_app(PlainEngine())
+    answer = _AudioResponse(worker, request, "pcm", True, Job("v1", [], lambda pcm: None))
     answer.pcm(b"\x00\x01" * 100)
     assert request.responseCode is None and request.written == [] and answer.pcm_bytes == 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, NoReturn, Sequence
+from typing import IO, Any, Callable, Mapping, NoReturn, Protocol, Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall, react
@@ -296,10 +296,24 @@ def _sweep_group() -> None:
                 pass
 
 
+class ProcessControl(Protocol):
+    """
+    What L{_run} does to the process it runs in (L{_Process}), so that a unit test can
+    run it on a memory reactor and record these instead.
+    """
+
+    parent: int
+
+    def parent_alive(self) -> bool: ...
+    def on_sigterm(self, handler: Callable[[], None]) -> None: ...
+    def announce(self, handshake: Mapping[str, Any]) -> None: ...
+    def sweep(self) -> None: ...
+    def exit(self, code: int) -> None: ...
+
+
 class _Process:
     """
-    What the runtime does to the process it runs in, apart from L{_run} so that a unit
-    test can run that on a memory reactor and record these instead.
+    What the runtime does to the process it runs in (L{ProcessControl}).
 
     @ivar parent: the process that spawned this one, read first thing at start-up.
     """
@@ -379,7 +393,7 @@ async def _run(
     reactor: Any,
     engine: IEngine,
     spawn: Spawn,
-    process: _Process,
+    process: ProcessControl,
     *,
     ffmpeg: str | None,
     formats: Sequence[str],
