@@ -17,8 +17,9 @@ import pytest
 import rhapsode_worker
 import rhapsode_worker.arrays
 import rhapsode_worker.onnx
+import rhapsode_worker.testing
 from rhapsode_protocol import errors, spawn, text, vocab
-from rhapsode_worker import _arrays, _context, _engine, _threads
+from rhapsode_worker import _arrays, _context, _engine, _store, _threads
 
 #: Each public module's names, each with the module that defines it (None: the public
 #: module itself).
@@ -48,6 +49,7 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "Unsupported": errors,
         "Variant": _engine,
         "Voice": _engine,
+        "VoiceStore": _store,
         "WorkerContext": _context,
         "__version__": None,
         "clean_text": vocab,
@@ -67,6 +69,12 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "read_npy": _arrays,
         "read_pt": _arrays,
         "read_voicepack": _arrays,
+    },
+    rhapsode_worker.testing: {
+        "MemoryWorkerReactor": None,
+        "SynchronousPool": None,
+        "WorkerHarness": None,
+        "WorkerResponse": None,
     },
 }
 
@@ -92,6 +100,18 @@ def test_each_name_is_the_object_it_re_exports(module: Any, name: str) -> None:
     assert getattr(module, name) is getattr(SURFACE[module][name], name)
 
 
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [(m, n) for m, names in SURFACE.items() for n in names if names[n] is None and n != "__version__"],
+    ids=lambda x: x if isinstance(x, str) else x.__name__,
+)
+def test_each_own_name_is_defined_where_it_is_exported(module: Any, name: str) -> None:
+    """
+    A name pinned as the public module's own is defined there, not re-exported.
+    """
+    assert getattr(module, name).__module__ == module.__name__
+
+
 def test_the_face_defines_serve_and_carries_the_release_version() -> None:
     """
     C{serve} is the face's own (it imports the runtime only when called), and
@@ -105,10 +125,11 @@ def test_the_face_defines_serve_and_carries_the_release_version() -> None:
 
 def test_the_face_is_about_twenty_names_and_no_family_helper() -> None:
     """
-    What serves one family of engines (ONNX sessions, voicepack readers) is not on the
-    face, and the face holds no private name.
+    What serves one family of engines (ONNX sessions, voicepack readers) or an engine's
+    tests is not on the face, and the face holds no private name.
     """
     family = set(rhapsode_worker.onnx.__all__) | set(rhapsode_worker.arrays.__all__)
+    family |= set(rhapsode_worker.testing.__all__)
     assert not family & set(rhapsode_worker.__all__)
     assert not [n for n in rhapsode_worker.__all__ if n.startswith("_") and n != "__version__"]
     for name in family:
@@ -122,7 +143,7 @@ def test_importing_the_sdk_loads_no_framework() -> None:
     """
     probe = (
         "import sys\n"
-        "import rhapsode_worker, rhapsode_worker.onnx, rhapsode_worker.arrays\n"
+        "import rhapsode_worker, rhapsode_worker.onnx, rhapsode_worker.arrays, rhapsode_worker.testing\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnxruntime', 'numpy')))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -134,5 +155,5 @@ def test_every_public_module_is_importable_by_name() -> None:
     """
     The public modules import on their own, by the names the docs give them.
     """
-    for name in ("rhapsode_worker.onnx", "rhapsode_worker.arrays"):
+    for name in ("rhapsode_worker.onnx", "rhapsode_worker.arrays", "rhapsode_worker.testing"):
         assert importlib.import_module(name).__all__

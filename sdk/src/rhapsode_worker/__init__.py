@@ -43,6 +43,7 @@ from ._engine import (
     Variant,
     Voice,
 )
+from ._store import VoiceStore
 
 
 def serve(
@@ -83,6 +84,7 @@ __all__ = [
     "Unsupported",
     "Variant",
     "Voice",
+    "VoiceStore",
     "WorkerContext",
     "__version__",
     "clean_text",

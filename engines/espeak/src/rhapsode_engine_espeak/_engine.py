@@ -31,7 +31,6 @@ from typing import Iterator, Mapping, Sequence
 
 from rhapsode_worker import (
     Engine,
-    ModelUnavailable,
     NativeFormat,
     SpeakRequest,
     UnknownVoice,
@@ -80,19 +79,14 @@ class EspeakEngine(Engine):
                 languages=tuple(self._languages),
             )
         }
-        self._loaded = False
 
     def variants(self) -> Mapping[str, Variant]:
         return self._variants
 
     def load(self, variant: str) -> None:
-        if variant not in self._variants:
-            raise Unsupported(f"no variant {variant!r}", field="variant")
         self._espeak.start()
-        self._loaded = True
 
     def unload(self) -> None:
-        self._loaded = False
         self._espeak.stop()
 
     def voices(self) -> Sequence[Voice]:
@@ -108,8 +102,7 @@ class EspeakEngine(Engine):
         ]
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        if not self._loaded:
-            raise ModelUnavailable("eSpeak NG is not loaded", field="variant")
+        # The SDK speaks only once load() has started the synthesis thread.
         voice = self._languages.get(request.language)
         if voice is None:
             raise Unsupported(f"eSpeak NG does not speak {request.language!r}", field="language")

