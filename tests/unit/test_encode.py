@@ -12,7 +12,7 @@ import stat
 import struct
 import wave
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import imageio_ffmpeg
 import pytest
@@ -33,6 +33,7 @@ from rhapsode_worker._encode import (
     content_type,
     find_ffmpeg,
     make_encoder,
+    pcm16_from_f32le,
     wav_header,
 )
 from rhapsode_worker._engine import NativeFormat
@@ -355,3 +356,81 @@ def test_sink_stop_stops_ffmpeg_and_source() -> None:
     sink.producer.stopProducing()
     assert source.calls == ["stop"]
     assert "signal KILL" in process.calls and process.producer is None
+
+
+# -- float PCM from the adapter ----------------------------------------------------------
+
+
+def _f32(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def _s16(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 2}h", data))
+
+
+def test_float_pcm_is_clipped_scaled_and_truncated() -> None:
+    """
+    Float samples become 16-bit ones as Piper and Kokoro made theirs: clipped to
+    [-1, 1], times 32767 in float32, truncated toward zero; a NaN is silence and an
+    infinity full scale.
+    """
+    values = (0.0, 1.0, -1.0, 1.5, -7.0, 0.5, -0.5, 1 / 32767, -1.9 / 32767, float("nan"), float("inf"), float("-inf"))
+    assert _s16(b"".join(pcm16_from_f32le(iter([_f32(*values)])))) == [
+        0, 32767, -32767, 32767, -32767, 16383, -16383, 1, -1, 0, 32767, -32767,
+    ]
+
+
+def test_float32_rounding_is_kept_before_truncation() -> None:
+    """
+    The product is rounded to float32 before it is truncated, as numpy's float32
+    arithmetic rounds it: 0.99999994 (the float32 below 1) times 32767 rounds to
+    32766.998046875 in float32 and truncates to 32766.
+    """
+    below_one = struct.unpack("<f", struct.pack("<I", 0x3F7FFFFF))[0]
+    assert _s16(b"".join(pcm16_from_f32le(iter([_f32(below_one, -below_one)])))) == [32766, -32766]
+    # A value whose float64 product lies just under an integer that float32 rounds up to.
+    tricky = struct.unpack("<f", struct.pack("<f", 12345.0 / 32767))[0]
+    assert _s16(b"".join(pcm16_from_f32le(iter([_f32(tricky)])))) == [int(struct.unpack("<f", struct.pack("<f", tricky * 32767.0))[0])]
+
+
+def test_a_sample_split_across_chunks_is_joined() -> None:
+    """
+    Chunks need not end on a sample: the bytes of one split across two are joined, and
+    each chunk's whole samples go out as soon as it arrives.
+    """
+    data = _f32(0.25, -0.25, 0.75)
+    out = list(pcm16_from_f32le(iter([data[:3], data[3:9], data[9:]])))
+    assert [_s16(piece) for piece in out] == [[8191, -8191], [24575]]
+
+
+def test_closing_the_conversion_closes_the_adapters_generator() -> None:
+    """
+    A job stopped mid-segment closes its step's generator; through the conversion, the
+    adapter's own generator is closed too (its finally blocks run).
+    """
+    closed: list[bool] = []
+
+    def adapter() -> Iterator[bytes]:
+        try:
+            while True:
+                yield _f32(0.1)
+        finally:
+            closed.append(True)
+
+    converted = pcm16_from_f32le(adapter())
+    assert next(converted) == struct.pack("<h", 3276)
+    converted.close()
+    assert closed == [True]
+
+
+def test_a_float_native_format_is_sent_as_16_bit() -> None:
+    """
+    pcm_f32le names four bytes a sample; what the SDK encodes from, and the
+    capabilities name, is the 16-bit format at the same rate and channel count.
+    """
+    native = NativeFormat(sample_rate=22050, channels=2, encoding="pcm_f32le")
+    assert native.bytes_per_frame == 8 and native.pcm16 == STEREO_22K
+    assert STEREO_22K.pcm16 is STEREO_22K
+    with pytest.raises(ValueError, match="pcm_s16le or pcm_f32le"):
+        NativeFormat(sample_rate=16000, encoding="pcm_s24le")

@@ -780,3 +780,55 @@ def test_audio_arriving_after_the_client_went_is_dropped_not_a_crash() -> None:
     answer = _AudioResponse(worker, request, "pcm", True, Job("v1", [], lambda pcm: None))
     answer.pcm(b"\x00\x01" * 100)
     assert request.responseCode is None and request.written == [] and answer.pcm_bytes == 0
+
+
+class FloatEngine(PlainEngine):
+    """
+    Yields 32-bit float PCM, a tenth of a second a character, in chunks that split
+    samples, with 100 ms of silence at each joint.
+    """
+
+    native_format = NativeFormat(sample_rate=16000, encoding="pcm_f32le")
+    segment_characters = 10
+    joint_silence_ms = 100
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        import struct
+
+        data = struct.pack("<f", 0.5) * (1600 * len(request.text))
+        for start in range(0, len(data), 1001):
+            yield data[start:start + 1001]
+
+
+def test_float_pcm_reaches_the_client_as_16_bit(tmp_path: Path) -> None:
+    """
+    An adapter that yields pcm_f32le is served as 16-bit PCM: capabilities name
+    pcm_s16le, the body is the converted samples with 16-bit silence at the joint, and
+    the duration and the WAV header count 16-bit frames.
+    """
+    import struct
+
+    from rhapsode_worker.testing import WorkerHarness
+
+    worker = WorkerHarness(FloatEngine, tmp_path)
+    caps = worker.get("/capabilities").json()
+    assert caps["nativeFormat"] == {"encoding": "pcm_s16le", "sampleRate": 16000, "channels": 1}
+    pcm = worker.post("/speak", {"text": "first one. second.", "format": "pcm", "stream": False})
+    half = struct.pack("<h", 16383)
+    assert pcm.code == 200
+    assert pcm.body == half * 1600 * len("first one.") + b"\x00\x00" * 1600 + half * 1600 * len("second.")
+    assert pcm.duration_ms == 1800
+    wav = worker.post("/speak", {"text": "first one. second.", "format": "wav", "stream": False})
+    assert wav.body[44:] == pcm.body
+    assert struct.unpack("<HHIIHH", wav.body[20:36]) == (1, 1, 16000, 32000, 2, 16)
+
+
+def test_float_pcm_is_converted_inside_the_step_the_synthesis_pool_runs() -> None:
+    """
+    The conversion is part of each step the scheduler hands to the synthesis pool: a
+    step, called, already yields 16-bit PCM, so none of the arithmetic is the reactor's.
+    """
+    app, _ = make_app(FloatEngine())
+    request = SpeakRequest(text="abc", variant="v1")
+    (step,) = app._segments(request)
+    assert b"".join(step()) == b"\xff\x3f" * 1600 * 3

@@ -48,10 +48,18 @@ class Dial:
             raise ValueError(f"dial default {self.default} outside [{self.min}, {self.max}]")
 
 
+#: The PCM an adapter may yield, by name, with the bytes of one sample.
+PCM_ENCODINGS = {"pcm_s16le": 2, "pcm_f32le": 4}
+
+
 @dataclass(frozen=True)
 class NativeFormat:
     """
-    The PCM an adapter yields: always signed 16-bit little-endian here.
+    The PCM an adapter yields, interleaved, little-endian: signed 16-bit samples
+    (C{pcm_s16le}, the default), or 32-bit floats in [-1, 1] (C{pcm_f32le}, what most
+    models make), which the SDK converts to 16-bit on the synthesis thread (clipped to
+    [-1, 1], scaled by 32767 and truncated toward zero; a NaN becomes silence).  The SDK
+    encodes, and the protocol carries, 16-bit PCM either way (L{pcm16}).
     """
 
     sample_rate: int
@@ -59,12 +67,20 @@ class NativeFormat:
     encoding: str = "pcm_s16le"
 
     def __post_init__(self) -> None:
-        if self.encoding != "pcm_s16le":
-            raise ValueError("the SDK encodes from pcm_s16le only")
+        if self.encoding not in PCM_ENCODINGS:
+            raise ValueError(f"the SDK takes PCM as {' or '.join(PCM_ENCODINGS)}, not {self.encoding!r}")
 
     @property
     def bytes_per_frame(self) -> int:
-        return 2 * self.channels
+        """One frame of what the adapter yields: a sample per channel."""
+        return PCM_ENCODINGS[self.encoding] * self.channels
+
+    @property
+    def pcm16(self) -> "NativeFormat":
+        """The 16-bit PCM the SDK encodes from, at this rate and channel count."""
+        if self.encoding == "pcm_s16le":
+            return self
+        return NativeFormat(sample_rate=self.sample_rate, channels=self.channels)
 
     @property
     def bytes_per_second(self) -> int:

@@ -96,7 +96,8 @@ class KokoroEngine(Engine):
     Kokoro-82M, int8 ONNX: 54 built-in voices, blends of them, and uploaded voicepacks.
     """
 
-    native_format = NativeFormat(sample_rate=SAMPLE_RATE)
+    # The graph makes float samples; the SDK converts them to 16-bit on the synthesis thread.
+    native_format = NativeFormat(sample_rate=SAMPLE_RATE, encoding="pcm_f32le")
     upstream_distribution = "kokoro-onnx"
     segment_characters = 200
     first_segment_characters = 30
@@ -160,8 +161,7 @@ class KokoroEngine(Engine):
             # One unpronounceable piece of a longer text is silence, not a failure.
             return iter(())
         audio, _ = kokoro.create(phonemes, style, speed=request.params["speed"], is_phonemes=True)
-        pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
-        return iter((pcm.tobytes(),))
+        return iter((audio.astype("<f4", copy=False).tobytes(),))
 
     def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
         style = style_from_voicepack(reference.filename, reference.data)

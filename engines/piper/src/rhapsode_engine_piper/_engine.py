@@ -88,7 +88,8 @@ class PiperEngine(Engine):
     Piper with one voice, joe, speaking US English.
     """
 
-    native_format = NativeFormat(sample_rate=_VOICE.sample_rate)
+    # Piper makes float samples; the SDK converts them to 16-bit on the synthesis thread.
+    native_format = NativeFormat(sample_rate=_VOICE.sample_rate, encoding="pcm_f32le")
     upstream_distribution = "piper-tts"
     segment_characters = 200
     first_segment_characters = 40
@@ -156,4 +157,4 @@ class PiperEngine(Engine):
         for i, chunk in enumerate(voice.synthesize(text, config)):
             if i:
                 yield pause
-            yield chunk.audio_int16_array.astype("<i2", copy=False).tobytes()
+            yield chunk.audio_float_array.astype("<f4", copy=False).tobytes()
