@@ -9,8 +9,10 @@ its config entry is a valid config naming the same module.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -25,6 +27,7 @@ from rhapsode.service import parse_config
 GUIDE = ROOT / "docs" / "writing-an-engine.md"
 MODULE = "rhapsode_engine_mine"
 SOURCES = "# engines/mine/src/"
+TESTS = "# engines/mine/tests/"
 
 #: What the guide calls my_tts: a model that hums for a twentieth of a second a character.
 STAND_IN = '''
@@ -69,12 +72,13 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     written = []
     for block in blocks("python"):
         first = block.splitlines()[0]
-        if first.startswith(SOURCES):
-            path = root / first[len(SOURCES):]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(block)
-            written.append(path.relative_to(root).as_posix())
-    assert written == [f"{MODULE}/__init__.py", f"{MODULE}/__main__.py"]
+        for prefix, folder in ((SOURCES, root), (TESTS, root / "tests")):
+            if first.startswith(prefix):
+                path = folder / first[len(prefix):]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(block)
+                written.append(path.relative_to(root).as_posix())
+    assert written == [f"{MODULE}/__init__.py", f"{MODULE}/__main__.py", "tests/test_mine.py"]
     (root / MODULE / "catalog.json").write_text(json.dumps(json_block("displayName")))
     info = root / "rhapsode_engine_mine-0.1.0.dist-info"
     info.mkdir()
@@ -167,6 +171,20 @@ async def test_the_guides_engine_speaks(mine: Worker) -> None:
     assert body[:4] == b"RIFF"
     (rate,) = struct.unpack("<I", body[24:28])
     assert rate == 24000 and len(body) > 44 + 2 * 24000 // 2
+
+
+def test_the_guides_own_test_passes_under_the_harness(package: Path, tmp_path: Path) -> None:
+    """
+    The test the guide shows for the adapter, run by pytest as the author would run it,
+    passes: the guide's engine under rhapsode_worker.testing answers what that test says.
+    """
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(package),
+         "--basetemp", str(tmp_path / "pytest"), str(package / "tests" / "test_mine.py")],
+        cwd=package, env={**os.environ, "PYTHONPATH": str(package)}, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout
 
 
 def test_the_guides_catalog_is_found_as_the_core_finds_one(package: Path, tmp_path: Path) -> None:
