@@ -14,7 +14,10 @@ names, so that nothing says them twice (L{catalog_facts}).
 Threading: every method that touches the model (C{load}, C{unload}, C{speak},
 C{dialogue}, C{fetch}, C{create_voice}, C{blend_voice}, C{delete_voice}) is called on a
 worker thread, never on the reactor thread, and may block.  The SDK never calls C{load},
-C{unload} or C{speak} concurrently unless C{concurrency} says it may.
+C{unload} or C{speak} concurrently unless C{concurrency} says it may, and it calls
+C{speak} and C{dialogue} only once C{load} has succeeded for the request's variant, with
+no C{load} or C{unload} running beside them (L{rhapsode_worker._schedule}); a variant,
+voice, language, delivery or dial reaches the adapter only once the routes checked it.
 """
 
 from __future__ import annotations
@@ -256,10 +259,10 @@ class IEngine(Interface):
         """Built-in and created voices; cheap, no model needed."""
 
     def speak(request: SpeakRequest) -> Iterator[bytes]:
-        """Blocking: yield native PCM for one segment."""
+        """Blocking: yield native PCM for one segment; only after load(request.variant)."""
 
     def dialogue(request: DialogueRequest) -> Iterator[bytes]:
-        """Blocking: yield native PCM for a conversation. Optional."""
+        """Blocking: yield native PCM for a conversation; only after load(request.variant). Optional."""
 
     def create_voice(voice_id: str, label: str, reference: Reference) -> Voice:
         """Blocking: store a voice made from a reference; loads no model. Optional."""
