@@ -54,13 +54,13 @@ LONG = " ".join([PARAGRAPH] * 6)[:2000]
 TEXTS = {"sentence": SENTENCE, "400 chars": PARAGRAPH, "2000 chars": LONG}
 
 IN_PROCESS = r"""
-import json, sys, tempfile, time
+import json, os, sys, tempfile, time
 from pathlib import Path
 module, variant = sys.argv[1], sys.argv[2]
 engine_class = getattr(__import__(module), __import__(module).__all__[0])
-engine = engine_class()
-engine.voice_dir = Path(tempfile.mkdtemp())
-from rhapsode_worker import SpeakRequest
+from rhapsode_worker import SpeakRequest, WorkerContext
+scratch = Path(tempfile.mkdtemp())
+engine = engine_class(WorkerContext.from_environ({**os.environ, "RHAPSODE_WORKER_VOICE_DIR": str(scratch)}, engine_class.id))
 from rhapsode_protocol._split import split_text
 engine.load(variant)
 v = engine.variants()[variant]

@@ -29,10 +29,10 @@ def in_process_rtf() -> float:
     from rhapsode_engine_tone import ToneEngine
 
     from rhapsode_protocol._split import split_text
-    from rhapsode_worker import SpeakRequest
+    from rhapsode_worker import SpeakRequest, WorkerContext
 
-    engine = ToneEngine()
-    engine.voice_dir = Path(tempfile.mkdtemp())
+    scratch = Path(tempfile.mkdtemp())
+    engine = ToneEngine(WorkerContext(voice_dir=scratch / "voices", cache_dir=scratch / "cache"))
     engine.load("expressive")
     start = time.perf_counter()
     pcm = 0

@@ -5,6 +5,8 @@ with this folder on PYTHONPATH; the knobs are environment variables.
 
 Its audio is a square wave so that it is audible and has a known length: one segment of
 text speaks for C{CHATTY_SEGMENT_MS}, taking C{CHATTY_SECONDS_PER_SEGMENT} to make.
+C{CHATTY_FAIL_INIT} makes the engine fail as it is made, naming the voice folder its
+context gave it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import time
 from typing import Iterator
 
-from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, serve
+from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, WorkerContext, serve
 
 
 class ChattyEngine(Engine):
@@ -24,7 +26,10 @@ class ChattyEngine(Engine):
     default_variant = "only"
     segment_characters = 40
 
-    def __init__(self) -> None:
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        if os.environ.get("CHATTY_FAIL_INIT"):
+            raise RuntimeError(f"chatty cannot start (voices would go in {context.voice_dir})")
         self.fail_loads = int(os.environ.get("CHATTY_FAIL_LOADS", "0"))
         self.seconds = float(os.environ.get("CHATTY_SECONDS_PER_SEGMENT", "0"))
         self.segment_ms = int(os.environ.get("CHATTY_SEGMENT_MS", "500"))
@@ -59,4 +64,4 @@ class ChattyEngine(Engine):
 
 
 if __name__ == "__main__":
-    serve(ChattyEngine())
+    serve(ChattyEngine)

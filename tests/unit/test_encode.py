@@ -1,7 +1,7 @@
 """
 Unit tests for the SDK's audio encoding (rhapsode_worker._encode): headers, content types, the
 format probe, passthrough backpressure, and the ffmpeg encoder's lifecycle against a fake
-process reactor.  No real process runs here.
+process reactor (tests/unit/_worker_fakes.py).  No real process runs here.
 """
 
 from __future__ import annotations
@@ -12,23 +12,16 @@ import stat
 import struct
 import wave
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator
 
 import imageio_ffmpeg
 import pytest
 from _deferreds import failure_of
-from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
-from twisted.internet.interfaces import (
-    IConsumer,
-    IProcessProtocol,
-    IProcessTransport,
-    IProducer,
-    IPushProducer,
-    IReactorProcess,
-)
+from _worker_fakes import FakeProcess, FakeProcessReactor, RecordingProducer
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.interfaces import IConsumer, IProcessTransport, IPushProducer, IReactorProcess
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from rhapsode_protocol.errors import Unsupported
@@ -40,118 +33,13 @@ from rhapsode_worker._encode import (
     content_type,
     find_ffmpeg,
     make_encoder,
+    pcm16_from_f32le,
     wav_header,
 )
 from rhapsode_worker._engine import NativeFormat
 
 MONO_24K = NativeFormat(sample_rate=24000, channels=1)
 STEREO_22K = NativeFormat(sample_rate=22050, channels=2)
-
-
-@implementer(IProcessTransport, IConsumer)
-class FakeProcess:
-    """
-    A process transport that records what the encoder asks of it.
-    """
-
-    def __init__(self) -> None:
-        self.pid: int | None = 4242
-        self.stdin = b""
-        self.calls: list[str] = []
-        self.producer: IProducer | None = None
-
-    def write(self, data: bytes) -> None:
-        self.stdin += data
-
-    def writeSequence(self, seq: Sequence[bytes]) -> None:
-        self.stdin += b"".join(seq)
-
-    def writeToChild(self, childFD: int, data: bytes) -> None:
-        raise NotImplementedError
-
-    def closeStdin(self) -> None:
-        self.calls.append("closeStdin")
-
-    def closeStdout(self) -> None:
-        self.calls.append("closeStdout")
-
-    def closeStderr(self) -> None:
-        self.calls.append("closeStderr")
-
-    def closeChildFD(self, descriptor: int) -> None:
-        self.calls.append(f"closeChildFD {descriptor}")
-
-    def loseConnection(self) -> None:
-        self.calls.append("loseConnection")
-
-    def signalProcess(self, signalID: str | int) -> None:
-        if self.pid is None:
-            raise ProcessExitedAlready()
-        self.calls.append(f"signal {signalID}")
-
-    def getPeer(self) -> Any:
-        raise NotImplementedError
-
-    def getHost(self) -> Any:
-        raise NotImplementedError
-
-    def registerProducer(self, producer: IProducer, streaming: bool) -> None:
-        self.producer = producer
-
-    def unregisterProducer(self) -> None:
-        self.producer = None
-
-    def pauseProducing(self) -> None:
-        self.calls.append("pause")
-
-    def resumeProducing(self) -> None:
-        self.calls.append("resume")
-
-
-@implementer(IReactorProcess)
-class FakeProcessReactor:
-    """
-    Spawns L{FakeProcess}es and keeps each with its protocol and argv.
-    """
-
-    def __init__(self) -> None:
-        self.spawned: list[tuple[IProcessProtocol, list[str], FakeProcess]] = []
-
-    def spawnProcess(
-        self,
-        processProtocol: IProcessProtocol,
-        executable: bytes | str,
-        args: Sequence[bytes | str],
-        env: Mapping[Any, Any] | None = None,
-        path: None | bytes | str = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        usePTY: bool = False,
-        childFDs: Mapping[int, int | str] | None = None,
-    ) -> IProcessTransport:
-        process = FakeProcess()
-        processProtocol.makeConnection(process)
-        self.spawned.append((processProtocol, [str(a) for a in args], process))
-        return process
-
-
-@implementer(IPushProducer)
-class RecordingProducer:
-    """
-    A PCM source that records the producer calls it receives.
-    """
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def pauseProducing(self) -> None:
-        self.calls.append("pause")
-
-    def resumeProducing(self) -> None:
-        self.calls.append("resume")
-
-    def stopProducing(self) -> None:
-        self.calls.append("stop")
 
 
 def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming: bool = True) -> Any:
@@ -165,12 +53,12 @@ def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming:
     return encoder, sink, protocol, argv, process
 
 
-
 def test_fakes_provide_their_interfaces() -> None:
-    """The fake process and reactor provide the interfaces they stand in for."""
+    """The fake process, its reactor and the PCM source provide the interfaces they stand in for."""
     verifyObject(IProcessTransport, FakeProcess())
     verifyObject(IReactorProcess, FakeProcessReactor())
     verifyObject(IPushProducer, RecordingProducer())
+
 
 
 def test_wav_header_known_size_parses() -> None:
@@ -468,3 +356,81 @@ def test_sink_stop_stops_ffmpeg_and_source() -> None:
     sink.producer.stopProducing()
     assert source.calls == ["stop"]
     assert "signal KILL" in process.calls and process.producer is None
+
+
+# -- float PCM from the adapter ----------------------------------------------------------
+
+
+def _f32(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def _s16(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 2}h", data))
+
+
+def test_float_pcm_is_clipped_scaled_and_truncated() -> None:
+    """
+    Float samples become 16-bit ones as Piper and Kokoro made theirs: clipped to
+    [-1, 1], times 32767 in float32, truncated toward zero; a NaN is silence and an
+    infinity full scale.
+    """
+    values = (0.0, 1.0, -1.0, 1.5, -7.0, 0.5, -0.5, 1 / 32767, -1.9 / 32767, float("nan"), float("inf"), float("-inf"))
+    assert _s16(b"".join(pcm16_from_f32le(iter([_f32(*values)])))) == [
+        0, 32767, -32767, 32767, -32767, 16383, -16383, 1, -1, 0, 32767, -32767,
+    ]
+
+
+def test_float32_rounding_is_kept_before_truncation() -> None:
+    """
+    The product is rounded to float32 before it is truncated, as numpy's float32
+    arithmetic rounds it: 0.99999994 (the float32 below 1) times 32767 rounds to
+    32766.998046875 in float32 and truncates to 32766.
+    """
+    below_one = struct.unpack("<f", struct.pack("<I", 0x3F7FFFFF))[0]
+    assert _s16(b"".join(pcm16_from_f32le(iter([_f32(below_one, -below_one)])))) == [32766, -32766]
+    # A value whose float64 product lies just under an integer that float32 rounds up to.
+    tricky = struct.unpack("<f", struct.pack("<f", 12345.0 / 32767))[0]
+    assert _s16(b"".join(pcm16_from_f32le(iter([_f32(tricky)])))) == [int(struct.unpack("<f", struct.pack("<f", tricky * 32767.0))[0])]
+
+
+def test_a_sample_split_across_chunks_is_joined() -> None:
+    """
+    Chunks need not end on a sample: the bytes of one split across two are joined, and
+    each chunk's whole samples go out as soon as it arrives.
+    """
+    data = _f32(0.25, -0.25, 0.75)
+    out = list(pcm16_from_f32le(iter([data[:3], data[3:9], data[9:]])))
+    assert [_s16(piece) for piece in out] == [[8191, -8191], [24575]]
+
+
+def test_closing_the_conversion_closes_the_adapters_generator() -> None:
+    """
+    A job stopped mid-segment closes its step's generator; through the conversion, the
+    adapter's own generator is closed too (its finally blocks run).
+    """
+    closed: list[bool] = []
+
+    def adapter() -> Iterator[bytes]:
+        try:
+            while True:
+                yield _f32(0.1)
+        finally:
+            closed.append(True)
+
+    converted = pcm16_from_f32le(adapter())
+    assert next(converted) == struct.pack("<h", 3276)
+    converted.close()
+    assert closed == [True]
+
+
+def test_a_float_native_format_is_sent_as_16_bit() -> None:
+    """
+    pcm_f32le names four bytes a sample; what the SDK encodes from, and the
+    capabilities name, is the 16-bit format at the same rate and channel count.
+    """
+    native = NativeFormat(sample_rate=22050, channels=2, encoding="pcm_f32le")
+    assert native.bytes_per_frame == 8 and native.pcm16 == STEREO_22K
+    assert STEREO_22K.pcm16 is STEREO_22K
+    with pytest.raises(ValueError, match="pcm_s16le or pcm_f32le"):
+        NativeFormat(sample_rate=16000, encoding="pcm_s24le")

@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from rhapsode_worker import BadRequest, Internal, UnknownVoice, Unsupported, read_npy
+from rhapsode_worker import BadRequest, Internal, UnknownVoice, Unsupported
+from rhapsode_worker.arrays import read_npy
 
 SRC = Path(__file__).resolve().parents[2] / "engines" / "kokoro" / "src" / "rhapsode_engine_kokoro"
 
@@ -221,7 +222,7 @@ def test_builtin_style_reads_one_voice_out_of_the_voices_file(tmp_path: Path) ->
 
 def test_store_saves_lists_replaces_and_deletes(tmp_path: Path) -> None:
     """A created voice is listed with its label; re-creating changes its spec; delete removes it."""
-    store = _voices.VoiceStore(tmp_path / "voices")
+    store = _voices.StyleStore(tmp_path / "voices")
     assert store.created() == []
     first = store.save("narrator", "Narrator", style(0.1), {"kind": "voicepack", "filename": "n.pt"})
     assert (first.id, first.label, first.builtin, first.tags) == ("narrator", "Narrator", False, ("voicepack",))
@@ -239,7 +240,7 @@ def test_store_saves_lists_replaces_and_deletes(tmp_path: Path) -> None:
 
 def test_store_lists_a_blend_with_its_recipe(tmp_path: Path) -> None:
     """A blend's description names its components and their shares."""
-    store = _voices.VoiceStore(tmp_path)
+    store = _voices.StyleStore(tmp_path)
     voice = store.save("host", "Host", style(0.0),
                        {"kind": "blend", "components": [["af_bella", 2 / 3], ["af_sky", 1 / 3]]})
     assert voice.description == "Blend of af_bella 67%, af_sky 33%"
@@ -249,13 +250,13 @@ def test_store_lists_a_blend_with_its_recipe(tmp_path: Path) -> None:
 def test_store_lists_only_voices_whose_record_was_written(tmp_path: Path) -> None:
     """An array without its record (a save cut short) is not a voice."""
     (tmp_path / "orphan.npy").write_bytes(npy_pack((510, 1, 256)))
-    assert _voices.VoiceStore(tmp_path).created() == []
+    assert _voices.StyleStore(tmp_path).created() == []
 
 
 @pytest.mark.parametrize("verb", ["save", "delete"])
 def test_store_refuses_builtin_ids(tmp_path: Path, verb: str) -> None:
     """A built-in voice can be neither replaced nor deleted."""
-    store = _voices.VoiceStore(tmp_path)
+    store = _voices.StyleStore(tmp_path)
     with pytest.raises(Unsupported, match="built-in"):
         if verb == "save":
             store.save("af_heart", "x", style(0.0), {"kind": "voicepack", "filename": "x.npy"})

@@ -207,10 +207,13 @@ def test_the_routes_ask_the_lifecycle_and_health_reports_it() -> None:
         def speak(self, request: SpeakRequest) -> Any:
             yield b""
 
+    from _worker_fakes import MemoryWorkerReactor, SynchronousPool
+
     engine = Quiet()
-    reactor = MemoryReactorClock()
-    model = ModelState(engine, reactor, None)  # type: ignore[arg-type]
-    scheduler = Scheduler(reactor, None, model)  # type: ignore[arg-type]
+    reactor = MemoryWorkerReactor()
+    pool = SynchronousPool(reactor)
+    model = ModelState(engine, reactor, pool)
+    scheduler = Scheduler(reactor, pool, model)
     h = Harness()
     app = WorkerApp(
         engine,

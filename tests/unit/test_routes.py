@@ -6,12 +6,13 @@ adapter can claim, validation before the adapter sees anything, and draining.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from _worker_fakes import MemoryWorkerReactor, SynchronousPool
 from treq.testing import StubTreq
 from twisted.internet.defer import maybeDeferred
-from twisted.internet.testing import MemoryReactorClock
 from zope.interface.verify import verifyObject
 
 from rhapsode_protocol import contract
@@ -25,6 +26,7 @@ from rhapsode_worker import (
     SpeakRequest,
     Variant,
     Voice,
+    WorkerContext,
 )
 from rhapsode_worker._model import ModelState
 from rhapsode_worker._routes import WorkerApp
@@ -74,9 +76,10 @@ class RichEngine(PlainEngine):
 
 
 def make_app(engine: Engine, formats: tuple[str, ...] = ("wav", "pcm")) -> tuple[WorkerApp, StubTreq]:
-    reactor = MemoryReactorClock()
-    model = ModelState(engine, reactor, None)  # type: ignore[arg-type]
-    scheduler = Scheduler(reactor, None, model)  # type: ignore[arg-type]
+    reactor = MemoryWorkerReactor()
+    pool = SynchronousPool(reactor)
+    model = ModelState(engine, reactor, pool)
+    scheduler = Scheduler(reactor, pool, model)
     app = WorkerApp(
         engine,
         reactor=reactor,
@@ -257,13 +260,14 @@ def test_terminate_answers_then_asks_to_drain() -> None:
     POST /terminate answers 202 and schedules the drain on the reactor.
     """
     engine = PlainEngine()
-    reactor = MemoryReactorClock()
-    model = ModelState(engine, reactor, None)  # type: ignore[arg-type]
+    reactor = MemoryWorkerReactor()
+    pool = SynchronousPool(reactor)
+    model = ModelState(engine, reactor, pool)
     asked: list[bool] = []
     app = WorkerApp(
         engine,
         reactor=reactor,
-        scheduler=Scheduler(reactor, None, model),  # type: ignore[arg-type]
+        scheduler=Scheduler(reactor, pool, model),
         model=model,
         formats=("wav",),
         ffmpeg=None,
@@ -292,25 +296,63 @@ def test_negotiation_picks_highest_not_above_offer() -> None:
 
 def test_spawn_environment_parsed() -> None:
     """
-    The three spawn variables are read; a bad listen string or contract is refused.
+    The three spawn variables are read, and the context the engine is made with takes
+    the voice folder, the cores and a cache named after the engine's own id; a bad
+    listen string or contract is refused, and a bad core budget only when it is read
+    (a load that needs it fails, naming the variable).
     """
     env = {
         "RHAPSODE_WORKER_LISTEN": "unix:/tmp/x.sock",
         "RHAPSODE_WORKER_ENGINE": "second-tone",
         "RHAPSODE_WORKER_CONTRACT": "3",
         "RHAPSODE_WORKER_VOICE_DIR": "/tmp/v",
+        "RHAPSODE_WORKER_CORES": "3",
+        "XDG_CACHE_HOME": "/tmp/cache",
     }
-    spawn = Spawn.from_environ(env, PlainEngine())
-    assert (spawn.listen, spawn.engine, spawn.contract, str(spawn.voice_dir)) == (
-        "unix:/tmp/x.sock",
-        "second-tone",
-        1,
-        "/tmp/v",
+    spawn = Spawn.from_environ(env, "plain")
+    assert (spawn.listen, spawn.engine, spawn.contract) == ("unix:/tmp/x.sock", "second-tone", 1)
+    assert spawn.context == WorkerContext(
+        voice_dir=Path("/tmp/v"), cache_dir=Path("/tmp/cache/rhapsode/plain"), environ=env
     )
+    assert dict(spawn.context.environ) == env and spawn.context.cores == 3
     with pytest.raises(SpawnError):
-        Spawn.from_environ(dict(env, RHAPSODE_WORKER_LISTEN="udp:1"), PlainEngine())
+        Spawn.from_environ(dict(env, RHAPSODE_WORKER_LISTEN="udp:1"), "plain")
     with pytest.raises(SpawnError):
-        Spawn.from_environ(dict(env, RHAPSODE_WORKER_CONTRACT="one"), PlainEngine())
+        Spawn.from_environ(dict(env, RHAPSODE_WORKER_CONTRACT="one"), "plain")
+    unbudgeted = Spawn.from_environ(dict(env, RHAPSODE_WORKER_CORES="0"), "plain")
+    with pytest.raises(ValueError, match="RHAPSODE_WORKER_CORES must be a positive integer"):
+        unbudgeted.context.cores
+
+
+def test_the_context_defaults_follow_the_xdg_folders(tmp_path: Path) -> None:
+    """
+    Without the core's variables, voices go under XDG_DATA_HOME (or ~/.local/share) by
+    the id the worker runs as, and the cache under XDG_CACHE_HOME (or ~/.cache) by the
+    engine's own id.
+    """
+    home = Path.home()
+    bare = WorkerContext.from_environ({"RHAPSODE_WORKER_CORES": "2"}, "plain")
+    assert (bare.voice_dir, bare.cache_dir, bare.cores) == (
+        home / ".local" / "share" / "rhapsode" / "voices" / "plain",
+        home / ".cache" / "rhapsode" / "plain",
+        2,
+    )
+    named = WorkerContext.from_environ(
+        {"RHAPSODE_WORKER_ENGINE": "plain-b", "XDG_DATA_HOME": str(tmp_path)}, "plain"
+    )
+    assert named.voice_dir == tmp_path / "rhapsode" / "voices" / "plain-b"
+    assert named.cache_dir == home / ".cache" / "rhapsode" / "plain"
+
+
+def test_an_engine_made_without_a_context_says_so_when_asked() -> None:
+    """
+    An engine a test makes without a context works until it reads its context, which
+    then names the engine and what gives one.
+    """
+    with pytest.raises(RuntimeError, match="PlainEngine was made without a WorkerContext"):
+        PlainEngine().context
+    context = WorkerContext(voice_dir=Path("/v"), cache_dir=Path("/c"))
+    assert PlainEngine(context).context is context
 
 
 def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
@@ -334,7 +376,7 @@ def test_first_streamed_audio_leaves_with_the_headers_in_one_send() -> None:
         channel.makeConnection(sock)
         request: Any = EagerRequest(channel)
         request.method, request.clientproto, request.uri = b"POST", b"HTTP/1.1", b"/speak"
-        answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))  # type: ignore[arg-type]
+        answer = _AudioResponse(app, request, "pcm", stream, Job("v1", [], lambda pcm: None))
         answer.pcm(b"\x01\x00" * 100)
         answer.pcm(b"\x02\x00" * 100)
         if stream:
@@ -726,16 +768,67 @@ def test_audio_arriving_after_the_client_went_is_dropped_not_a_crash() -> None:
     core cancelled the request as the job yielded) is dropped: no header is set, no
     producer registered on the gone connection, nothing raised.
     """
-    from types import SimpleNamespace
-
     from twisted.web.test.requesthelper import DummyRequest
 
     from rhapsode_worker._routes import _AudioResponse
+    from rhapsode_worker._schedule import Job
 
-    request = DummyRequest([b"speak"])
+    request: Any = DummyRequest([b"speak"])
     request._disconnected = True
     request.channel = None
-    worker = SimpleNamespace(engine=None, reactor=None, ffmpeg=None, blocking=None)
-    answer = _AudioResponse(worker, request, "pcm", True, object())  # type: ignore[arg-type]
+    worker, _ = make_app(PlainEngine())
+    answer = _AudioResponse(worker, request, "pcm", True, Job("v1", [], lambda pcm: None))
     answer.pcm(b"\x00\x01" * 100)
     assert request.responseCode is None and request.written == [] and answer.pcm_bytes == 0
+
+
+class FloatEngine(PlainEngine):
+    """
+    Yields 32-bit float PCM, a tenth of a second a character, in chunks that split
+    samples, with 100 ms of silence at each joint.
+    """
+
+    native_format = NativeFormat(sample_rate=16000, encoding="pcm_f32le")
+    segment_characters = 10
+    joint_silence_ms = 100
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        import struct
+
+        data = struct.pack("<f", 0.5) * (1600 * len(request.text))
+        for start in range(0, len(data), 1001):
+            yield data[start:start + 1001]
+
+
+def test_float_pcm_reaches_the_client_as_16_bit(tmp_path: Path) -> None:
+    """
+    An adapter that yields pcm_f32le is served as 16-bit PCM: capabilities name
+    pcm_s16le, the body is the converted samples with 16-bit silence at the joint, and
+    the duration and the WAV header count 16-bit frames.
+    """
+    import struct
+
+    from rhapsode_worker.testing import WorkerHarness
+
+    worker = WorkerHarness(FloatEngine, tmp_path)
+    caps = worker.get("/capabilities").json()
+    assert caps["nativeFormat"] == {"encoding": "pcm_s16le", "sampleRate": 16000, "channels": 1}
+    pcm = worker.post("/speak", {"text": "first one. second.", "format": "pcm", "stream": False})
+    half = struct.pack("<h", 16383)
+    assert pcm.code == 200
+    assert pcm.body == half * 1600 * len("first one.") + b"\x00\x00" * 1600 + half * 1600 * len("second.")
+    assert pcm.duration_ms == 1800
+    wav = worker.post("/speak", {"text": "first one. second.", "format": "wav", "stream": False})
+    assert wav.body[44:] == pcm.body
+    assert struct.unpack("<HHIIHH", wav.body[20:36]) == (1, 1, 16000, 32000, 2, 16)
+
+
+def test_float_pcm_is_converted_inside_the_step_the_synthesis_pool_runs() -> None:
+    """
+    The conversion is part of each step the scheduler hands to the synthesis pool: a
+    step, called, already yields 16-bit PCM, so none of the arithmetic is the reactor's.
+    """
+    app, _ = make_app(FloatEngine())
+    request = SpeakRequest(text="abc", variant="v1")
+    (step,) = app._segments(request)
+    assert b"".join(step()) == b"\xff\x3f" * 1600 * 3

@@ -14,24 +14,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import pytest
+from _worker_fakes import MemoryWorkerReactor
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
-from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, _memory, _runtime
+from rhapsode_worker import Engine, License, NativeFormat, SpeakRequest, Variant, WorkerContext, _memory, _runtime
 from rhapsode_worker._runtime import Spawn, _group_members, _run
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Reactor(MemoryReactorClock):
-    """
-    A memory reactor with the one thread-safe call a signal handler uses.
-    """
-
-    def callFromThread(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        self.callLater(0, f, *args, **kwargs)
+#: A memory reactor with the one thread-safe call a signal handler uses.
+Reactor = MemoryWorkerReactor
 
 
 class FakeProcess:
@@ -98,9 +93,10 @@ def started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[R
     monkeypatch.setattr(_memory, "_cpu_name", None)
     reactor = Reactor()
     process = FakeProcess()
-    spawn = Spawn(listen=f"unix:{tmp_path}/w.sock", engine="plain-a", contract=1, voice_dir=tmp_path / "voices")
+    context = WorkerContext(voice_dir=tmp_path / "voices", cache_dir=tmp_path / "cache")
+    spawn = Spawn(listen=f"unix:{tmp_path}/w.sock", engine="plain-a", contract=1, context=context)
     done = Deferred.fromCoroutine(
-        _run(reactor, Plain(), spawn, process, ffmpeg=None, formats=("wav", "pcm"), access_log=False)  # type: ignore[arg-type]
+        _run(reactor, Plain(), spawn, process, ffmpeg=None, formats=("wav", "pcm"), access_log=False)
     )
     yield reactor, process, done
     for stop, args, kwargs in reactor.triggers.get("during", {}).get("shutdown", []):

@@ -3,7 +3,8 @@ The scheduler: round-robin turns a segment at a time, exclusive model operations
 parking behind slow readers, and waiting for abandoned synthesis.
 
 The thread pool is a fake that runs a queued call only when the test says so, and the
-reactor runs C{callFromThread} at once, so every interleaving here is deterministic.
+reactor runs C{callFromThread} at once (both in tests/unit/_worker_fakes.py), so every
+interleaving here is deterministic.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import pytest
-from twisted.internet.defer import CancelledError
+from _worker_fakes import FakePool, ImmediateReactor
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from zope.interface.verify import verifyObject
@@ -24,38 +26,6 @@ from rhapsode_worker._schedule import Job, Scheduler
 
 def _ignore_pcm(pcm: bytes) -> None:
     pass
-
-
-class FakePool:
-    """
-    Holds calls made "in a thread" until L{run_next} runs the oldest one.
-    """
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Callable[..., None], Callable[..., Any], tuple[Any, ...]]] = []
-
-    def callInThreadWithCallback(
-        self, on_result: Callable[..., None], f: Callable[..., Any], *args: Any, **kw: Any
-    ) -> None:
-        self.calls.append((on_result, f, args))
-
-    def run_next(self) -> None:
-        on_result, f, args = self.calls.pop(0)
-        try:
-            result = f(*args)
-        except BaseException:
-            on_result(False, Failure())
-        else:
-            on_result(True, result)
-
-    def run_all(self) -> None:
-        while self.calls:
-            self.run_next()
-
-
-class ImmediateReactor:
-    def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
-        f(*args)
 
 
 class RecordingEngine(Engine):
@@ -82,8 +52,8 @@ class RecordingEngine(Engine):
 def make(events: list[str], fail_loads: int = 0) -> tuple[Scheduler, FakePool, ModelState]:
     pool = FakePool()
     reactor = ImmediateReactor()
-    model = ModelState(RecordingEngine(events, fail_loads), reactor, pool)  # type: ignore[arg-type]
-    return Scheduler(reactor, pool, model), pool, model  # type: ignore[arg-type]
+    model = ModelState(RecordingEngine(events, fail_loads), reactor, pool)
+    return Scheduler(reactor, pool, model), pool, model
 
 
 def step(events: list[str], name: str) -> Callable[[], Iterator[bytes]]:
@@ -257,8 +227,8 @@ def test_declared_concurrency_runs_that_many(concurrency: int) -> None:
     events: list[str] = []
     pool = FakePool()
     reactor = ImmediateReactor()
-    model = ModelState(RecordingEngine(events), reactor, pool)  # type: ignore[arg-type]
-    scheduler = Scheduler(reactor, pool, model, concurrency)  # type: ignore[arg-type]
+    model = ModelState(RecordingEngine(events), reactor, pool)
+    scheduler = Scheduler(reactor, pool, model, concurrency)
     for i in range(4):
         scheduler.submit(Job("a", [step(events, str(i))], lambda _: None))
     pool.run_next()  # load
@@ -280,8 +250,8 @@ def test_the_scheduler_tells_the_sessions_how_many_generations_are_about_to_run(
     events: list[str] = []
     pool = FakePool()
     reactor = ImmediateReactor()
-    model = ModelState(RecordingEngine(events), reactor, pool)  # type: ignore[arg-type]
-    scheduler = Scheduler(reactor, pool, model, 2)  # type: ignore[arg-type]
+    model = ModelState(RecordingEngine(events), reactor, pool)
+    scheduler = Scheduler(reactor, pool, model, 2)
     for i in range(3):
         scheduler.submit(Job("a", [step(events, str(i))], lambda _: None))
     pool.run_next()  # load
@@ -337,8 +307,8 @@ def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.Mon
         yield b"second"
 
     pool = FakePool()
-    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)  # type: ignore[arg-type]
-    scheduler = Scheduler(ThreadedReactor(), pool, model)  # type: ignore[arg-type]
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)
+    scheduler = Scheduler(ThreadedReactor(), pool, model)
     job = Job("a", [speak], taken.append)
     scheduler._drain_step(job, speak, True)
     assert seen_before_second == [[b"first"]]
@@ -350,7 +320,7 @@ def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.Mon
             handed.append(f)
             f(*args)
 
-    scheduler = Scheduler(RecordingReactor(), pool, model)  # type: ignore[arg-type]
+    scheduler = Scheduler(RecordingReactor(), pool, model)
     assert scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, True) == b"second"
     assert scheduler._drain_step(Job("a", [speak], lambda pcm: None), speak, False) == b"second"
     # Each step hands over its first chunk at once; the rest is returned with its end.
@@ -378,8 +348,8 @@ def test_a_steps_last_audio_arrives_with_its_end() -> None:
         yield b"third"
 
     pool = FakePool()
-    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)  # type: ignore[arg-type]
-    scheduler = Scheduler(CountingReactor(), pool, model)  # type: ignore[arg-type]
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)
+    scheduler = Scheduler(CountingReactor(), pool, model)
     job = Job("a", [speak], events.append)
     job.done.addCallback(lambda _: events.append("done"))
     scheduler.submit(job)
@@ -449,3 +419,100 @@ def test_a_finished_job_lets_go_of_what_it_delivered_to() -> None:
         assert [ref() for ref in gone] == [None, None]
     finally:
         gc.enable()
+
+
+class Witness(Engine):
+    """
+    An engine that checks, at each step and each model call, the promise the SDK makes:
+    a generation runs only while its own variant is the one loaded, and a load or an
+    unload never overlaps a generation.
+    """
+
+    id = "witness"
+    default_variant = "a"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: str | None = None
+        self.generating = 0
+        self.fail_loads = 0
+        self.broken: list[str] = []
+        self.spoken = 0
+
+    def variants(self) -> dict[str, Variant]:
+        return {v: Variant() for v in "abc"}
+
+    def load(self, variant: str) -> None:
+        if self.generating:
+            self.broken.append(f"load {variant} during {self.generating} generation(s)")
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise RuntimeError("CUDA out of memory")
+        self.loaded = variant
+
+    def unload(self) -> None:
+        if self.generating:
+            self.broken.append(f"unload during {self.generating} generation(s)")
+        self.loaded = None
+
+    def step(self, variant: str) -> Callable[[], Iterator[bytes]]:
+        def run() -> Iterator[bytes]:
+            self.generating += 1
+            try:
+                for piece in range(2):
+                    if self.loaded != variant:
+                        self.broken.append(f"spoke {variant} with {self.loaded} loaded")
+                    yield b"%d" % piece
+                self.spoken += 1
+            finally:
+                self.generating -= 1
+
+        return run
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(60))
+def test_a_generation_runs_only_once_its_variant_is_loaded(concurrency: int, seed: int) -> None:
+    """
+    Whatever arrives and whatever order the threads finish in (requests for three
+    variants, unloads, loads that fail, readers that pause and resume, clients that hang
+    up), every generation runs with its own variant loaded, and no load or unload runs
+    beside one: what lets an adapter's speak() use its model without asking whether it
+    is loaded.
+    """
+    import random
+
+    rng = random.Random(seed * 7 + concurrency)
+    engine = Witness()
+    pool = FakePool()
+    reactor = ImmediateReactor()
+    model = ModelState(engine, reactor, pool)
+    scheduler = Scheduler(reactor, pool, model, concurrency)
+    jobs: list[Job] = []
+    for _ in range(120):
+        roll = rng.random()
+        if roll < 0.3:
+            variant = rng.choice("abc")
+            job = Job(variant, [engine.step(variant) for _ in range(rng.randint(1, 3))], _ignore_pcm)
+            job.done.addErrback(lambda failure: None)
+            jobs.append(job)
+            scheduler.submit(job)
+        elif roll < 0.36:
+            scheduler.exclusive(lambda: Deferred.fromCoroutine(model.unload())).addErrback(lambda f: None)
+        elif roll < 0.4:
+            engine.fail_loads += 1
+        elif roll < 0.5 and jobs:
+            rng.choice(jobs).pauseProducing()
+        elif roll < 0.6 and jobs:
+            rng.choice(jobs).resumeProducing()
+        elif roll < 0.63 and jobs:
+            rng.choice(jobs).cancel()
+        elif pool.calls:
+            pool.run_any(rng.randrange)
+    for job in jobs:
+        job.resumeProducing()
+    while pool.calls:
+        pool.run_any(rng.randrange)
+    assert engine.broken == []
+    assert all(job.done.called for job in jobs) and not scheduler.busy
+    assert engine.spoken > 0

@@ -21,7 +21,7 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.logger import LogLevel, capturedLogs
 
-import rhapsode_worker
+import rhapsode_worker.onnx
 from rhapsode._config import WorkersConfig, load_config
 from rhapsode._fleet.supervisor import core_budget_env, prestart
 from rhapsode_worker import _threads
@@ -334,11 +334,12 @@ def test_an_optimised_graph_is_never_reused_for_another_model_runtime_or_setting
 
 def test_the_sdk_exports_the_budgeted_session() -> None:
     """
-    An adapter imports the mechanism from the SDK's face, as docs/writing-an-engine.md says.
+    An adapter imports the mechanism from the SDK's public module for ONNX engines,
+    rhapsode_worker.onnx, as docs/writing-an-engine.md says.
     """
     for name in ("BudgetedSession", "CoreGate", "core_budget"):
-        assert name in rhapsode_worker.__all__
-        assert getattr(rhapsode_worker, name) is getattr(_threads, name)
+        assert name in rhapsode_worker.onnx.__all__
+        assert getattr(rhapsode_worker.onnx, name) is getattr(_threads, name)
 
 
 def test_the_core_budget_setting_defaults_to_the_machine_and_is_checked(tmp_path: Path) -> None:

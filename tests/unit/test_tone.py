@@ -1,5 +1,6 @@
 """
-Tests for the tone engine's adapter, called directly: what it claims it performs, audibly.
+Tests for the tone engine's adapter, called directly and under the worker's real routes
+and scheduler in memory (rhapsode_worker.testing): what it claims it performs, audibly.
 
 "Audibly" is measured: durations, levels and dominant frequencies of the PCM it yields,
 estimated here independently of the engine's own code.
@@ -25,6 +26,8 @@ from typing import Callable, Iterable
 import pytest
 from zope.interface.verify import verifyObject
 
+from rhapsode_protocol import contract
+
 from rhapsode_engine_tone import ToneEngine
 from rhapsode_engine_tone._pitch import estimate
 from rhapsode_worker import (
@@ -32,13 +35,14 @@ from rhapsode_worker import (
     BadRequest,
     DialogueRequest,
     IEngine,
-    ModelUnavailable,
     Reference,
     SpeakRequest,
     Turn,
     UnknownVoice,
     Unsupported,
+    WorkerContext,
 )
+from rhapsode_worker.testing import WorkerHarness
 
 RATE = 24000
 SENTENCE = (
@@ -48,8 +52,7 @@ SENTENCE = (
 
 
 def _engine(tmp_path: Path, variant: str | None = "expressive") -> ToneEngine:
-    engine = ToneEngine()
-    engine.voice_dir = tmp_path / "voices"
+    engine = ToneEngine(WorkerContext(voice_dir=tmp_path / "voices", cache_dir=tmp_path / "cache"))
     if variant is not None:
         engine.load(variant)
     return engine
@@ -238,19 +241,6 @@ def test_builtin_voices_are_listed(tmp_path: Path) -> None:
 # -- speaking -------------------------------------------------------------------------------
 
 
-def test_speak_needs_a_loaded_variant(tmp_path: Path) -> None:
-    """speak with nothing loaded, or for a variant other than the loaded one, refuses."""
-    engine = _engine(tmp_path, None)
-    with pytest.raises(ModelUnavailable):
-        _speak(engine, "expressive", "hello")
-    engine.load("classic")
-    with pytest.raises(ModelUnavailable):
-        _speak(engine, "expressive", "hello")
-    engine.unload()
-    with pytest.raises(ModelUnavailable):
-        _speak(engine, "classic", "hello")
-
-
 def test_duration_is_plausible_and_not_silent(expressive: ToneEngine) -> None:
     """A 140-character sentence lasts 6 to 15 seconds, and is loud enough to hear."""
     text = SENTENCE + " Then it stops, and waits for the other."
@@ -277,15 +267,17 @@ def test_same_seed_same_bytes_other_seed_other_bytes(expressive: ToneEngine) -> 
     assert _speak(expressive, "expressive", SENTENCE) != _speak(expressive, "expressive", SENTENCE)
 
 
-def test_seeded_output_is_identical_in_another_process(expressive: ToneEngine) -> None:
+def test_seeded_output_is_identical_in_another_process(expressive: ToneEngine, tmp_path: Path) -> None:
     """A seed fixes the bytes across processes too: nothing depends on Python's salted hash()."""
     pcm = _speak(expressive, "expressive", SENTENCE + " [laugh] Yes?", seed=7)
     here = hashlib.sha256(pcm).hexdigest()
     script = (
         "import hashlib\n"
         "from rhapsode_engine_tone import ToneEngine\n"
-        "from rhapsode_worker import SpeakRequest\n"
-        "e = ToneEngine(); e.load('expressive')\n"
+        "from pathlib import Path\n"
+        "from rhapsode_worker import SpeakRequest, WorkerContext\n"
+        f"e = ToneEngine(WorkerContext(voice_dir=Path({str(tmp_path)!r}), cache_dir=Path({str(tmp_path)!r})))\n"
+        "e.load('expressive')\n"
         f"r = SpeakRequest(text={SENTENCE + ' [laugh] Yes?'!r}, variant='expressive', seed=7)\n"
         "print(hashlib.sha256(b''.join(e.speak(r))).hexdigest())\n"
     )
@@ -639,3 +631,74 @@ def test_dialogue_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     classic = _engine(tmp_path, "classic")
     with pytest.raises(UnknownVoice):
         _dialogue(classic, [("a", "hi")], voices={"a": "nobody"})
+
+
+# -- under the worker (rhapsode_worker.testing) ------------------------------------------
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> WorkerHarness:
+    return WorkerHarness(ToneEngine, tmp_path)
+
+
+def test_the_worker_declares_what_the_catalog_and_variants_say(worker: WorkerHarness) -> None:
+    """
+    Served by the real worker, tone's capabilities are valid, name the licences its
+    catalog.json gives and both variants with their claims, and its voices are the four
+    built-ins.
+    """
+    caps = worker.get("/capabilities").json()
+    contract.validate(contract.CAPABILITIES, caps)
+    catalog = json.loads((Path(sys.modules["rhapsode_engine_tone"].__file__).parent / "catalog.json").read_text())
+    assert caps["license"] == catalog["license"] and caps["defaultVariant"] == catalog["defaultVariant"]
+    assert caps["engine"] == {"id": "tone", "displayName": "Tone", "adapterVersion": "0.1.0"}
+    assert caps["variants"]["expressive"]["cues"] == list(ALL_CUES)
+    assert caps["variants"]["classic"]["dialogue"] == {"maxSpeakers": 2}
+    assert caps["variants"]["classic"]["cloning"] == {"supported": True, "formats": ["wav"]}
+    assert [v["id"] for v in worker.get("/voices").json()] == ["alto", "bass", "tenor", "soprano"]
+
+
+def test_the_worker_loads_the_variant_tone_speaks(worker: WorkerHarness) -> None:
+    """
+    tone keeps no guard of its own: with expressive loaded, a request for classic's
+    dials is spoken once the worker has loaded classic, and health then says so.
+    """
+    assert worker.post("/load", {"variant": "expressive"}).json()["variant"] == "expressive"
+    spoken = worker.post("/speak", {"text": "aaaaaaaaa", "variant": "classic", "params": {"pitch": 2.0},
+                                    "seed": 3, "format": "pcm", "stream": False})
+    assert spoken.code == 200 and spoken.headers["content-type"] == f"audio/L16; rate={RATE}; channels=1"
+    assert worker.get("/health").json()["variant"] == "classic"
+    classic = _engine(worker.context.voice_dir.parent / "direct", "classic")
+    assert spoken.body == _speak(classic, "classic", "aaaaaaaaa", seed=3, params={"pitch": 2.0})
+
+
+def test_a_request_through_the_worker_is_the_segments_the_sdk_cut(worker: WorkerHarness) -> None:
+    """
+    A long text comes back as its segments joined with tone's joint silence, and the
+    stated duration is the audio's: a buffered WAV and a streamed pcm agree.
+    """
+    text = " ".join([SENTENCE] * 4)
+    wav = worker.post("/speak", {"text": text, "seed": 5, "stream": False})
+    pcm = worker.post("/speak", {"text": text, "seed": 5, "format": "pcm"})
+    assert wav.code == pcm.code == 200 and wav.body[44:] == pcm.body
+    assert wav.duration_ms == pcm.duration_ms == round(len(pcm.body) // 2 * 1000 / RATE)
+    assert 20 < _seconds(pcm.body) < 60
+
+
+def test_a_voice_cloned_through_the_worker_speaks_at_its_pitch(worker: WorkerHarness) -> None:
+    """
+    A clip uploaded as a client uploads it becomes a voice in the worker's voice folder,
+    listed, and speaking an octave above the same engine's clone of a clip half its pitch.
+    """
+    for name, pitch in (("low", 150.0), ("high", 300.0)):
+        made = worker.create_voice(name, name.title(), reference=(f"{name}.wav", _clip(pitch)))
+        assert made.code == 201 and made.json()["builtin"] is False
+        assert (worker.context.voice_dir / f"{name}.json").is_file()
+    heard = [
+        _dominant_hz(worker.post("/speak", {"text": "aaaaaaaaa", "variant": "classic", "voice": name,
+                                            "seed": 41, "format": "pcm", "stream": False}).body)
+        for name in ("low", "high")
+    ]
+    assert 1.85 < heard[1] / heard[0] < 2.15
+    refused = worker.post("/speak", {"text": "hi", "voice": "nobody"})
+    assert refused.code == 404 and refused.json()["error"]["code"] == "unknown_voice"

@@ -7,6 +7,8 @@ It depends on the protocol alone, never on the SDK it checks: an independent
 implementation of the client side of the contract.
 """
 
-from ._checks import CHECKS, DEFAULT_TIMEOUT, Outcome, Report, Result, Unreachable, run_checks
+from ._checks import CHECKS
+from ._report import Outcome, Report, Result, Unreachable
+from ._run import DEFAULT_TIMEOUT, run_checks
 
 __all__ = ["CHECKS", "DEFAULT_TIMEOUT", "Outcome", "Report", "Result", "Unreachable", "run_checks"]

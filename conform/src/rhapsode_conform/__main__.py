@@ -5,7 +5,7 @@ line per check, then a summary.
 
 TARGET is a Unix socket path (C{/x/y.sock} or C{unix:/x/y.sock}) or C{http://host:port}.
 Exit status: 0 when nothing failed, 1 when something did, 2 when nothing answers at the
-target.  The implementation is L{rhapsode_conform._checks}.
+target.  The checks are L{rhapsode_conform._checks}; L{rhapsode_conform._run} runs them.
 """
 
 from __future__ import annotations
@@ -14,15 +14,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from ._checks import (
-    CHECKS,
-    DEFAULT_TIMEOUT,
-    Outcome,
-    Report,
-    Result,
-    Unreachable,
-    run_checks,
-)
+from ._checks import CHECKS
+from ._report import Outcome, Report, Result, Unreachable
+from ._run import DEFAULT_TIMEOUT, run_checks
 
 
 def main(argv: Sequence[str] | None = None) -> int:

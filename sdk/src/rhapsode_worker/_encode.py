@@ -2,7 +2,8 @@
 Turning an adapter's native PCM into the response formats of protocol.md sections 6 and 8, as
 it arrives.
 
-wav and pcm are passthrough in Python.  mp3, opus (Ogg Opus) and flac go through one ffmpeg
+An adapter that yields 32-bit float PCM has it converted to 16-bit first, on the synthesis
+thread (L{pcm16_from_f32le}).  wav and pcm are passthrough in Python.  mp3, opus (Ogg Opus) and flac go through one ffmpeg
 child per response, spawned with the reactor: the ffmpeg binary on PATH when there is one,
 otherwise the one the imageio-ffmpeg wheel ships, so no system package is needed.
 
@@ -21,9 +22,11 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
+from array import array
 from functools import lru_cache
-from typing import Any, Callable, Protocol, cast
+from typing import Any, Callable, Iterator, Protocol, cast
 
 import imageio_ffmpeg
 from twisted.internet.defer import Deferred, fail, succeed
@@ -87,6 +90,56 @@ def _audio_encoders(ffmpeg: str) -> frozenset[str]:
         fields[1] for fields in map(str.split, entries.splitlines())
         if len(fields) >= 2 and fields[0].startswith("A")
     )
+
+
+_FULL_SCALE = 32767.0
+
+
+def _f32_to_s16(data: bytes) -> bytes:
+    """
+    Little-endian float32 samples as little-endian int16: clipped to [-1, 1], scaled by
+    32767 in float32 arithmetic and truncated toward zero, as Piper and Kokoro converted
+    their own (so their bytes are unchanged); a NaN is silence.  Through numpy when the
+    adapter has loaded it (the SDK never imports it), else in Python: the same bytes,
+    the first about fifty times faster.
+    """
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        values = numpy.nan_to_num(numpy.frombuffer(data, dtype="<f4"), nan=0.0)
+        scaled = numpy.clip(values, -1.0, 1.0) * numpy.float32(_FULL_SCALE)
+        return bytes(scaled.astype("<i2").tobytes())
+    values = array("f")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    # array("f") rounds each product to float32, as numpy's float32 multiply does.
+    scaled = array("f", [
+        (v * _FULL_SCALE if -1.0 <= v <= 1.0 else (_FULL_SCALE if v > 1.0 else -_FULL_SCALE)) if v == v else 0.0
+        for v in values
+    ])
+    samples = array("h", [int(v) for v in scaled])
+    if sys.byteorder == "big":
+        samples.byteswap()
+    return samples.tobytes()
+
+
+def pcm16_from_f32le(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """
+    An adapter's float32 PCM as 16-bit PCM, chunk by chunk; a sample split across two
+    chunks is joined.  Closing this closes the adapter's generator.
+    """
+    pending = b""
+    try:
+        for chunk in chunks:
+            data = pending + chunk if pending else chunk
+            whole = len(data) - len(data) % 4
+            pending = data[whole:]
+            if whole:
+                yield _f32_to_s16(data[:whole])
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def content_type(fmt: str, native: NativeFormat) -> str:

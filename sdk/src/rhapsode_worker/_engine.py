@@ -6,22 +6,34 @@ supplies every optional part.  What a variant can do beyond speaking (clone, ble
 dialogue) is derived from which methods the class overrides, so an adapter cannot
 declare a capability it did not write.
 
+Facts: an adapter's package ships its C{catalog.json} (the record the core shows before
+the worker has ever run), and L{Engine} takes the engine's id, display name, licences and
+default variant from it, and its adapter version from the installed distribution it
+names, so that nothing says them twice (L{catalog_facts}).
+
 Threading: every method that touches the model (C{load}, C{unload}, C{speak},
 C{dialogue}, C{fetch}, C{create_voice}, C{blend_voice}, C{delete_voice}) is called on a
 worker thread, never on the reactor thread, and may block.  The SDK never calls C{load},
-C{unload} or C{speak} concurrently unless C{concurrency} says it may.
+C{unload} or C{speak} concurrently unless C{concurrency} says it may, and it calls
+C{speak} and C{dialogue} only once C{load} has succeeded for the request's variant, with
+no C{load} or C{unload} running beside them (L{rhapsode_worker._schedule}); a variant,
+voice, language, delivery or dial reaches the adapter only once the routes checked it.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from importlib import metadata, resources
+from typing import Any, Iterator, Mapping, Sequence
 
 from zope.interface import Attribute, Interface, implementer
 
 from rhapsode_protocol.errors import Unsupported
 from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES
+
+from ._context import WorkerContext
 
 
 @dataclass(frozen=True)
@@ -39,10 +51,18 @@ class Dial:
             raise ValueError(f"dial default {self.default} outside [{self.min}, {self.max}]")
 
 
+#: The PCM an adapter may yield, by name, with the bytes of one sample.
+PCM_ENCODINGS = {"pcm_s16le": 2, "pcm_f32le": 4}
+
+
 @dataclass(frozen=True)
 class NativeFormat:
     """
-    The PCM an adapter yields: always signed 16-bit little-endian here.
+    The PCM an adapter yields, interleaved, little-endian: signed 16-bit samples
+    (C{pcm_s16le}, the default), or 32-bit floats in [-1, 1] (C{pcm_f32le}, what most
+    models make), which the SDK converts to 16-bit on the synthesis thread (clipped to
+    [-1, 1], scaled by 32767 and truncated toward zero; a NaN becomes silence).  The SDK
+    encodes, and the protocol carries, 16-bit PCM either way (L{pcm16}).
     """
 
     sample_rate: int
@@ -50,12 +70,20 @@ class NativeFormat:
     encoding: str = "pcm_s16le"
 
     def __post_init__(self) -> None:
-        if self.encoding != "pcm_s16le":
-            raise ValueError("the SDK encodes from pcm_s16le only")
+        if self.encoding not in PCM_ENCODINGS:
+            raise ValueError(f"the SDK takes PCM as {' or '.join(PCM_ENCODINGS)}, not {self.encoding!r}")
 
     @property
     def bytes_per_frame(self) -> int:
-        return 2 * self.channels
+        """One frame of what the adapter yields: a sample per channel."""
+        return PCM_ENCODINGS[self.encoding] * self.channels
+
+    @property
+    def pcm16(self) -> "NativeFormat":
+        """The 16-bit PCM the SDK encodes from, at this rate and channel count."""
+        if self.encoding == "pcm_s16le":
+            return self
+        return NativeFormat(sample_rate=self.sample_rate, channels=self.channels)
 
     @property
     def bytes_per_second(self) -> int:
@@ -217,7 +245,6 @@ class IEngine(Interface):
     concurrency = Attribute("Generations that may run at once (default 1)")
     reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")
     private_tag_patterns = Attribute("Regexes of the engine's own tag syntax, stripped")
-    voice_dir = Attribute("Directory the SDK gives the adapter for its voice store")
 
     def variants() -> Mapping[str, Variant]:
         """Every variant this worker can load on this machine."""
@@ -232,10 +259,10 @@ class IEngine(Interface):
         """Built-in and created voices; cheap, no model needed."""
 
     def speak(request: SpeakRequest) -> Iterator[bytes]:
-        """Blocking: yield native PCM for one segment."""
+        """Blocking: yield native PCM for one segment; only after load(request.variant)."""
 
     def dialogue(request: DialogueRequest) -> Iterator[bytes]:
-        """Blocking: yield native PCM for a conversation. Optional."""
+        """Blocking: yield native PCM for a conversation; only after load(request.variant). Optional."""
 
     def create_voice(voice_id: str, label: str, reference: Reference) -> Voice:
         """Blocking: store a voice made from a reference; loads no model. Optional."""
@@ -253,11 +280,106 @@ class IEngine(Interface):
         """What the loaded model holds, when the adapter knows better than a delta."""
 
 
+#: The catalog record's file, in an adapter's package.
+CATALOG = "catalog.json"
+#: What the catalog gives an L{Engine}, by attribute.
+CATALOGUED = ("id", "display_name", "license", "default_variant", "adapter_version")
+
+
+class CatalogError(Exception):
+    """
+    An adapter's C{catalog.json} cannot give its facts: unreadable, missing a field, or
+    naming a distribution that is not installed.
+    """
+
+
+def catalog_facts(package: str) -> dict[str, Any] | None:
+    """
+    The facts L{CATALOGUED} names, from the C{catalog.json} that the top-level package
+    C{package} ships; None when C{package} is no package or ships none (an adapter
+    written inside a test, which states its facts itself).
+
+    @raise CatalogError: naming the file and the field, for a record that is not one.
+    """
+    module = sys.modules.get(package)
+    if module is None or not hasattr(module, "__path__"):
+        return None
+    source = resources.files(package) / CATALOG
+    if not source.is_file():
+        return None
+    where = f"{package}/{CATALOG}"
+    try:
+        record = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CatalogError(f"{where} cannot be read: {exc}") from exc
+
+    def text(doc: Any, key: str, prefix: str = "") -> str:
+        value = doc.get(key) if isinstance(doc, dict) else None
+        if not isinstance(value, str) or not value:
+            raise CatalogError(f'{where} needs "{prefix}{key}", a non-empty string')
+        return value
+
+    if text(record, "module") != package:
+        raise CatalogError(f'{where} names module "{record["module"]}", not {package}')
+    licence = record.get("license")
+    commercial = licence.get("weightsCommercialUse") if isinstance(licence, dict) else None
+    if not isinstance(commercial, bool):
+        raise CatalogError(f'{where} needs "license.weightsCommercialUse", true or false')
+    notes = licence.get("notes", "") if isinstance(licence, dict) else ""
+    if not isinstance(notes, str):
+        raise CatalogError(f'{where} has "license.notes" that is not a string')
+    distribution = text(record, "distribution")
+    try:
+        version = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        raise CatalogError(
+            f'{where} names distribution "{distribution}", which is not installed '
+            "(install the engine, e.g. pip install -e engines/<id>, to give it a version)"
+        ) from None
+    return {
+        "id": text(record, "id"),
+        "display_name": text(record, "displayName"),
+        "license": License(
+            code=text(licence, "code", "license."),
+            weights=text(licence, "weights", "license."),
+            weights_commercial_use=commercial,
+            notes=notes,
+        ),
+        "default_variant": text(record, "defaultVariant"),
+        "adapter_version": version,
+    }
+
+
 @implementer(IEngine)
 class Engine:
     """
     Defaults for every optional part of L{IEngine}.  Subclass it and write what you have.
+
+    A subclass defined in a package that ships a C{catalog.json} takes L{CATALOGUED}
+    from it as it is created, and may not set them itself: one place says each fact.
+    One defined elsewhere (in a test) sets those it needs and keeps these defaults for
+    the rest.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        upstream = cls.__dict__.get("upstream_distribution")
+        if upstream is not None and "upstream_version" not in cls.__dict__:
+            try:
+                cls.upstream_version = metadata.version(upstream)
+            except metadata.PackageNotFoundError:
+                raise CatalogError(f'{cls.__qualname__}\'s upstream "{upstream}" is not installed') from None
+        facts = catalog_facts(cls.__module__.partition(".")[0])
+        if facts is None:
+            return
+        twice = [name for name in CATALOGUED if name in cls.__dict__]
+        if twice:
+            raise CatalogError(
+                f"{cls.__qualname__} sets {', '.join(twice)}, which its package's "
+                f"{CATALOG} gives: say each fact in one place"
+            )
+        for name, value in facts.items():
+            setattr(cls, name, value)
 
     id: str = ""
     display_name: str = ""
@@ -265,6 +387,9 @@ class Engine:
     native_format: NativeFormat = NativeFormat(sample_rate=24000)
     default_variant: str = "default"
     adapter_version: str = "0.1.0"
+    #: The upstream library's distribution, whose installed version becomes
+    #: C{upstream_version} as the class is created (unless the class sets that itself).
+    upstream_distribution: str | None = None
     upstream_version: str | None = None
     max_characters: int = 4096
     segment_characters: int | None = None
@@ -273,7 +398,27 @@ class Engine:
     concurrency: int = 1
     reference_formats: Sequence[str] = ()
     private_tag_patterns: Sequence[str] = ()
-    voice_dir: Path = Path(".")
+
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        """
+        @param context: what the worker was given at spawn; L{serve} makes the engine
+            with it.  An engine made without one (in a test that never needs it) says so
+            when L{context} is read.
+        """
+        self._context = context
+
+    @property
+    def context(self) -> WorkerContext:
+        """
+        The worker's L{WorkerContext}: its voice folder, cache folder and cores.
+        """
+        context: WorkerContext | None = getattr(self, "_context", None)
+        if context is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was made without a WorkerContext; "
+                "serve() gives one, and a test passes its own"
+            )
+        return context
 
     def variants(self) -> Mapping[str, Variant]:
         return {self.default_variant: Variant()}

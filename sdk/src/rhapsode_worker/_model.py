@@ -13,14 +13,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
-from twisted.python.threadpool import ThreadPool
 
 from rhapsode_protocol.errors import SpeechError, as_speech_error
 
 from . import _memory
 from ._engine import IEngine
+from ._pool import WorkerPool, in_pool
 
 UNLOADED = "unloaded"
 LOADING = "loading"
@@ -44,7 +43,7 @@ class ModelState:
 
     log = Logger()
 
-    def __init__(self, engine: IEngine, reactor: Any, pool: ThreadPool) -> None:
+    def __init__(self, engine: IEngine, reactor: Any, pool: WorkerPool) -> None:
         self._engine = engine
         self._reactor = reactor
         self._pool = pool
@@ -58,7 +57,7 @@ class ModelState:
         self.state, self.variant, self.model_bytes = state, variant, model_bytes
 
     def _in_pool(self, fn: Callable[..., Any], *args: Any) -> "Deferred[Any]":
-        return deferToThreadPool(self._reactor, self._pool, fn, *args)
+        return in_pool(self._reactor, self._pool, fn, *args)
 
     def resident(self, variant: str) -> bool:
         return self.state == LOADED and self.variant == variant

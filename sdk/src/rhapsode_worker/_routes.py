@@ -45,7 +45,7 @@ from rhapsode_protocol.vocab import clean_text, is_speakable
 
 from . import _memory
 from ._blend import parse_blend
-from ._encode import Blocking, content_type, make_encoder
+from ._encode import Blocking, content_type, make_encoder, pcm16_from_f32le
 from ._engine import (
     Dial,
     DialogueRequest,
@@ -173,13 +173,13 @@ class _AudioResponse:
         self._encoder.write(data)
 
     def silence(self, milliseconds: int) -> None:
-        native = self._worker.engine.native_format
+        native = self._worker.pcm16
         frames = native.sample_rate * milliseconds // 1000
         if frames and self._encoder is not None:
             self.pcm(bytes(frames * native.bytes_per_frame))
 
     def _start(self) -> None:
-        native = self._worker.engine.native_format
+        native = self._worker.pcm16
         request = self._request
         request.setResponseCode(200)
         request.setHeader(b"Content-Type", content_type(self._fmt, native).encode("ascii"))
@@ -208,7 +208,7 @@ class _AudioResponse:
             raise SpeechError("the engine produced no audio")
         self._encoder.unregisterProducer()
         await self._encoder.finish()
-        native = self._worker.engine.native_format
+        native = self._worker.pcm16
         duration = native.duration_ms(self.pcm_bytes)
         request = self._request
         if getattr(request, "producer", None) is not None:
@@ -222,6 +222,21 @@ class _AudioResponse:
         request.setHeader(b"Content-Length", b"%d" % len(body))
         request.setHeader(DURATION_HEADER, b"%d" % duration)
         return body
+
+
+def _as_is(generate: Callable[[Any], Iterator[bytes]], request: Any) -> Iterator[bytes]:
+    """
+    One step of synthesis, on the synthesis thread: the adapter's 16-bit PCM as it is.
+    """
+    return generate(request)
+
+
+def _as_pcm16(generate: Callable[[Any], Iterator[bytes]], request: Any) -> Iterator[bytes]:
+    """
+    One step of synthesis from an adapter that yields float PCM: converted as the
+    synthesis thread draws it, so the reactor never does the arithmetic.
+    """
+    return pcm16_from_f32le(generate(request))
 
 
 def _no_content(request: IRequest) -> bytes:
@@ -274,6 +289,9 @@ class WorkerApp:
         self.ffmpeg = ffmpeg
         self.contract_version = contract_version
         self._on_terminate = on_terminate
+        #: The PCM the worker encodes and sends: the adapter's, made 16-bit.
+        self.pcm16 = engine.native_format.pcm16
+        self._pcm = _as_pcm16 if engine.native_format.encoding == "pcm_f32le" else _as_is
         self.variants: Mapping[str, Variant] = dict(engine.variants())
         if engine.default_variant not in self.variants:
             raise ValueError(f"default variant {engine.default_variant!r} is not in variants()")
@@ -354,7 +372,7 @@ class WorkerApp:
     def capabilities(self) -> dict[str, Any]:
         engine = self.engine
         license = engine.license
-        native = engine.native_format
+        native = self.pcm16
         native_doc = {
             "encoding": native.encoding,
             "sampleRate": native.sample_rate,
@@ -606,7 +624,7 @@ class WorkerApp:
         pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
         count = len(pieces)
         return [
-            partial(engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
+            partial(self._pcm, engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
             for i, piece in enumerate(pieces)
         ]
 
@@ -693,10 +711,8 @@ class WorkerApp:
                 params=params,
                 seed=body.get("seed"),
             )
-            engine = self.engine
-            return await self._respond(
-                request, variant, [lambda: engine.dialogue(dialogue)], fmt, body.get("stream", True)
-            )
+            step = partial(self._pcm, self.engine.dialogue, dialogue)
+            return await self._respond(request, variant, [step], fmt, body.get("stream", True))
 
         return await self._guarded(request, handle)
 

@@ -2,7 +2,8 @@
 L{serve}: the spawn contract of protocol.md sections 2 and 9.
 
 Reads C{RHAPSODE_WORKER_LISTEN}, C{RHAPSODE_WORKER_ENGINE} and
-C{RHAPSODE_WORKER_CONTRACT}, negotiates the contract, binds, prints the one handshake
+C{RHAPSODE_WORKER_CONTRACT}, negotiates the contract, makes the engine with the
+L{WorkerContext} the rest of the environment describes, binds, prints the one handshake
 line on stdout and from then on sends anything written to C{sys.stdout} to the log.
 Logs are JSON lines on stderr.  SIGTERM and C{POST /terminate} drain and exit 0
 (L{rhapsode_worker._lifecycle}).  A worker whose parent dies exits, and a worker that
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, NoReturn, Sequence
+from typing import IO, Any, Callable, Mapping, NoReturn, Protocol, Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall, react
@@ -46,10 +47,10 @@ from rhapsode_protocol.spawn import (
     ENGINE_VARIABLE,
     LISTEN_VARIABLE,
     LOG_LEVEL_VARIABLE,
-    VOICE_DIR_VARIABLE,
 )
 
 from . import _memory
+from ._context import WorkerContext
 from ._encode import available_formats, find_ffmpeg
 from ._engine import IEngine
 from ._lifecycle import WorkerLifecycle
@@ -82,25 +83,26 @@ class Spawn:
     listen: str
     engine: str
     contract: int
-    voice_dir: Path
+    context: WorkerContext
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str], engine: IEngine) -> "Spawn":
+    def from_environ(cls, environ: Mapping[str, str], engine_id: str) -> "Spawn":
+        """
+        @param engine_id: the engine's own id, which names the worker when the core did
+            not (a worker run by hand) and its cache folder.
+        """
         listen = environ.get(LISTEN_VARIABLE, "tcp:127.0.0.1:0")
         if not (listen.startswith("unix:") or listen.startswith("tcp:")):
             raise SpawnError(f"RHAPSODE_WORKER_LISTEN must be unix:PATH or tcp:HOST:PORT, not {listen!r}")
-        name = environ.get(ENGINE_VARIABLE) or engine.id
+        name = environ.get(ENGINE_VARIABLE) or engine_id
         raw = environ.get(CONTRACT_VARIABLE, str(max(CONTRACT_VERSIONS)))
         try:
             offer = int(raw)
         except ValueError:
             raise SpawnError(f"RHAPSODE_WORKER_CONTRACT must be an integer, not {raw!r}") from None
         chosen = negotiate(offer)
-        default_dir = Path(
-            environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-        ) / "rhapsode" / "voices" / name
-        voice_dir = Path(environ.get(VOICE_DIR_VARIABLE) or default_dir)
-        return cls(listen=listen, engine=name, contract=chosen, voice_dir=voice_dir)
+        context = WorkerContext.from_environ(environ, engine_id)
+        return cls(listen=listen, engine=name, contract=chosen, context=context)
 
 
 class ContractRefused(SpawnError):
@@ -294,10 +296,24 @@ def _sweep_group() -> None:
                 pass
 
 
+class ProcessControl(Protocol):
+    """
+    What L{_run} does to the process it runs in (L{_Process}), so that a unit test can
+    run it on a memory reactor and record these instead.
+    """
+
+    parent: int
+
+    def parent_alive(self) -> bool: ...
+    def on_sigterm(self, handler: Callable[[], None]) -> None: ...
+    def announce(self, handshake: Mapping[str, Any]) -> None: ...
+    def sweep(self) -> None: ...
+    def exit(self, code: int) -> None: ...
+
+
 class _Process:
     """
-    What the runtime does to the process it runs in, apart from L{_run} so that a unit
-    test can run that on a memory reactor and record these instead.
+    What the runtime does to the process it runs in (L{ProcessControl}).
 
     @ivar parent: the process that spawned this one, read first thing at start-up.
     """
@@ -328,7 +344,7 @@ class _Process:
     def sweep(self) -> None:
         _sweep_group()
 
-    def exit(self, code: int) -> None:
+    def exit(self, code: int) -> NoReturn:
         """
         End the process now, taking its process group along; does not return.
         """
@@ -377,7 +393,7 @@ async def _run(
     reactor: Any,
     engine: IEngine,
     spawn: Spawn,
-    process: _Process,
+    process: ProcessControl,
     *,
     ffmpeg: str | None,
     formats: Sequence[str],
@@ -387,7 +403,6 @@ async def _run(
     Serve until drained, inside the reactor: C{ffmpeg} and C{formats} were probed
     before it ran, because a probe runs a program and the reactor waits on nothing.
     """
-    engine.voice_dir = spawn.voice_dir
     pool = ThreadPool(minthreads=0, maxthreads=max(1, engine.concurrency), name="synthesis")
     pool.start()
     reactor.addSystemEventTrigger("during", "shutdown", pool.stop)
@@ -453,13 +468,23 @@ async def _run(
     process.sweep()
 
 
-def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn:
+#: What L{serve} makes the engine with: an L{IEngine} class, usually, or any callable
+#: that takes the worker's L{WorkerContext}.
+EngineFactory = Callable[[WorkerContext], IEngine]
+
+
+def serve(factory: EngineFactory, environ: Mapping[str, str] | None = None) -> NoReturn:
     """
-    Serve C{engine} under the spawn contract until drained; never returns.
+    Make the engine with this worker's L{WorkerContext} and serve it under the spawn
+    contract until drained; never returns.
+
+    @param factory: the engine's class (or a callable taking the context); its C{id},
+        read before the engine is made, names the worker run by hand and its cache.
     """
     process = _Process(os.getppid())
     environ = os.environ if environ is None else environ
-    name = environ.get(ENGINE_VARIABLE) or str(getattr(engine, "id", "") or "")
+    engine_id = str(getattr(factory, "id", "") or "") or "engine"
+    name = environ.get(ENGINE_VARIABLE) or engine_id
     level = LogLevel.levelWithName(environ.get(LOG_LEVEL_VARIABLE, "info"))
     observer = FilteringLogObserver(
         _json_observer(sys.stderr, name), [LogLevelFilterPredicate(defaultLogLevel=level)]
@@ -467,7 +492,7 @@ def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     logging.basicConfig(level=logging.INFO, handlers=[_LoggingBridge()], force=True)
     try:
-        spawn = Spawn.from_environ(environ, engine)
+        spawn = Spawn.from_environ(environ, engine_id)
     except SpawnError as error:
         log.critical("{error}", error=str(error))
         sys.exit(_EXIT_REFUSED if isinstance(error, ContractRefused) else _EXIT_MISCONFIGURED)
@@ -478,6 +503,13 @@ def serve(engine: IEngine, environ: Mapping[str, str] | None = None) -> NoReturn
     if not process.parent_alive():
         # It died before the kernel was asked to say so.
         log.warn("parent process {pid} is gone; exiting", pid=process.parent)
+        process.exit(1)
+    # Made once logging goes to the log, so that an engine that cannot start says why
+    # there, as a worker says everything.
+    try:
+        engine = factory(spawn.context)
+    except Exception:
+        log.failure("the engine could not be made")
         process.exit(1)
     # Each probe runs a program: done here, before the reactor runs, no request waits.
     ffmpeg = find_ffmpeg()

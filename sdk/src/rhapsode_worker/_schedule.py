@@ -21,12 +21,11 @@ from typing import Any, Callable, Iterator
 
 from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IPushProducer
-from twisted.internet.threads import deferToThreadPool
 from twisted.python.failure import Failure
-from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from ._model import ModelState
+from ._pool import WorkerPool, in_pool
 from ._threads import set_demand
 
 Step = Callable[[], Iterator[bytes]]
@@ -128,7 +127,7 @@ class Scheduler:
     """
 
     def __init__(
-        self, reactor: Any, pool: ThreadPool, model: ModelState, concurrency: int = 1
+        self, reactor: Any, pool: WorkerPool, model: ModelState, concurrency: int = 1
     ) -> None:
         self._reactor = reactor
         self._pool = pool
@@ -239,7 +238,7 @@ class Scheduler:
         if index:
             job.on_step(index)
         self._running += 1
-        d = deferToThreadPool(self._reactor, self._pool, self._drain_step, job, step, index == 0)
+        d = in_pool(self._reactor, self._pool, self._drain_step, job, step, index == 0)
 
         def finished(result: Any) -> None:
             self._running -= 1

@@ -7,4 +7,4 @@ from rhapsode_worker import serve
 from rhapsode_engine_espeak import EspeakEngine
 
 if __name__ == "__main__":
-    serve(EspeakEngine())
+    serve(EspeakEngine)

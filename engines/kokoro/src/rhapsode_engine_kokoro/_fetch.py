@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from rhapsode_worker import Internal, ModelUnavailable
+from rhapsode_worker import Internal, ModelUnavailable, WorkerContext
 from twisted.logger import Logger
 
 from ._voices import BUILTIN_VOICES, STYLE_BYTES, VOICES_SHAPE, npy_header
@@ -74,15 +74,18 @@ VOICES = Artifact(
 )
 
 
-def cache_dir(environ: Mapping[str, str]) -> Path:
+def cache_dir(environ: Mapping[str, str], worker_cache: Path | None = None) -> Path:
     """
-    Where the weights live: C{$RHAPSODE_KOKORO_CACHE}, else C{$XDG_CACHE_HOME/rhapsode/kokoro},
-    else C{~/.cache/rhapsode/kokoro}; outside the virtualenv, so a reinstall keeps them.
+    Where the weights live: C{$RHAPSODE_KOKORO_CACHE}, else the worker's cache folder
+    (C{worker_cache}; by default the one L{WorkerContext} names for C{environ}:
+    C{$XDG_CACHE_HOME/rhapsode/kokoro}, else C{~/.cache/rhapsode/kokoro}), outside the
+    virtualenv so a reinstall keeps them.
     """
     if environ.get("RHAPSODE_KOKORO_CACHE"):
         return Path(environ["RHAPSODE_KOKORO_CACHE"])
-    base = Path(environ["XDG_CACHE_HOME"]) if environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "rhapsode" / "kokoro"
+    if worker_cache is not None:
+        return worker_cache
+    return WorkerContext.from_environ(environ, "kokoro").cache_dir
 
 
 def verified(path: Path, artifact: Artifact) -> bool:

@@ -1,6 +1,6 @@
 """
 The onnxruntime session the Kokoro graph runs on: the SDK's, on as many threads as the
-core budget has free (L{rhapsode_worker.BudgetedSession}), keeping no memory between runs.
+core budget has free (L{rhapsode_worker.onnx.BudgetedSession}), keeping no memory between runs.
 
 Imported by a load only, so that a worker answers its handshake, lists voices and makes
 them without paying for onnxruntime.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from rhapsode_worker import BudgetedSession
+from rhapsode_worker.onnx import BudgetedSession
 
 #: The run option that makes the CPU arena hand back, when a run ends, the chunks it freed.
 _SHRINK_ARENA = "memory.enable_memory_arena_shrinkage"

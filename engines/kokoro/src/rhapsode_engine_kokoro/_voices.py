@@ -3,8 +3,9 @@ Kokoro's voices: the 54 built in, and the ones made here from a voicepack or a b
 
 A Kokoro voice is a style array of 510 x 256 float32 values (one row per phoneme count),
 kept as (510, 1, 256) so a row is the (1, 256) the graph takes.  A created voice is two
-files in the voice directory: C{<id>.npy}, the array, and C{<id>.json}, its label and
-where it came from, written last so that a listed voice always has its array.  Uploads
+files in the voice folder, kept by the SDK's L{VoiceStore}: C{<id>.npy}, the array, and
+C{<id>.json}, its label and where it came from, written last so that a listed voice
+always has its array.  Uploads
 are read as data by the SDK's reader, never unpickled.
 
 Pure standard library: nothing here loads or needs the model.
@@ -13,18 +14,15 @@ Pure standard library: nothing here loads or needs the model.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import struct
 import sys
-import tempfile
 from array import array
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rhapsode_worker import BadRequest, UnknownVoice, Unsupported, Voice, read_voicepack
+from rhapsode_worker import BadRequest, UnknownVoice, Unsupported, Voice, VoiceStore
+from rhapsode_worker.arrays import read_voicepack
 
 STYLE_SHAPE = (510, 1, 256)
 STYLE_VALUES = 510 * 256
@@ -160,56 +158,35 @@ def blend_styles(parts: Sequence[tuple[bytes, float]]) -> bytes:
     return _little_endian(array("f", total))
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    handle = tempfile.NamedTemporaryFile(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".partial", delete=False
-    )
-    try:
-        with handle:
-            handle.write(data)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-
-
-@dataclass(frozen=True)
-class VoiceStore:
+class StyleStore:
     """
-    The voices made on this box, in the directory the SDK gives the adapter.
+    The voices made on this box: each a style array (the blob, a .npy) and a record of
+    its label, where it came from and its hash, in the SDK's L{VoiceStore}.
     """
 
-    directory: Path
+    def __init__(self, directory: Path) -> None:
+        self._store = VoiceStore(directory, blob=".npy")
 
     def created(self) -> list[Voice]:
-        if not self.directory.is_dir():
-            return []
-        voices = []
-        for record in sorted(self.directory.glob("*.json")):
-            if (self.directory / f"{record.stem}.npy").exists():
-                voices.append(self._listing(record.stem, json.loads(record.read_text())))
-        return voices
+        return [self._listing(voice_id, record) for voice_id, record in self._store.records()]
 
     def save(self, voice_id: str, label: str, style: bytes, origin: dict[str, Any]) -> Voice:
         """Store a style array and its record; an existing voice of that id is replaced."""
         if voice_id in BUILTIN_VOICES:
             raise Unsupported(f'"{voice_id}" is a built-in voice', field="id")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.directory / f"{voice_id}.npy", npy_header(STYLE_SHAPE) + style)
         record = {
             "label": label,
             "origin": origin,
             "sha256": hashlib.sha256(style).hexdigest(),
         }
-        _write_atomically(self.directory / f"{voice_id}.json", json.dumps(record).encode())
+        self._store.save(voice_id, record, npy_header(STYLE_SHAPE) + style)
         return self._listing(voice_id, record)
 
     def style_path(self, voice_id: str) -> Path:
         """The .npy of a created voice.  @raise UnknownVoice: if there is none."""
-        path = self.directory / f"{voice_id}.npy"
-        if voice_id in BUILTIN_VOICES or not (self.directory / f"{voice_id}.json").exists():
+        if voice_id in BUILTIN_VOICES:
             raise UnknownVoice(f'no created voice "{voice_id}"', field="voice")
-        return path
+        return self._store.blob_path(voice_id)
 
     def style(self, voice_id: str) -> bytes:
         """A created voice's style bytes, without the .npy header this store wrote."""
@@ -218,9 +195,7 @@ class VoiceStore:
     def delete(self, voice_id: str) -> None:
         if voice_id in BUILTIN_VOICES:
             raise Unsupported(f'"{voice_id}" is a built-in voice', field="id")
-        # The record goes first: without it the voice is no longer listed.
-        (self.directory / f"{voice_id}.json").unlink(missing_ok=True)
-        (self.directory / f"{voice_id}.npy").unlink(missing_ok=True)
+        self._store.delete(voice_id)
 
     @staticmethod
     def _listing(voice_id: str, record: dict[str, Any]) -> Voice:

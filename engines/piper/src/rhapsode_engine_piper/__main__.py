@@ -7,4 +7,4 @@ from rhapsode_worker import serve
 from rhapsode_engine_piper import PiperEngine
 
 if __name__ == "__main__":
-    serve(PiperEngine())
+    serve(PiperEngine)

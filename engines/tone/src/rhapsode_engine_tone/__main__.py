@@ -7,4 +7,4 @@ from rhapsode_worker import serve
 from rhapsode_engine_tone import ToneEngine
 
 if __name__ == "__main__":
-    serve(ToneEngine())
+    serve(ToneEngine)

@@ -14,7 +14,6 @@ import sys
 import zlib
 from array import array
 from dataclasses import dataclass
-from importlib.metadata import version
 from typing import Iterable, Iterator, Mapping, Sequence, cast
 
 from rhapsode_worker import (
@@ -22,8 +21,6 @@ from rhapsode_worker import (
     Dial,
     DialogueRequest,
     Engine,
-    License,
-    ModelUnavailable,
     NativeFormat,
     Reference,
     SpeakRequest,
@@ -35,9 +32,8 @@ from rhapsode_worker import (
 from ._pitch import estimate
 from ._render import CHARACTERS_PER_SECOND, PRIVATE_TAG, Reader, parse
 from ._synth import SAMPLE_RATE, Palette, silence
-from ._voices import BUILTINS, DEFAULT_VOICE, ToneVoice, VoiceStore
+from ._voices import BUILTINS, DEFAULT_VOICE, ToneVoice, ToneVoices
 
-_VERSION = version("rhapsode-engine-tone")
 _LANGUAGES = ("en", "fr", "de", "es", "ja")
 
 _VARIANTS: dict[str, Variant] = {
@@ -122,17 +118,7 @@ class ToneEngine(Engine):
     Rhapsode's arithmetic test engine.
     """
 
-    id = "tone"
-    display_name = "Tone"
-    license = License(
-        code="MIT",
-        weights="MIT",
-        weights_commercial_use=True,
-        notes="Arithmetic synthesis: no weights. It speaks from its own tables, part of this MIT adapter.",
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = "expressive"
-    adapter_version = _VERSION
     upstream_version = None
     max_characters = 4096
     segment_characters = 200
@@ -141,27 +127,28 @@ class ToneEngine(Engine):
     reference_formats = ("wav",)
     private_tag_patterns = (PRIVATE_TAG,)
 
-    def __init__(self) -> None:
-        self._resident: tuple[str, Palette] | None = None
+    #: The loaded variant's tables, set by load(): the SDK calls speak() and dialogue()
+    #: only once load() has succeeded for the request's variant.
+    _palette: Palette
 
     def variants(self) -> Mapping[str, Variant]:
         return _VARIANTS
 
     def load(self, variant: str) -> None:
-        if variant not in _VARIANTS:
-            raise Unsupported(f"no variant {variant!r}", field="variant")
         brightnesses = tuple(sorted({v.brightness for v in BUILTINS.values()}))
-        self._resident = (variant, Palette(tuple(_VARIANTS[variant].languages), brightnesses))
+        self._palette = Palette(tuple(_VARIANTS[variant].languages), brightnesses)
 
     def unload(self) -> None:
-        self._resident = None
+        # Also called after a failed load, which may have set nothing.
+        if hasattr(self, "_palette"):
+            del self._palette
 
     def voices(self) -> Sequence[Voice]:
         voices = list(BUILTINS.values()) + self._store().created()
-        return [v.listing(_VERSION) for v in voices]
+        return [v.listing(self.adapter_version) for v in voices]
 
     def speak(self, request: SpeakRequest) -> Iterator[bytes]:
-        palette = self._palette(request.variant)
+        palette = self._palette
         variant = _VARIANTS[request.variant]
         if request.delivery is None:
             delivery = _ORDINARY
@@ -182,7 +169,7 @@ class ToneEngine(Engine):
         return _chunked(reader.perform(events, rng))
 
     def dialogue(self, request: DialogueRequest) -> Iterator[bytes]:
-        palette = self._palette(request.variant)
+        palette = self._palette
         variant = _VARIANTS[request.variant]
         if variant.max_speakers == 0:
             raise Unsupported(
@@ -230,7 +217,7 @@ class ToneEngine(Engine):
             },
         )
         self._store().save(voice)
-        return voice.listing(_VERSION)
+        return voice.listing(self.adapter_version)
 
     def blend_voice(
         self, voice_id: str, label: str, components: Sequence[tuple[str, float]]
@@ -251,19 +238,14 @@ class ToneEngine(Engine):
             origin={"kind": "blend", "components": [[v.id, w] for v, w in parts]},
         )
         store.save(voice)
-        return voice.listing(_VERSION)
+        return voice.listing(self.adapter_version)
 
     def delete_voice(self, voice_id: str) -> None:
         self._refuse_builtin(voice_id)
         self._store().delete(voice_id)
 
-    def _store(self) -> VoiceStore:
-        return VoiceStore(self.voice_dir)
-
-    def _palette(self, variant: str) -> Palette:
-        if self._resident is None or self._resident[0] != variant:
-            raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
-        return self._resident[1]
+    def _store(self) -> ToneVoices:
+        return ToneVoices(self.context.voice_dir)
 
     @staticmethod
     def _refuse_builtin(voice_id: str) -> None:
@@ -296,7 +278,7 @@ class ToneEngine(Engine):
             breath=_LEVEL * delivery.gain * delivery.breath,
         )
 
-    def _cast(self, request: DialogueRequest, store: VoiceStore) -> dict[str, ToneVoice]:
+    def _cast(self, request: DialogueRequest, store: ToneVoices) -> dict[str, ToneVoice]:
         """
         Each speaker's voice: the one the request maps it to, or a built-in picked from
         the speaker's label and the seed, unused by any other speaker while one is left.

@@ -2,26 +2,19 @@
 The tone engine's voices: four built-ins and a store of created ones.
 
 A voice here is two numbers, a base pitch and a brightness (how strong its upper
-harmonics are).  Created voices are JSON files in the directory the SDK hands the
-adapter, one per voice, written whole or not at all.
+harmonics are).  Created voices are records in the SDK's L{VoiceStore}, in the voice
+folder the worker's context names: one JSON file per voice, written whole or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from rhapsode_worker import BadRequest, UnknownVoice, Voice
-
-# The protocol's voice id rule (section 7).  The SDK checks it first; checking again
-# here is what keeps a path out of the store whoever calls it.
-_VOICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
+from rhapsode_worker import Voice, VoiceStore
 
 
 @dataclass(frozen=True)
@@ -76,23 +69,19 @@ BUILTINS: dict[str, ToneVoice] = {
 DEFAULT_VOICE = "alto"
 
 
-class VoiceStore:
+class ToneVoices:
     """
-    The created voices in one directory.
+    The created voices, each a record in the SDK's store: the numbers, label, tags,
+    description and origin of a L{ToneVoice}.
     """
 
     def __init__(self, directory: Path) -> None:
-        self._directory = directory
+        self._store = VoiceStore(directory)
 
-    def _path(self, voice_id: str) -> Path | None:
-        if not _VOICE_ID.match(voice_id):
-            return None
-        return self._directory / f"{voice_id}.json"
-
-    def _read(self, path: Path) -> ToneVoice:
-        record = json.loads(path.read_text(encoding="utf-8"))
+    @staticmethod
+    def _voice(voice_id: str, record: Mapping[str, Any]) -> ToneVoice:
         return ToneVoice(
-            id=path.stem,
+            id=voice_id,
             label=record["label"],
             pitch=record["pitch"],
             brightness=record["brightness"],
@@ -102,7 +91,7 @@ class VoiceStore:
         )
 
     def created(self) -> list[ToneVoice]:
-        return [self._read(p) for p in sorted(self._directory.glob("*.json"))]
+        return [self._voice(voice_id, record) for voice_id, record in self._store.records()]
 
     def find(self, voice_id: str, field: str) -> ToneVoice:
         """
@@ -112,40 +101,20 @@ class VoiceStore:
         """
         if voice_id in BUILTINS:
             return BUILTINS[voice_id]
-        path = self._path(voice_id)
-        if path is None or not path.is_file():
-            raise UnknownVoice(f'no voice "{voice_id}"', field=field)
-        return self._read(path)
+        return self._voice(voice_id, self._store.record(voice_id, field))
 
     def save(self, voice: ToneVoice) -> None:
         """
         Store C{voice}, replacing one of the same id.
         """
-        path = self._path(voice.id)
-        if path is None:
-            raise BadRequest(f"{voice.id!r} is not a voice id", field="id")
-        self._directory.mkdir(parents=True, exist_ok=True)
-        record = {
+        self._store.save(voice.id, {
             "label": voice.label,
             "pitch": voice.pitch,
             "brightness": voice.brightness,
             "tags": list(voice.tags),
             "description": voice.description,
             "origin": dict(voice.origin),
-        }
-        # Written beside the target and renamed over it, so a crash never leaves a
-        # half-written voice for the next listing to choke on.
-        handle, temporary = tempfile.mkstemp(dir=self._directory, suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as out:
-                json.dump(record, out, indent=2, sort_keys=True)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        })
 
     def delete(self, voice_id: str) -> None:
-        path = self._path(voice_id)
-        if path is None or not path.is_file():
-            raise UnknownVoice(f'no voice "{voice_id}"', field="id")
-        path.unlink()
+        self._store.delete(voice_id)
