@@ -137,7 +137,7 @@ class WorkersConfig:
     health_check_seconds: float = 5.0
     unresponsive_seconds: float = 15.0
     stall_seconds: float = 120.0
-    #: The cores every worker's runs share (L{rhapsode_worker.BudgetedSession}); None
+    #: The cores every worker's runs share (L{rhapsode_worker.onnx.BudgetedSession}); None
     #: for the cores this process may run on, counted when a worker is spawned.
     cores: int | None = None
     #: Start every local engine's worker process (not its model) when the core starts.

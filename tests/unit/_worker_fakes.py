@@ -11,9 +11,10 @@ tests'; nothing here stands in for a seam of the core.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.testing import MemoryReactorClock
 from twisted.internet.interfaces import (
     IConsumer,
     IProcessProtocol,
@@ -101,14 +102,30 @@ class FakeProcess:
         self.calls.append("resume")
 
 
+class Spawned(NamedTuple):
+    """One process a L{FakeProcessReactor} spawned, with what it was spawned with."""
+
+    executable: str
+    argv: list[str]
+    env: dict[str, str]
+    protocol: IProcessProtocol
+    process: Any
+
+
 @implementer(IReactorProcess)
-class FakeProcessReactor:
+class FakeProcessReactor(MemoryReactorClock):
     """
-    Spawns L{FakeProcess}es and keeps each with its protocol and argv.
+    A clock and memory reactor whose spawnProcess makes a fake process (a L{FakeProcess}
+    by default, or what C{make_process(pid, protocol)} makes), connects its protocol, and
+    records it; it raises C{spawn_error} instead where the test set one.  The one fake
+    process reactor of the suite: the encoder's tests and the supervisor's use it.
     """
 
-    def __init__(self) -> None:
-        self.spawned: list[tuple[IProcessProtocol, list[str], FakeProcess]] = []
+    def __init__(self, make_process: Callable[[int, IProcessProtocol], Any] | None = None) -> None:
+        super().__init__()
+        self._make = make_process or (lambda pid, protocol: FakeProcess())
+        self.spawned: list[Spawned] = []
+        self.spawn_error: OSError | None = None
 
     def spawnProcess(
         self,
@@ -122,10 +139,13 @@ class FakeProcessReactor:
         usePTY: bool = False,
         childFDs: Mapping[int, int | str] | None = None,
     ) -> IProcessTransport:
-        process = FakeProcess()
+        if self.spawn_error is not None:
+            raise self.spawn_error
+        process = self._make(1000 + len(self.spawned), processProtocol)
         processProtocol.makeConnection(process)
-        self.spawned.append((processProtocol, [str(a) for a in args], process))
-        return process
+        self.spawned.append(Spawned(str(executable), [str(a) for a in args], dict(env or {}), processProtocol, process))
+        process_transport: IProcessTransport = process
+        return process_transport
 
 
 @implementer(IPushProducer)

@@ -68,3 +68,20 @@ def test_unknown_or_unreadable_is_absent_never_guessed(tmp_path: Path) -> None:
     other.mkdir()
     assert read_catalog("rhapsode_engine_fake", str(fake_venv(other, facts={**FACTS, "module": "x"}))) is None
     assert read_catalog("rhapsode_engine_fake", "/usr/bin/python3-not-a-venv") is None
+
+
+def test_catalog_read_from_the_package_a_wheel_installed(tmp_path: Path) -> None:
+    """
+    An engine installed from a wheel (an index's, with no folder to point back to) is
+    found by the catalog.json its package ships, as its RECORD lists it; one whose
+    package ships none is still absent.
+    """
+    python = fake_venv(tmp_path, editable=False)
+    site = python.parents[1] / "lib" / "python3.11" / "site-packages"
+    (site / "rhapsode_engine_fake").mkdir()
+    (site / "rhapsode_engine_fake" / "catalog.json").write_text(json.dumps(FACTS))
+    record = site / "rhapsode_engine_fake-0.1.0.dist-info" / "RECORD"
+    record.write_text("rhapsode_engine_fake/__init__.py,,\nrhapsode_engine_fake/catalog.json,,\n")
+    assert read_catalog("rhapsode_engine_fake", str(python)) == FACTS
+    record.write_text("rhapsode_engine_fake/__init__.py,,\n")
+    assert read_catalog("rhapsode_engine_fake", str(python)) is None

@@ -49,8 +49,8 @@ def ffmpeg_encoder(fmt: str = "mp3", native: NativeFormat = MONO_24K, streaming:
     reactor = FakeProcessReactor()
     sink = StringTransport()
     encoder = make_encoder(fmt, native, sink, reactor=reactor, ffmpeg="/opt/ff", streaming=streaming)
-    [(protocol, argv, process)] = reactor.spawned
-    return encoder, sink, protocol, argv, process
+    [spawned] = reactor.spawned
+    return encoder, sink, spawned.protocol, spawned.argv, spawned.process
 
 
 def test_fakes_provide_their_interfaces() -> None:

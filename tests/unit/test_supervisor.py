@@ -10,13 +10,12 @@ import json
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorProcess
-from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import LogLevel, capturedLogs
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -26,6 +25,7 @@ from rhapsode._fleet.supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, Work
 from rhapsode_protocol.errors import Internal, ModelUnavailable
 
 from _deferreds import failure_of, result_of
+from _worker_fakes import FakeProcessReactor
 
 SOCKET = "unix:/run/rhapsode/tone.sock"
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -97,39 +97,16 @@ class FakeWorker:
         self.proto.processEnded(reason)
 
 
-@implementer(IReactorProcess)
-class FakeProcessReactor(MemoryReactorClock):
+def process_reactor() -> FakeProcessReactor:
     """
-    A clock and memory reactor whose spawnProcess records argv and env.
+    The suite's fake process reactor, spawning L{FakeWorker}s.
     """
+    return FakeProcessReactor(make_process=FakeWorker)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.spawned: list[tuple[str, list[str], dict[str, str], FakeWorker]] = []
-        self.spawn_error: OSError | None = None
 
-    def spawnProcess(
-        self,
-        processProtocol: IProcessProtocol,
-        executable: bytes | str,
-        args: Sequence[bytes | str],
-        env: Mapping[Any, Any] | None = None,
-        path: None | bytes | str = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        usePTY: bool = False,
-        childFDs: Mapping[int, int | str] | None = None,
-    ) -> IProcessTransport:
-        if self.spawn_error is not None:
-            raise self.spawn_error
-        worker = FakeWorker(1000 + len(self.spawned), processProtocol)
-        processProtocol.makeConnection(worker)
-        self.spawned.append((str(executable), [str(a) for a in args], dict(env or {}), worker))
-        return worker
-
-    @property
-    def worker(self) -> FakeWorker:
-        return self.spawned[-1][3]
+def last_worker(reactor: FakeProcessReactor) -> "FakeWorker":
+    worker: FakeWorker = reactor.spawned[-1].process
+    return worker
 
 
 @dataclass
@@ -138,7 +115,7 @@ class Harness:
     A supervisor on a fake reactor, with the signals it sent and the verbs it asked.
     """
 
-    reactor: FakeProcessReactor = field(default_factory=FakeProcessReactor)
+    reactor: FakeProcessReactor = field(default_factory=process_reactor)
     kills: list[tuple[int, int]] = field(default_factory=list)
     verbs: list[tuple[str, Deferred[bool]]] = field(default_factory=list)
     group_missing: bool = False
@@ -182,9 +159,9 @@ def up(h: Harness) -> FakeWorker:
     Start the worker and hand-shake.
     """
     started = h.supervisor.start()
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert result_of(started) == SOCKET
-    return h.reactor.worker
+    return last_worker(h.reactor)
 
 
 
@@ -194,7 +171,7 @@ def test_fakes_provide_their_interfaces() -> None:
     h = harness()
     h.supervisor.start()
     assert verifyObject(IReactorProcess, h.reactor)
-    assert verifyObject(IProcessTransport, h.reactor.worker)
+    assert verifyObject(IProcessTransport, last_worker(h.reactor))
 
 
 def test_spawn_inherits_environment_and_adds_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,7 +179,8 @@ def test_spawn_inherits_environment_and_adds_the_contract(monkeypatch: pytest.Mo
     monkeypatch.setenv("RHAPSODE_TEST_INHERITED", "yes")
     h = harness(env={"HF_HOME": "/models", "RHAPSODE_WORKER_ENGINE": "not-this"})
     h.supervisor.start()
-    [(executable, argv, env, _)] = h.reactor.spawned
+    [spawned] = h.reactor.spawned
+    executable, argv, env = spawned.executable, spawned.argv, spawned.env
     python = "/venvs/tone/bin/python"
     assert executable == python
     assert argv == [python, "-c", LEADER, python, "-m", "rhapsode_engine_tone"]
@@ -222,9 +200,9 @@ def test_handshake_fires_start_with_the_listen_address() -> None:
     started = h.supervisor.start()
     assert h.supervisor.state == "starting"
     assert h.reactor.getDelayedCalls()
-    h.reactor.worker.out(b'{"ready":true,"contract":1,"engine":"tone",')
+    last_worker(h.reactor).out(b'{"ready":true,"contract":1,"engine":"tone",')
     assert not started.called
-    h.reactor.worker.out(b'"listen":"tcp:127.0.0.1:41234"}\n')
+    last_worker(h.reactor).out(b'"listen":"tcp:127.0.0.1:41234"}\n')
     assert result_of(started) == "tcp:127.0.0.1:41234"
     assert h.supervisor.state == "up"
     assert h.supervisor.listen == "tcp:127.0.0.1:41234"
@@ -237,7 +215,7 @@ def test_starts_are_shared_and_answered_at_once_while_up() -> None:
     h = harness()
     first, second = h.supervisor.start(), h.supervisor.start()
     assert len(h.reactor.spawned) == 1
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert result_of(first) == result_of(second) == SOCKET
     assert result_of(h.supervisor.start()) == SOCKET
     assert len(h.reactor.spawned) == 1
@@ -248,7 +226,7 @@ def test_waiters_see_the_new_state() -> None:
     h = harness()
     seen: list[tuple[str, str | None]] = []
     h.supervisor.start().addCallback(lambda _: seen.append((h.supervisor.state, h.supervisor.listen)))
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert seen == [("up", SOCKET)]
 
 
@@ -268,7 +246,7 @@ def test_exit_before_handshake_fails_start_as_internal_with_stderr_in_the_log() 
     """
     h = harness()
     started = h.supervisor.start()
-    worker = h.reactor.worker
+    worker = last_worker(h.reactor)
     with capturedLogs() as events:
         worker.err(b"Traceback (most recent call last):\n  File \"/srv/venv/x.py\"\nModuleNotFoundError: No module named 'kok")
         worker.err(b"oro'\n")
@@ -288,7 +266,7 @@ def test_a_signal_before_the_handshake_stays_retryable() -> None:
     """
     h = harness()
     started = h.supervisor.start()
-    h.reactor.worker.exit(None, 9)
+    last_worker(h.reactor).exit(None, 9)
     error = failure_of(started).value
     assert isinstance(error, ModelUnavailable) and error.retryable and "SIGKILL" in error.message
 
@@ -318,16 +296,16 @@ def test_stderr_tail_is_bounded() -> None:
     started = h.supervisor.start()
     with capturedLogs() as events:
         for i in range(500):
-            h.reactor.worker.err(f"line {i:04d} of noise\n".encode())
-        h.reactor.worker.exit(1)
+            last_worker(h.reactor).err(f"line {i:04d} of noise\n".encode())
+        last_worker(h.reactor).exit(1)
     failure_of(started)
     message = failure_logged(events)
     assert f"line {500 - TAIL_LINES:04d}" in message and f"line {499 - TAIL_LINES:04d}" not in message
     h.reactor.advance(1)
     restarted = h.supervisor.start()
     with capturedLogs() as events:
-        h.reactor.worker.err(b"x" * 5000 + b" the end\n")
-        h.reactor.worker.exit(1)
+        last_worker(h.reactor).err(b"x" * 5000 + b" the end\n")
+        last_worker(h.reactor).exit(1)
     failure_of(restarted)
     tail = failure_logged(events).split("\n", 1)[1]
     assert tail.endswith("x the end") and len(tail) <= TAIL_CHARACTERS
@@ -337,7 +315,7 @@ def test_startup_timeout_kills_the_group_and_fails() -> None:
     """A worker silent past the startup timeout is SIGKILLed as a group and start() fails naming the timeout."""
     h = harness(startup_timeout=60.0)
     started = h.supervisor.start()
-    h.reactor.worker.err(b'{"level":"info","namespace":"x","message":"importing torch"}\n')
+    last_worker(h.reactor).err(b'{"level":"info","namespace":"x","message":"importing torch"}\n')
     h.reactor.advance(59.9)
     assert not started.called and h.kills == []
     h.reactor.advance(0.1)
@@ -345,7 +323,7 @@ def test_startup_timeout_kills_the_group_and_fails() -> None:
     message = failure_of(started).value.message
     assert "did not hand-shake within 60 s" in message and "importing torch" not in message
     assert h.supervisor.state == "draining"
-    h.reactor.worker.exit(None, 9)
+    last_worker(h.reactor).exit(None, 9)
     assert h.supervisor.state == "starting"  # counted as a crash: a restart is scheduled
     assert h.supervisor.restarts == 1
 
@@ -359,7 +337,7 @@ def test_stop_while_a_timed_out_start_is_killed() -> None:
     assert "did not hand-shake" in failure_of(h.supervisor.start()).value.message
     stopped = h.supervisor.stop()
     assert not stopped.called
-    h.reactor.worker.exit(None, 9)
+    last_worker(h.reactor).exit(None, 9)
     result_of(stopped)
     assert h.supervisor.state == "down" and h.reactor.getDelayedCalls() == []
 
@@ -368,12 +346,12 @@ def test_contract_above_the_core_is_refused() -> None:
     """A handshake at a contract above the core's is refused naming both numbers, killed, and not retried."""
     h = harness()
     started = h.supervisor.start()
-    h.reactor.worker.handshake(contract=2)
+    last_worker(h.reactor).handshake(contract=2)
     assert h.kills == [(1000, KILL)]
     error = failure_of(started).value
     assert isinstance(error, Internal) and not error.retryable
     assert "contract 2" in error.message and "contract 1" in error.message
-    h.reactor.worker.exit(None, 9)
+    last_worker(h.reactor).exit(None, 9)
     assert h.supervisor.state == "failed"
     h.reactor.advance(3600)
     assert len(h.reactor.spawned) == 1
@@ -386,11 +364,11 @@ def test_a_first_line_that_is_not_a_handshake_is_refused() -> None:
     h = harness()
     started = h.supervisor.start()
     with capturedLogs() as events:
-        h.reactor.worker.out(b"loading kokoro...\n")
+        last_worker(h.reactor).out(b"loading kokoro...\n")
     error = failure_of(started).value
     assert isinstance(error, Internal) and "other than its handshake" in error.message
     assert any(e.get("line") == "loading kokoro..." for e in events)
-    h.reactor.worker.exit(None, 9)
+    last_worker(h.reactor).exit(None, 9)
     assert h.supervisor.state == "failed"
 
 
@@ -398,7 +376,7 @@ def test_stderr_json_lines_are_forwarded_with_the_engine() -> None:
     """stderr JSON lines, split across reads or not, reach the log at their level and namespace with the engine attached."""
     h = harness()
     h.supervisor.start()
-    worker = h.reactor.worker
+    worker = last_worker(h.reactor)
     warn = {"time": "t", "level": "warn", "engine": "tone", "namespace": "rhapsode_worker", "message": "slow {load}"}
     error = {
         "time": "t",
@@ -429,8 +407,8 @@ def test_partial_stderr_line_is_kept_at_exit() -> None:
     h = harness()
     started = h.supervisor.start()
     with capturedLogs() as events:
-        h.reactor.worker.err(b"Segmentation fault")
-        h.reactor.worker.exit(None, 11)
+        last_worker(h.reactor).err(b"Segmentation fault")
+        last_worker(h.reactor).exit(None, 11)
     assert any(e.get("line") == "Segmentation fault" for e in events)
     message = failure_of(started).value.message
     assert "killed by SIGSEGV" in message and "Segmentation fault" in failure_logged(events)
@@ -441,8 +419,8 @@ def test_an_endless_stderr_line_is_cut_not_hoarded() -> None:
     h = harness()
     h.supervisor.start()
     with capturedLogs() as events:
-        h.reactor.worker.err(b"\r 10%" * 10000)
-        h.reactor.worker.err(b"\r 11%" * 5000)
+        last_worker(h.reactor).err(b"\r 10%" * 10000)
+        last_worker(h.reactor).err(b"\r 11%" * 5000)
     [line] = [e["line"] for e in events if e.get("stream") == "stderr"]
     assert line.endswith("11%") and len(line) == 75000
 
@@ -469,13 +447,13 @@ def test_crash_restarts_after_a_growing_backoff() -> None:
     up(h)
     for delay in (1.0, 2.0, 4.0, 5.0):
         spawned = len(h.reactor.spawned)
-        h.reactor.worker.exit(None, 9)
+        last_worker(h.reactor).exit(None, 9)
         assert h.supervisor.state == "starting"
         h.reactor.advance(delay - 0.01)
         assert len(h.reactor.spawned) == spawned
         h.reactor.advance(0.01)
         assert len(h.reactor.spawned) == spawned + 1
-        h.reactor.worker.handshake()
+        last_worker(h.reactor).handshake()
         assert h.supervisor.state == "up"
     assert h.supervisor.restarts == 4
     assert "exited unexpectedly (killed by SIGKILL)" in (h.supervisor.last_error or "")
@@ -485,11 +463,11 @@ def test_a_start_during_backoff_waits_for_the_restart() -> None:
     """start() while a restart is scheduled fires when the restarted worker is up."""
     h = harness()
     up(h)
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     started = h.supervisor.start()
     assert not started.called
     h.reactor.advance(1.0)
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert result_of(started) == SOCKET
 
 
@@ -497,14 +475,14 @@ def test_too_many_crashes_within_the_window_fail() -> None:
     """More than max_restarts crashes within restart_decay leave it failed, and start() says so with the count."""
     h = harness(max_restarts=2, restart_decay=60.0)
     up(h)
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     h.reactor.advance(1)
-    h.reactor.worker.handshake()
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).handshake()
+    last_worker(h.reactor).exit(1)
     h.reactor.advance(2)
-    h.reactor.worker.err(b"CUDA error: device-side assert\n")
-    h.reactor.worker.handshake()
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).err(b"CUDA error: device-side assert\n")
+    last_worker(h.reactor).handshake()
+    last_worker(h.reactor).exit(1)
     assert h.supervisor.state == "failed"
     assert h.reactor.getDelayedCalls() == []
     error = failure_of(h.supervisor.start()).value
@@ -519,10 +497,10 @@ def test_failed_starts_count_as_crashes() -> None:
     """A worker that never gets as far as its handshake ends failed instead of being retried forever."""
     h = harness(max_restarts=1)
     first = h.supervisor.start()
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     failure_of(first)
     h.reactor.advance(1)
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     assert h.supervisor.state == "failed"
     assert len(h.reactor.spawned) == 2
 
@@ -533,10 +511,10 @@ def test_crashes_spread_beyond_the_window_keep_restarting() -> None:
     up(h)
     for _ in range(5):
         h.reactor.advance(61)
-        h.reactor.worker.exit(1)
+        last_worker(h.reactor).exit(1)
         assert h.supervisor.restarts == 1
         h.reactor.advance(1.0)
-        h.reactor.worker.handshake()
+        last_worker(h.reactor).handshake()
         assert h.supervisor.state == "up"
     assert len(h.reactor.spawned) == 6
     h.reactor.advance(61)
@@ -643,7 +621,7 @@ def test_start_during_draining_starts_again_after_the_exit() -> None:
     worker.exit(0)
     result_of(stopped)
     assert len(h.reactor.spawned) == 2 and h.supervisor.state == "starting"
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert result_of(started) == SOCKET
     assert h.supervisor.restarts == 0
 
@@ -667,9 +645,9 @@ def test_stop_while_starting_signals_and_fails_the_start() -> None:
     stopped = h.supervisor.stop(ask=True)
     assert h.verbs == [] and h.kills == [(1000, TERM)]
     assert "stopped before it was up" in failure_of(started).value.message
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert h.supervisor.state == "draining"
-    h.reactor.worker.exit(0)
+    last_worker(h.reactor).exit(0)
     result_of(stopped)
     assert h.supervisor.state == "down"
     assert h.reactor.getDelayedCalls() == []
@@ -679,7 +657,7 @@ def test_stop_during_backoff_cancels_the_restart() -> None:
     """stop() while a restart is scheduled cancels it and fires at once."""
     h = harness()
     up(h)
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     waiting = h.supervisor.start()
     result_of(h.supervisor.stop())
     failure_of(waiting)
@@ -692,12 +670,12 @@ def test_stop_resets_failed_and_a_fresh_start_keeps_the_count() -> None:
     """stop() takes a failed worker down; the next start() spawns, and crashes still count within the window."""
     h = harness(max_restarts=0)
     up(h)
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     assert h.supervisor.state == "failed"
     result_of(h.supervisor.stop())
     assert h.supervisor.state == "down"
     up(h)
-    h.reactor.worker.exit(1)
+    last_worker(h.reactor).exit(1)
     assert h.supervisor.state == "failed"
     assert h.supervisor.restarts == 2
 
@@ -746,7 +724,7 @@ def test_cancelled_start_leaves_the_supervisor_working() -> None:
     cancelled, kept = h.supervisor.start(), h.supervisor.start()
     cancelled.cancel()
     failure_of(cancelled)
-    h.reactor.worker.handshake()
+    last_worker(h.reactor).handshake()
     assert result_of(kept) == SOCKET
 
 
@@ -755,8 +733,8 @@ def test_health_reports_pid_restarts_and_last_error() -> None:
     h = harness()
     assert h.supervisor.health() == {"process": "down", "restarts": 0}
     up(h)
-    h.reactor.worker.err(b"oops\n")
-    h.reactor.worker.exit(3)
+    last_worker(h.reactor).err(b"oops\n")
+    last_worker(h.reactor).exit(3)
     health = h.supervisor.health()
     assert health["process"] == "starting" and health["restarts"] == 1 and "pid" not in health
     assert "exit code 3" in health["lastError"] and "oops" not in health["lastError"]
@@ -774,7 +752,7 @@ def test_a_hung_worker_is_killed_and_counted_as_a_crash() -> None:
     h.supervisor.hung("did not answer GET /health within 15 s")
     assert h.kills == [(1000, KILL)]
     assert h.supervisor.state == "draining"
-    h.reactor.worker.exit(None, 9)
+    last_worker(h.reactor).exit(None, 9)
     assert crashed == [True]
     health = h.supervisor.health()
     assert health["process"] == "starting" and health["restarts"] == 1

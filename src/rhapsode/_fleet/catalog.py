@@ -75,12 +75,17 @@ def read_catalog(module: str, python: str) -> dict[str, Any] | None:
     dist = _distribution(module, python)
     if dist is None:
         return None
+    # The package's own file, as a wheel installs it (from an index or a folder); an
+    # editable install lists no package files, and its folder holds the record.
+    shipped = f"{module}/catalog.json"
+    places = [dist.locate_file(f) for f in dist.files or () if str(f).replace("\\", "/") == shipped]
     source = source_of(dist)
-    if source is None:
-        return None
-    facts = _record(source / "catalog.json")
-    if facts is not None and facts.get("module") == module:
-        return facts
+    if source is not None:
+        places.append(source / "catalog.json")
+    for place in places:
+        facts = _record(Path(str(place)))
+        if facts is not None and facts.get("module") == module:
+            return facts
     return None
 
 

@@ -62,7 +62,7 @@ MAX_LINE_BYTES = 65536
 
 def core_budget_env(cores: int | None, socket_dir: Path) -> dict[str, str]:
     """
-    What tells a worker the cores it shares (L{rhapsode_worker.BudgetedSession}): the
+    What tells a worker the cores it shares (L{rhapsode_worker.onnx.BudgetedSession}): the
     budget (C{None}: the cores this process may run on), and the folder of lock files
     every worker of this core takes cores from, so that two engines synthesising at
     once run no more threads than the budget.
