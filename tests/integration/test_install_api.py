@@ -149,6 +149,12 @@ def test_an_engine_installs_speaks_reinstalls_and_uninstalls_without_a_restart(t
         assert (entry["installed"], entry["managed"]) == ("yes", True)
         assert installed_engines(tmp_path) == ["tone"]
         assert (venvs / "tone" / "bin" / "python").exists()
+        # The engine's virtualenv has the SDK and the protocol it builds on, never the core.
+        listed = subprocess.run([str(venvs / "tone" / "bin" / "python"), "-m", "pip", "list", "--format=json"],
+                                capture_output=True, text=True, check=True, timeout=120).stdout
+        names = {package["name"].lower() for package in json.loads(listed)}
+        assert {"rhapsode-worker", "rhapsode-protocol", "rhapsode-engine-tone"} <= names
+        assert "rhapsode" not in names and "treq" not in names
 
         code, job = call(port, "POST", "/engines/tone/reinstall")
         assert code == 202, job

@@ -260,24 +260,54 @@ def _core_module(path: Path) -> str:
     return ".".join(parts)
 
 
-def core_imports() -> dict[str, set[tuple[int, str]]]:
+def core_imports(root: Path | None = None, package: str = "rhapsode") -> dict[str, set[tuple[int, str]]]:
     """
-    Every module of the core and the core modules it imports, wherever the import
-    stands (a name imported from a package is taken as the package, unless it is a
-    module of it).
+    Every module of the core (or of C{package} under C{root}) and the modules of the
+    same package it imports, wherever the import stands (a name imported from a package
+    is taken as the package, unless it is a module of it).
     """
-    modules = {_core_module(path): path for path in _modules(CORE)}
+    root = CORE if root is None else root
+    modules = {}
+    for path in _modules(root):
+        relative = path.relative_to(root).with_suffix("")
+        parts = [package, *relative.parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
     found: dict[str, set[tuple[int, str]]] = {}
     for name, path in modules.items():
         targets = set()
-        for line, module in imported(path, _package_of(path, CORE, "rhapsode")):
-            if module.split(".")[0] != "rhapsode":
+        for line, module in _statement_imports(path, _package_of(path, root, package), set(modules)):
+            if module.split(".")[0] != package:
                 continue
             while module not in modules and "." in module:
                 module = module.rsplit(".", 1)[0]
             if module in modules and module != name:
                 targets.add((line, module))
         found[name] = targets
+    return found
+
+
+def _statement_imports(path: Path, package: str, modules: set[str]) -> list[tuple[int, str]]:
+    """
+    What each import statement of C{path} depends on: for C{from P import X}, the
+    submodule P.X where X is one, else P itself (importing P.X runs P's C{__init__} in
+    any case, which is no circle of the code's making).
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                found.append((node.lineno, sub if sub in modules else module))
     return found
 
 
@@ -346,12 +376,17 @@ def test_every_module_of_the_core_belongs_to_a_part() -> None:
         part_of(name)
 
 
-def test_the_core_has_no_import_circle() -> None:
+@pytest.mark.parametrize(
+    ("root", "package"),
+    [(CORE, "rhapsode"), (PROTOCOL, "rhapsode_protocol"), (SDK, "rhapsode_worker"), (CONFORM, "rhapsode_conform")],
+    ids=["core", "protocol", "sdk", "conform"],
+)
+def test_no_package_has_an_import_circle(root: Path, package: str) -> None:
     """
-    No set of the core's modules imports one another round in a circle, counting
+    No set of a package's modules imports one another round in a circle, counting
     function-level and TYPE_CHECKING imports.
     """
-    assert circles(core_imports()) == []
+    assert circles(core_imports(root, package)) == []
 
 
 def test_the_wings_import_downward_only() -> None:
