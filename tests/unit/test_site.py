@@ -352,3 +352,47 @@ def test_a_channel_is_a_plain_http11_channel() -> None:
     """
     _, channel, _, _ = serve()
     assert type(channel) is EagerChannel
+
+
+class _Statuses:
+    """
+    An app answering any status it is asked for: the reason phrase is the server's.
+    """
+
+    app = Klein()
+
+    @app.route("/status/<int:code>", methods=["GET"])
+    def status(self, request: IRequest, code: int) -> bytes:
+        request.setResponseCode(code)
+        return b""
+
+
+@pytest.mark.parametrize(
+    "code, phrase",
+    [(200, b"OK"), (404, b"Not Found"), (422, b"Unprocessable Entity"), (429, b"Too Many Requests"),
+     (431, b"Request Header Fields Too Large"), (503, b"Service Unavailable")],
+)
+def test_every_status_goes_out_with_its_standard_reason_phrase(code: int, phrase: bytes) -> None:
+    """
+    A handler's status, set without a phrase, goes out with the standard one (twisted.web
+    knows no 422, 429 or 431 and would send "Unknown Status").
+    """
+    clock = MemoryReactorClock()
+    app = _Statuses()
+    site = DirectSite(app.app.resource(), reactor=clock, routes=Routes(app.app.url_map))
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
+    transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 50001))
+    channel.makeConnection(transport)
+    channel.dataReceived(b"GET /status/%d HTTP/1.1\r\nHost: x\r\n\r\n" % code)
+    assert transport.value().split(b"\r\n", 1)[0] == b"HTTP/1.1 %d %s" % (code, phrase)
+
+
+def test_a_refusal_at_the_head_goes_out_with_its_standard_reason_phrase() -> None:
+    """
+    431, which twisted.web has no phrase for, is "Request Header Fields Too Large" when
+    the channel refuses a head.
+    """
+    _, channel, transport, _ = serve()
+    headers = b"".join(b"X-N%d: v\r\n" % i for i in range(600))
+    channel.dataReceived(b"GET /things/a HTTP/1.1\r\n" + headers + b"\r\n")
+    assert transport.value().startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")

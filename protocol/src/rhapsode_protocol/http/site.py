@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import socket
+from http import HTTPStatus
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 from urllib.parse import unquote_to_bytes, urlsplit
@@ -56,6 +57,7 @@ __all__ = [
     "Route",
     "Routes",
     "no_such_path",
+    "reason_phrase",
     "send_now",
     "wrong_method",
 ]
@@ -87,6 +89,21 @@ _BETWEEN, _HEAD, _BODY, _HANDLING = "between", "head", "body", "handling"
 #: renames one fails the suite rather than quietly costing a turn of the loop per write.
 QUEUE_ATTRIBUTES = ("connected", "disconnecting", "_writeDisconnected", "producerPaused",
                     "dataBuffer", "offset", "_tempDataBuffer")
+
+
+def reason_phrase(status: int) -> bytes:
+    """
+    The standard reason phrase of C{status}: twisted.web's where it has one, else the
+    standard library's (twisted.web has none for 422, 429 or 431 and would send
+    "Unknown Status"), else C{Unknown Status} for a code no standard names.
+    """
+    known = http.RESPONSES.get(status)
+    if known is not None:
+        return known
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b"Unknown Status"
 
 
 def _nothing_queued(transport: Any) -> bool:
@@ -339,7 +356,7 @@ class EagerChannel(http.HTTPChannel):
             body, headers = shape(request, error)
         else:
             body, headers = json.dumps(error.envelope()).encode(), error.headers
-        reason = http.RESPONSES.get(error.status, b"Error")
+        reason = reason_phrase(error.status)
         head = [
             b"HTTP/1.1 %d %s\r\n" % (error.status, reason),
             b"Content-Type: application/json\r\nConnection: close\r\n",
@@ -508,6 +525,10 @@ class EagerRequest(server.Request):
     error_reason: str | None = None
     _body_bytes = 0
     _logged = False
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        # Every status with its standard phrase, those twisted.web does not know included.
+        super().setResponseCode(code, reason_phrase(code) if message is None else message)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.refused:
