@@ -369,13 +369,14 @@ class _Statuses:
 
 @pytest.mark.parametrize(
     "code, phrase",
-    [(200, b"OK"), (404, b"Not Found"), (422, b"Unprocessable Entity"), (429, b"Too Many Requests"),
+    [(200, b"OK"), (404, b"Not Found"), (408, b"Request Timeout"), (413, b"Content Too Large"), (422, b"Unprocessable Content"), (429, b"Too Many Requests"),
      (431, b"Request Header Fields Too Large"), (503, b"Service Unavailable")],
 )
 def test_every_status_goes_out_with_its_standard_reason_phrase(code: int, phrase: bytes) -> None:
     """
     A handler's status, set without a phrase, goes out with the standard one (twisted.web
-    knows no 422, 429 or 431 and would send "Unknown Status").
+    knows no 422, 429 or 431 and would send "Unknown Status", and spells others the
+    way RFC 9110 no longer does).
     """
     clock = MemoryReactorClock()
     app = _Statuses()

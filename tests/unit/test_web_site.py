@@ -294,3 +294,77 @@ def test_files_are_served_and_directories_are_not_listed(tmp_path: Path) -> None
             assert b"".join(request.written).startswith(body)
         else:
             assert b"Index of" not in b"".join(request.written)
+
+
+def test_a_head_dribbled_slowly_is_408_at_the_head_timeout() -> None:
+    """
+    A head that trickles in a byte at a time is answered 408 in the envelope and the
+    connection closed once the head timeout has passed since its first byte, however
+    often a byte arrives, as the core's own site does.
+    """
+    channel, transport, agent = connect(WebConfig(head_timeout=10.0, idle_timeout=60.0))
+    clock = channel.site.reactor
+    raw = head("X-Slow: " + "y" * 40)
+    for byte in raw[:19]:
+        channel.dataReceived(bytes([byte]))
+        clock.advance(0.5)
+    assert transport.value() == b"" and not transport.disconnecting
+    for byte in raw[19:30]:
+        channel.dataReceived(bytes([byte]))
+        clock.advance(0.5)
+    answer = transport.value()
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
+    assert b'"field": "headers"' in answer and transport.disconnecting
+    assert agent.calls == []
+
+
+def test_a_declared_body_that_never_comes_is_408_at_the_idle_timeout() -> None:
+    """
+    A POST whose head promises a body that never arrives is 408 once the connection
+    has sent nothing for the idle timeout, and nothing is asked of the core.
+    """
+    channel, transport, agent = connect(WebConfig(head_timeout=10.0, idle_timeout=30.0))
+    clock = channel.site.reactor
+    channel.dataReceived(head("Content-Length: 100", "Content-Type: application/json", method="POST", path="/api/speak"))
+    clock.advance(29.0)
+    assert transport.value() == b""
+    clock.advance(2.0)
+    assert transport.value().startswith(b"HTTP/1.1 408 ")
+    assert b'"field": "body"' in transport.value() and transport.disconnecting
+    assert agent.calls == []
+
+
+def test_an_idle_connection_is_closed_at_the_idle_timeout() -> None:
+    """A connection that never sends a byte is closed once the idle timeout has passed."""
+    channel, transport, _ = connect(WebConfig(idle_timeout=30.0))
+    channel.site.reactor.advance(29.0)
+    assert not transport.disconnecting
+    channel.site.reactor.advance(2.0)
+    assert transport.disconnecting
+
+
+def test_connections_past_the_cap_are_refused_until_one_closes() -> None:
+    """
+    With --max-connections 2, a third connection is answered 429 overloaded (retryable,
+    with Retry-After) and closed at once; once one of the two closes, a new one is served.
+    """
+    agent = FakeAgent()
+    site, _ = make_site(WebConfig(max_connections=2), MemoryReactorClock(), agent=agent)
+
+    def opened() -> tuple[Any, StringTransport]:
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
+        channel.makeConnection(transport)
+        return channel, transport
+
+    first, second = opened(), opened()
+    _, refused = opened()
+    answer = refused.value()
+    assert answer.startswith(b"HTTP/1.1 429 Too Many Requests\r\n"), answer
+    assert b'"code": "overloaded"' in answer and b"Retry-After: " in answer
+    assert refused.disconnecting
+    assert not first[1].disconnecting and not second[1].disconnecting
+    first[0].connectionLost(Failure(ConnectionRefusedError()))
+    channel, transport = opened()
+    channel.dataReceived(head())
+    assert len(agent.calls) == 1 and not transport.disconnecting

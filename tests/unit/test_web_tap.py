@@ -111,3 +111,21 @@ def test_a_port_that_cannot_be_bound_stops_the_run() -> None:
     assert "Address already in use" in service.failed_to_start.getErrorMessage()
     [(hook, _, _)] = reactor.whenRunningHooks
     assert hook == reactor.stop
+
+
+def test_the_timeouts_and_the_connection_cap() -> None:
+    """
+    The core's head and idle timeouts (10 s, 60 s) and a connection cap are the
+    defaults; each can be set, and a value that is not positive is refused.
+    """
+    options = Options()
+    options.parseOptions([])
+    config = options["config"]
+    assert (config.head_timeout, config.idle_timeout, config.max_connections) == (10.0, 60.0, 256)
+    options = Options()
+    options.parseOptions(["--head-timeout", "5", "--idle-timeout", "20.5", "--max-connections", "8"])
+    config = options["config"]
+    assert (config.head_timeout, config.idle_timeout, config.max_connections) == (5.0, 20.5, 8)
+    for bad in (["--head-timeout", "0"], ["--idle-timeout", "-1"], ["--max-connections", "0"]):
+        with pytest.raises(usage.UsageError):
+            Options().parseOptions(bad)

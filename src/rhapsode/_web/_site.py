@@ -30,11 +30,12 @@ from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, Resp
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IRequest, IResponse
 
-from rhapsode_protocol.errors import BadRequest, Forbidden, ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import BadRequest, Forbidden, ModelUnavailable, Overloaded, SpeechError
+from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, DirectSite, EagerRequest, Route, reason_phrase
 
 from .._guard import check_management, check_origin, is_loopback, origin_key
 
-__all__ = ["STATIC", "WebConfig", "WebSite", "admit", "make_site"]
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "STATIC", "WebConfig", "WebSite", "admit", "make_site"]
 
 #: The page's files: found beside this module, so an editable install sees new ones.
 STATIC = Path(__file__).resolve().parent / "static"
@@ -42,6 +43,9 @@ STATIC = Path(__file__).resolve().parent / "static"
 API = b"/api"
 #: The most body a browser may send through (a voice's reference clip is the largest).
 DEFAULT_BODY_LIMIT = 32 * 1024 * 1024
+#: The most connections open at once: a browser keeps six or so per origin, so this
+#: is room for dozens of tabs, and far below what would exhaust descriptors.
+DEFAULT_MAX_CONNECTIONS = 256
 #: The most a request's path and query may be.
 URI_LIMIT = 8192
 
@@ -92,12 +96,19 @@ class WebConfig:
     @ivar origins: origins beyond this machine's whose browsers may use the page
         (C{--allow-origin}); each is an absolute http or https origin.
     @ivar body_limit: the most body one request may carry.
+    @ivar head_timeout: how long a request's head may take from its first byte (408).
+    @ivar idle_timeout: how long a connection may send nothing, mid-body (408) or
+        between requests (closed).
+    @ivar max_connections: the most connections open at once; one more is answered 429.
     """
 
     core: str = "http://127.0.0.1:8080"
     token: str | None = None
     origins: Sequence[str] = field(default_factory=tuple)
     body_limit: int = DEFAULT_BODY_LIMIT
+    head_timeout: float = HEAD_SECONDS
+    idle_timeout: float = IDLE_SECONDS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 def _header_map(request: server.Request) -> dict[str, list[str]]:
@@ -136,43 +147,15 @@ def _envelope(error: SpeechError) -> tuple[int, bytes]:
     return error.status, json.dumps(error.envelope()).encode("utf-8")
 
 
-class _WebRequest(server.Request):
+_log = Logger()
+
+
+class _WebRequest(EagerRequest):
     """
-    A request judged when its head is in, before its body is read.
+    A request judged when its head is in, before its body is read (L{WebSite.admit}),
+    its body then held to the limit as it arrives, with the page's own headers on every
+    answer.
     """
-
-    refused = False
-    _body_bytes = 0
-
-    def gotLength(self, length: int | None) -> None:
-        site = self.channel.site  # type: ignore[attr-defined]
-        transport = self.channel.transport
-        peer = getattr(transport.getPeer(), "host", None) if transport is not None else None
-        try:
-            admit(peer, _header_map(self), site.config.origins)
-            if length is not None and length > site.config.body_limit:
-                raise BadRequest(f"the body is over {site.config.body_limit} bytes", field="body", status=413)
-        except SpeechError as error:
-            self.refuse(error)
-            super().gotLength(0)
-            return
-        super().gotLength(length)
-
-    def handleContentChunk(self, data: bytes) -> None:
-        if self.refused:
-            return
-        self._body_bytes += len(data)
-        limit = self.channel.site.config.body_limit  # type: ignore[attr-defined]
-        if self._body_bytes > limit:
-            # A chunked body declares no length: held to the limit as it arrives.
-            self.refuse(BadRequest(f"the body is over {limit} bytes", field="body", status=413))
-            return
-        super().handleContentChunk(data)
-
-    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        if self.refused:
-            return
-        super().requestReceived(command, path, version)
 
     def process(self) -> None:
         # The page loads only its own files and calls only this site; nobody frames it.
@@ -180,24 +163,38 @@ class _WebRequest(server.Request):
             self.responseHeaders.setRawHeaders(name, [value])
         super().process()
 
-    def refuse(self, error: SpeechError) -> None:
-        """
-        Answer C{error} on the raw connection and close it: nothing more is read, and
-        no resource ever sees this request.
-        """
-        self.refused = True
-        # Else twisted.web would answer "100 Continue" after the refusal.
-        self.requestHeaders.removeHeader(b"expect")
+
+class _Full(Protocol):
+    """
+    A connection past the cap: told the page is overloaded, in the envelope, and closed
+    before anything of it is read.
+    """
+
+    def connectionMade(self) -> None:
+        error = Overloaded("the page has too many connections open; try again shortly (--max-connections)")
         status, body = _envelope(error)
-        reason = {403: b"Forbidden", 413: b"Content Too Large"}.get(status, b"Refused")
-        transport = self.channel.transport
-        if transport is None:
-            return
-        transport.write(
+        assert self.transport is not None
+        self.transport.write(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+            b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (status, reason_phrase(status), len(body), body)
         )
-        transport.loseConnection()
+        self.transport.loseConnection()
+
+
+class _Open:
+    """
+    How many connections the page's site has open: told by each channel as it opens
+    and closes (L{EagerChannel}'s C{connections}).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def opened(self, channel: Any) -> None:
+        self.count += 1
+
+    def closed(self, channel: Any) -> None:
+        self.count -= 1
 
 
 class _Relay(Protocol):
@@ -378,16 +375,47 @@ class _Root(resource.Resource):
         return self._files.getChild(path, request)
 
 
-class WebSite(server.Site):
+class WebSite(DirectSite):
     """
-    The page's site: L{_WebRequest}s, with their config at hand for the head's checks.
+    The page's site, with the core's limits at the head (L{DirectSite}: a request line
+    over 8 KiB, a head over 100 lines or 16 KiB, a head not in C{head_timeout} after its
+    first byte, a connection idle for C{idle_timeout}, mid-body or between requests),
+    each request judged at its head by L{admit} and its body held to C{body_limit}, and
+    at most C{max_connections} connections open at once.
     """
 
     requestFactory = _WebRequest
 
-    def __init__(self, root: resource.Resource, config: WebConfig, **kwargs: Any) -> None:
-        super().__init__(root, **kwargs)
+    def __init__(self, root: resource.Resource, config: WebConfig, reactor: Any = None) -> None:
+        super().__init__(
+            root, reactor=reactor, timeout=config.idle_timeout, head_timeout=config.head_timeout
+        )
         self.config = config
+        self.connections = _Open()
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if self.connections.count >= self.config.max_connections:
+            _log.warn(
+                "refused a connection from {peer}: {count} open, the most --max-connections allows",
+                peer=getattr(addr, "host", addr), count=self.connections.count,
+            )
+            full = _Full()
+            full.factory = self
+            return full
+        return super().buildProtocol(addr)
+
+    def getResourceFor(self, request: Any) -> Any:
+        # No route is answered without the tree: the page's files and the proxy.
+        return server.Site.getResourceFor(self, request)
+
+    def admit(self, request: EagerRequest, method: bytes, target: bytes, length: int | None) -> None:
+        transport = request.channel.transport
+        peer = getattr(transport.getPeer(), "host", None) if transport is not None else None
+        admit(peer, _header_map(request), self.config.origins)
+        limit = self.config.body_limit
+        if length is not None and length > limit:
+            raise BadRequest(f"the body is over {limit} bytes", field="body", status=413)
+        request.route = Route(method.decode("latin-1").upper(), "", {}, limit)
 
 
 def make_site(

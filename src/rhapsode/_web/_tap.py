@@ -14,7 +14,9 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from .._guard import origin_key
-from ._site import DEFAULT_BODY_LIMIT, WebConfig
+from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS
+
+from ._site import DEFAULT_BODY_LIMIT, DEFAULT_MAX_CONNECTIONS, WebConfig
 
 #: Where the page listens unless told: beside the core's 8080, on loopback only.
 DEFAULT_PORT = 8090
@@ -45,7 +47,8 @@ def read_token(path: str | None, environ: dict[str, str] | os._Environ[str]) -> 
 class Options(usage.Options):
     """
     C{twistd rhapsode-web [--core URL] [--port N] [--host H] [--token-file FILE]
-    [--allow-origin ORIGIN ...]}.
+    [--allow-origin ORIGIN ...] [--max-body N] [--head-timeout S] [--idle-timeout S]
+    [--max-connections N]}.
     """
 
     optParameters = [
@@ -55,6 +58,12 @@ class Options(usage.Options):
         ["token-file", None, None,
          "A file whose first line is the management token (default: $RHAPSODE_MANAGEMENT_TOKEN)."],
         ["max-body", None, DEFAULT_BODY_LIMIT, "The most bytes one request's body may carry.", int],
+        ["head-timeout", None, HEAD_SECONDS,
+         "Seconds a request's head may take from its first byte (408 past it), as the core's.", float],
+        ["idle-timeout", None, IDLE_SECONDS,
+         "Seconds a connection may send nothing, mid-body (408) or between requests, as the core's.", float],
+        ["max-connections", None, DEFAULT_MAX_CONNECTIONS,
+         "The most connections open at once; one more is refused as overloaded.", int],
     ]
 
     def __init__(self) -> None:
@@ -79,12 +88,19 @@ class Options(usage.Options):
             raise usage.UsageError(f"--port {self['port']} is not between 1 and 65535")
         if self["max-body"] < 1:
             raise usage.UsageError("--max-body must be at least 1")
+        for name in ("head-timeout", "idle-timeout"):
+            if not 0 < self[name] <= 3600:
+                raise usage.UsageError(f"--{name} {self[name]:g} is not more than 0 and at most 3600 seconds")
+        if self["max-connections"] < 1:
+            raise usage.UsageError("--max-connections must be at least 1")
         try:
             token = read_token(self["token-file"], os.environ)
         except OSError as error:
             raise usage.UsageError(f"--token-file: {error}") from None
         self["config"] = WebConfig(
-            core=core, token=token, origins=tuple(self["allow-origin"]), body_limit=self["max-body"]
+            core=core, token=token, origins=tuple(self["allow-origin"]), body_limit=self["max-body"],
+            head_timeout=self["head-timeout"], idle_timeout=self["idle-timeout"],
+            max_connections=self["max-connections"],
         )
 
 

@@ -91,15 +91,25 @@ QUEUE_ATTRIBUTES = ("connected", "disconnecting", "_writeDisconnected", "produce
                     "dataBuffer", "offset", "_tempDataBuffer")
 
 
+#: The phrases RFC 9110 renamed, which this Python's http.HTTPStatus still spells the old way.
+_RFC9110 = {
+    413: b"Content Too Large",
+    414: b"URI Too Long",
+    416: b"Range Not Satisfiable",
+    422: b"Unprocessable Content",
+}
+
+
 def reason_phrase(status: int) -> bytes:
     """
-    The standard reason phrase of C{status}: twisted.web's where it has one, else the
-    standard library's (twisted.web has none for 422, 429 or 431 and would send
-    "Unknown Status"), else C{Unknown Status} for a code no standard names.
+    The standard reason phrase of C{status} (RFC 9110's, through http.HTTPStatus):
+    twisted.web has none for 422, 429 or 431, where it sends "Unknown Status", and
+    older spellings for others ("Request Time-out").  C{Unknown Status} for a code no
+    standard names.
     """
-    known = http.RESPONSES.get(status)
-    if known is not None:
-        return known
+    renamed = _RFC9110.get(status)
+    if renamed is not None:
+        return renamed
     try:
         return HTTPStatus(status).phrase.encode("ascii")
     except ValueError:
