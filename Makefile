@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps
+.PHONY: test unit integration venv engines serve bench openapi clean browser-deps screenshots
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -50,6 +50,11 @@ test: $(STAMP) engines browser-deps
 browser-deps:
 	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell; }
+
+# The README's screenshots: the browser tests, saving theirs into docs/screenshots/
+# (a plain test run saves them under its temporary folder and never touches the tree).
+screenshots: $(STAMP) engines browser-deps
+	RHAPSODE_SCREENSHOTS=docs/screenshots $(PY) -m pytest tests/browser
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

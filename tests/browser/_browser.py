@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCREENSHOTS = ROOT / "docs" / "screenshots"
+#: Where `make screenshots` has the tests save the README's pictures; without it they
+#: go under the run's temporary folder, so a test run never rewrites a tracked file.
+SCREENSHOTS_VARIABLE = "RHAPSODE_SCREENSHOTS"
 TONE_PYTHON = ROOT / ".venvs" / "tone" / "bin" / "python"
 BIN = Path(sys.executable).parent
 #: Where Debian puts a Chromium Playwright can drive (`make browser-deps` installs one).
@@ -137,12 +139,25 @@ class Page:
 
     page: Any
     errors: list[str]
+    #: Where screenshots go (L{screenshot_folder}).
+    shots: Path
 
     def open(self, base: str, name: str) -> Any:
         self.page.goto(f"{base}/#{name}")
         self.page.wait_for_selector(f'main[data-ready="{name}"]', timeout=30000)
         return self.page
 
-    def screenshot(self, name: str) -> None:
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    def screenshot(self, name: str) -> Path:
+        self.shots.mkdir(parents=True, exist_ok=True)
+        path = self.shots / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+
+def screenshot_folder(temporary: Path) -> Path:
+    """
+    Where a run's screenshots go: $RHAPSODE_SCREENSHOTS (`make screenshots` sets it to
+    docs/screenshots), else C{temporary}.
+    """
+    chosen = os.environ.get(SCREENSHOTS_VARIABLE)
+    return Path(chosen).resolve() if chosen else temporary

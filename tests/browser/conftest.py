@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _browser import LAUNCH_ARGS, TONE_PYTHON, Page, Served, chromium_path, serve
+from _browser import LAUNCH_ARGS, TONE_PYTHON, Page, Served, chromium_path, screenshot_folder, serve
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -42,12 +42,18 @@ def browser() -> Iterator[Any]:
         launched.close()
 
 
+@pytest.fixture(scope="session")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this run's screenshots go: a temporary folder unless `make screenshots` says."""
+    return screenshot_folder(tmp_path_factory.mktemp("screenshots"))
+
+
 @pytest.fixture()
-def page(browser: Any) -> Iterator[Page]:
+def page(browser: Any, shots: Path) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1200, "height": 900})
     opened = context.new_page()
     errors: list[str] = []
     opened.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
     opened.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-    yield Page(opened, errors)
+    yield Page(opened, errors, shots)
     context.close()

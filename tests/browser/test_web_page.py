@@ -2,18 +2,21 @@
 The web page (issue 15) in a real headless Chromium against a real core with the tone
 engine: speech plays while it streams, voices are made and removed, a live setting
 changes, the API reference draws from the core's document, and no page logs an error.
-Each test saves a screenshot of its page under docs/screenshots/ for the README.
+Each test saves a screenshot of its page under a temporary folder; `make screenshots`
+has them saved in docs/screenshots/ for the README instead.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import struct
 import wave
+from pathlib import Path
 from typing import Any
 
-from _browser import SCREENSHOTS, Page, Served, call
+from _browser import ROOT, SCREENSHOTS_VARIABLE, Page, Served, call
 
 #: Long enough that its audio (minutes of it) cannot all have arrived before playback
 #: starts: the page reads the stream no faster than it plays.
@@ -185,7 +188,7 @@ def test_engines_page_shows_the_catalog_and_what_is_resident(served: Served, pag
     assert page.errors == []
 
 
-def test_keyboard_alone_and_a_phone_sized_screen(served: Served, browser: Any) -> None:
+def test_keyboard_alone_and_a_phone_sized_screen(served: Served, browser: Any, shots: Path) -> None:
     """
     On a phone-sized screen no page scrolls sideways; with the keyboard alone the first
     Tab reaches the skip link, the next ones the page links, and Enter on one opens it
@@ -202,7 +205,7 @@ def test_keyboard_alone_and_a_phone_sized_screen(served: Served, browser: Any) -
             p.wait_for_selector(f'main[data-ready="{name}"]')
             wide = p.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
             assert wide <= 0, f"{name} is {wide} px wider than the screen"
-        p.screenshot(path=str(SCREENSHOTS / "phone-api.png"))
+        p.screenshot(path=str(shots / "phone-api.png"))
         # A fresh load: a hash change alone moves focus to the page it opens.
         p.goto("about:blank")
         p.goto(f"{served.web}/#try")
@@ -218,3 +221,19 @@ def test_keyboard_alone_and_a_phone_sized_screen(served: Served, browser: Any) -
         assert errors == []
     finally:
         context.close()
+
+
+def test_screenshots_go_under_a_temporary_folder_not_the_tree(served: Served, page: Page) -> None:
+    """
+    A test run never writes into the checkout: a screenshot lands under the run's
+    temporary folder, and docs/screenshots/ is written only when `make screenshots`
+    names it in $RHAPSODE_SCREENSHOTS.
+    """
+    tracked = ROOT / "docs" / "screenshots"
+    before = {path.name: path.stat().st_mtime_ns for path in tracked.glob("*.png")}
+    page.open(served.web, "try")
+    if not os.environ.get(SCREENSHOTS_VARIABLE):
+        saved = page.screenshot("probe")
+        assert saved.exists() and ROOT not in saved.parents, saved
+        assert not (tracked / "probe.png").exists()
+        assert {path.name: path.stat().st_mtime_ns for path in tracked.glob("*.png")} == before
