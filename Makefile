@@ -85,7 +85,8 @@ $(CONFIG):
 serve: $(STAMP) $(CONFIG)
 	$(PY) tools/serve.py $(CONFIG) $(SERVED)
 
-# The engines' bench (bench/engines.py) needs their virtualenvs and minutes per engine:
+# The engines' bench (bench/engines.py) and the latencies the tests no longer bound
+# (bench/latency.py) need their virtualenvs and minutes per engine:
 # run it by hand after `make test`.
 bench: $(STAMP)
 	$(PY) bench/worker.py

@@ -4,3 +4,11 @@
 # suite would: trial checks the global reactor is clean after each test, which in one
 # pytest process would also count what every earlier test left on it.
 collect_ignore = ["trial"]
+
+from hypothesis import settings
+
+# No example may fail for taking long: Hypothesis's default deadline (200 ms an example)
+# is a wall-clock bound, which a busy box passes or not by chance.  A timing is a bench
+# figure; a test bounds time only as a hang guard.
+settings.register_profile("rhapsode", deadline=None)
+settings.load_profile("rhapsode")

@@ -71,7 +71,7 @@ def call(base: str, method: str, path: str, body: Any = None) -> tuple[int, Any]
         return error.code, json.loads(error.read() or b"null")
 
 
-def wait_until_up(url: str, process: "subprocess.Popen[bytes]", log: Path, seconds: float = 30) -> None:
+def wait_until_up(url: str, process: "subprocess.Popen[bytes]", log: Path, seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -118,14 +118,17 @@ def serve(folder: Path, engines: dict[str, Any], **sections: Any) -> Served:
     env = {key: value for key, value in os.environ.items() if key != "RHAPSODE_MANAGEMENT_TOKEN"}
     try:
         core_log = folder / "core.log"
-        served.processes.append(subprocess.Popen(
-            [str(BIN / "rhapsode"), "serve", "--config", str(folder / "rhapsode.json")],
-            cwd=folder, stdout=core_log.open("wb"), stderr=subprocess.STDOUT, env=env))
+        # The child has its own copy of the descriptor: the parent's is closed at once.
+        with core_log.open("wb") as out:
+            served.processes.append(subprocess.Popen(
+                [str(BIN / "rhapsode"), "serve", "--config", str(folder / "rhapsode.json")],
+                cwd=folder, stdout=out, stderr=subprocess.STDOUT, env=env))
         wait_until_up(served.core + "/health", served.processes[0], core_log)
         web_log = folder / "web.log"
-        served.processes.append(subprocess.Popen(
-            [str(BIN / "rhapsode"), "web", "--core", served.core, "--port", str(web_port)],
-            cwd=folder, stdout=web_log.open("wb"), stderr=subprocess.STDOUT, env=env))
+        with web_log.open("wb") as out:
+            served.processes.append(subprocess.Popen(
+                [str(BIN / "rhapsode"), "web", "--core", served.core, "--port", str(web_port)],
+                cwd=folder, stdout=out, stderr=subprocess.STDOUT, env=env))
         wait_until_up(served.web + "/", served.processes[1], web_log)
     except BaseException:
         served.stop()

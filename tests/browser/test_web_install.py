@@ -31,7 +31,7 @@ def test_install_from_the_page_reaches_done(empty: Served, page: Page) -> None:
     p = page.open(empty.web, "engines")
     p.get_by_role("button", name="Install Tone").click()
     card = p.locator("#jobs .card").first
-    card.wait_for(timeout=10000)
+    card.wait_for(timeout=60000)
     state = card.locator("output")
     p.wait_for_function(
         "() => ['succeeded', 'failed'].includes(document.querySelector('#jobs .card output').dataset.state)",
@@ -45,6 +45,6 @@ def test_install_from_the_page_reaches_done(empty: Served, page: Page) -> None:
     _, catalog = call(empty.core, "GET", "/catalog")
     tone = next(e for e in catalog if e["id"] == "tone")
     assert (tone["installed"], tone["managed"]) == ("yes", True)
-    p.get_by_role("button", name="Uninstall tone").wait_for(timeout=10000)
+    p.get_by_role("button", name="Uninstall tone").wait_for(timeout=60000)
     page.screenshot("engines-install")
     assert page.errors == []

@@ -68,7 +68,7 @@ def test_speech_plays_before_the_response_ends(served: Served, page: Page) -> No
     p.wait_for_function("() => document.getElementById('playback').dataset.response === 'ended'", timeout=30000)
     download = p.locator("#download")
     assert download.is_visible()
-    assert download.get_attribute("href", timeout=1000).startswith("blob:")
+    assert download.get_attribute("href", timeout=10000).startswith("blob:")
     assert page.errors == []
 
 

@@ -355,12 +355,18 @@ def get(port: int, path: str) -> Any:
         return json.loads(response.read())
 
 
+#: The least a wait is given: every wait here is a hang guard, never a timing, and a
+#: process that starts in two seconds on an idle box takes twenty on one ten times slower.
+HANG_GUARD_FLOOR = 60.0
+
+
 def wait_for(predicate: Any, seconds: float, what: str) -> Any:
     """
     Poll C{predicate} every tenth of a second until it answers something true, for at
-    most C{seconds}; an OSError or ValueError on the way counts as not yet.
+    most C{seconds} (at least L{HANG_GUARD_FLOOR}); an OSError or ValueError on the way
+    counts as not yet.
     """
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + max(seconds, HANG_GUARD_FLOOR)
     while time.monotonic() < deadline:
         try:
             value = predicate()

@@ -73,12 +73,17 @@ def worker(tmp_path: Path, module: str, engine: str, listen: str = "unix") -> It
         proc.wait(timeout=10)
 
 
-def conform(target: str) -> subprocess.CompletedProcess[str]:
+def conform(target: str, run_seconds: float = 600, probe_seconds: float = 120) -> subprocess.CompletedProcess[str]:
+    """
+    The checker run against C{target}.  Both limits are hang guards, far past what a run
+    takes on a busy box (a tone worker's run takes seconds): how fast is not a test's
+    business.
+    """
     return subprocess.run(
-        [sys.executable, "-m", "rhapsode_conform", target],
+        [sys.executable, "-m", "rhapsode_conform", target, "--timeout", f"{probe_seconds:g}"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=run_seconds,
     )
 
 

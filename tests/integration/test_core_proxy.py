@@ -505,19 +505,20 @@ async def test_streamed_floor_is_an_abort(tiny_core: Core) -> None:
 async def test_client_hangup_stops_the_worker(slow_core: Core) -> None:
     """
     A client that hangs up mid-stream through the core cancels the worker's request: a
-    drain asked of the worker right after finishes once the abandoned segment returns,
-    instead of waiting on a stream nobody will read (~9 s of synthesis).
+    drain asked of the worker right after finishes once the abandoned segment returns
+    (0.3 s), instead of waiting on a stream nobody will read (30 s of synthesis).  The
+    bound is a hang guard, half the text's time: a box ten times slower still passes.
     """
     import time
 
-    text = " ".join(["A sentence of about forty characters."] * 30)
+    text = " ".join(["A sentence of about forty characters."] * 100)
     response = await call(slow_core, "POST", "/speak", {"engine": "chatty", "text": text, "format": "pcm"}, stop_after=200)
     assert not response.complete
     started = time.monotonic()
     code, _ = await slow_core.worker.json("POST", "/terminate")
     assert code == 202
     assert await slow_core.worker.protocol.ended == 0
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - started < 15
 
 
 @pytest.mark.parametrize("fmt", ["opus", "mp3", "flac", "wav", "pcm"])

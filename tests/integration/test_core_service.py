@@ -197,9 +197,8 @@ def test_a_second_ctrl_c_quits_at_once_saying_so(tmp_path: Path) -> None:
         core.send_signal(signal.SIGINT)
         wait_for(lambda: "shutting down:" in log_path.read_text()[before:], 10, "the first SIGINT's line")
         core.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        status = core.wait(10)
-        took = time.monotonic() - sent
+        # A hang guard only, half the 60 s grace a core that did not quit would wait.
+        status = core.wait(30)
         sock.close()
     log = log_path.read_text()
     # Access lines (the core's, a worker's health checks) may land anywhere; the stop's own come first.
@@ -207,7 +206,7 @@ def test_a_second_ctrl_c_quits_at_once_saying_so(tmp_path: Path) -> None:
     assert "shutting down: waiting up to 60 s for 1 request in flight to finish" in first, first
     assert f"then stopping worker chatty (pid {pid})" in first, first
     assert "SIGINT received; press Ctrl-C again (or send SIGTERM) to quit at once" in log
-    assert status == 1 and took < 5, (status, took)
+    assert status == 1, status
     assert "rhapsode: SIGINT while stopping: quitting at once" in log
     assert "Traceback" not in log and "rhapsode stopped" not in log, log[before:]
     wait_for(lambda: not process_alive(pid), 20, "the orphaned worker to exit")

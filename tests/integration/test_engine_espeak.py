@@ -413,19 +413,18 @@ async def test_two_callers_at_once_each_get_their_whole_text(espeak: Worker) -> 
 
 
 @pytest_twisted.ensureDeferred
-async def test_speaks_far_faster_than_realtime(espeak: Worker) -> None:
+async def test_a_long_text_streams_in_pieces(espeak: Worker) -> None:
     """
-    2000 characters (about two minutes of speech) arrive in well under two seconds, the
-    first chunk within half a second.
+    2000 characters (about two minutes of speech) stream back whole, in more than one
+    piece.  How fast (first chunk, whole answer) is bench/latency.py's figure, not a
+    test's: a timing depends on the box.
     """
     text = (" ".join([SENTENCE] * 25))[:2000]
     await pcm(espeak, text="warm up")
-    started = time.monotonic()
     response = await speak(espeak, text=text, stream=True)
-    elapsed = time.monotonic() - started
+    assert response.status == 200 and response.complete
     assert seconds(response.body) > 100
-    assert response.arrivals[0] - started < 0.5
-    assert elapsed < 2.0
+    assert len(response.arrivals) > 1
 
 
 @pytest_twisted.ensureDeferred

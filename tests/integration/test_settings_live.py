@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -99,23 +98,24 @@ def test_settings_apply_live_wait_for_a_restart_and_survive_it(tmp_path: Path) -
         )
         assert call(port, "GET", "/settings")[1]["values"]["residency"]["keepAliveSeconds"] == 1
 
-        started = time.monotonic()
+        # A refusal at the head, never waiting for the body: a server that read the body
+        # first would answer only at the idle timeout, past head_only's socket timeout.
         foreign = head_only(port, ["Origin: https://evil.example", "Content-Type: application/json", "Content-Length: 100000"])
         forwarded = head_only(port, ["X-Forwarded-For: 203.0.113.9", "Content-Length: 100000"])
         assert foreign.startswith(b"HTTP/1.1 403"), foreign
         assert forwarded.startswith(b"HTTP/1.1 403"), forwarded
-        assert time.monotonic() - started < 5
         code, answer = call(port, "GET", "/settings", headers={"Origin": "https://evil.example"})
         assert (code, answer["error"]["code"]) == (403, "forbidden")
 
     assert (tmp_path / "rhapsode.db").exists()
     assert not list(tmp_path.glob("rhapsode.db-*"))
-    log = open(tmp_path / "core-again.log", "wb")
     here = str(Path(__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     rhapsode = str(Path(sys.executable).parent / "rhapsode")
-    core = subprocess.Popen([rhapsode, "serve", "--config", str(tmp_path / "rhapsode.json")], cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    # The child has its own copy of the descriptor: the parent's is closed at once.
+    with open(tmp_path / "core-again.log", "wb") as log:
+        core = subprocess.Popen([rhapsode, "serve", "--config", str(tmp_path / "rhapsode.json")], cwd=tmp_path,
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: get(new_port, "/health"), 20, "the core to listen on the saved port")
         document = get(new_port, "/settings")

@@ -80,7 +80,7 @@ async def failed(reactor: Any, context: JobContext, argv: Sequence[str], **limit
     raise AssertionError(f"{argv} did not fail")
 
 
-async def eventually_gone(reactor: Any, pid: int, seconds: float = 5.0) -> None:
+async def eventually_gone(reactor: Any, pid: int, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while process_alive(pid):
         assert time.monotonic() < deadline, f"process {pid} is still alive"
@@ -216,10 +216,9 @@ async def test_the_silence_watchdog_stops_a_command_that_prints_nothing(reactor:
     Nothing printed for `silence` seconds: stopped, though its wall limit is far off.
     """
     context = context_for(reactor)
-    started = time.monotonic()
     message = await failed(reactor, context, ["sh", "-c", "echo hi; exec sleep 300"], timeout=60.0, silence=1.0)
+    # The silence watchdog's words, not the wall limit's: the one that stopped it.
     assert message.endswith("was stopped: printed nothing for 1 s"), message
-    assert time.monotonic() - started < 5
 
 
 @pytest_twisted.ensureDeferred
@@ -290,9 +289,9 @@ def test_the_group_leader_kills_its_group_when_the_core_goes() -> None:
         members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == leader.pid]
         assert len(members) >= 3  # the leader, the command, its background sleep
         leader.stdin.close()
-        leader.wait(timeout=5)
+        leader.wait(timeout=30)
         assert leader.returncode == -signal.SIGKILL
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while any(process_alive(pid) for pid in members):
             assert time.monotonic() < deadline, [pid for pid in members if process_alive(pid)]
             time.sleep(0.05)
@@ -303,7 +302,9 @@ def test_the_group_leader_kills_its_group_when_the_core_goes() -> None:
             pass
         if grandchild is not None:
             kill_quietly(grandchild)
-        leader.wait(timeout=5)
+        leader.wait(timeout=30)
+        assert leader.stdout is not None
+        leader.stdout.close()
 
 
 def test_the_group_leader_exits_as_its_command_did() -> None:
