@@ -101,7 +101,8 @@ REFUSALS = [
     (SPEAK_REQUEST, {"text": 5}, "text", '"text" must be a string'),
     (SPEAK_REQUEST, {"text": "x", "foo": 1}, "foo", 'unknown field "foo"'),
     (SPEAK_REQUEST, {"text": "x", "seed": True}, "seed", '"seed" must be an integer'),
-    (SPEAK_REQUEST, {"text": "x", "seed": 3.0}, "seed", '"seed" must be an integer'),
+    (SPEAK_REQUEST, {"text": "x", "seed": 3.5}, "seed", '"seed" must be an integer'),
+    (SPEAK_REQUEST, {"text": "x", "seed": 4294967296.0}, "seed", '"seed" must be at most 4294967295'),
     (SPEAK_REQUEST, {"text": "x", "seed": "7"}, "seed", '"seed" must be an integer'),
     (SPEAK_REQUEST, {"text": "x", "seed": -1}, "seed", '"seed" must be at least 0'),
     (SPEAK_REQUEST, {"text": "x", "seed": 2**32}, "seed", '"seed" must be at most 4294967295'),
@@ -228,6 +229,26 @@ def test_refuses_violations(
     assert caught.value.field == field
     assert caught.value.message == message
     assert caught.value.status == 400
+
+
+def test_an_integral_float_is_an_integer_and_is_handed_on_as_one() -> None:
+    """
+    JSON Schema's integer is a number without a fraction: a seed of 58539.0, which a
+    client's JSON library may write for 58539, is taken, and the body handed on holds
+    the int 58539 (a worker's random generator takes no float); a number field keeps
+    its float, and one nested in an array or a map is made an int too.
+    """
+    from rhapsode_protocol.validation import parse_json_body
+
+    raw = b'{"engine": "e", "text": "x", "seed": 58539.0, "keepAliveSeconds": 409.0, "params": {"speed": 1.0}}'
+    body = parse_json_body(raw, PUBLIC_SPEAK_REQUEST)
+    assert body["seed"] == 58539 and type(body["seed"]) is int
+    assert body["keepAliveSeconds"] == 409 and type(body["keepAliveSeconds"]) is int
+    assert type(body["params"]["speed"]) is float
+    listed = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"}},
+                                               "m": {"type": "object", "additionalProperties": {"type": "integer"}}}}
+    nested = parse_json_body(b'{"n": [1.0, 2], "m": {"a": 3.0}}', listed)
+    assert nested == {"n": [1, 2], "m": {"a": 3}} and type(nested["n"][0]) is int and type(nested["m"]["a"]) is int
 
 
 def test_bool_is_neither_integer_nor_number() -> None:

@@ -58,10 +58,34 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_integer(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value) and value.is_integer()
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integral(schema: Schema, value: Any) -> Any:
+    """
+    C{value}, already valid against C{schema}, as an int where it is a float that the
+    schema takes only as an integer (C{58539.0} for a seed): what reads it after
+    (a worker, an engine's random generator) is handed the integer it asked for.
+    """
+    if not isinstance(value, float):
+        return value
+    while "$ref" in schema:
+        schema = _resolve(schema["$ref"])
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types and "number" not in types:
+        return int(value)
+    return value
+
+
 _TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "string": ("a string", lambda v: isinstance(v, str)),
-    # 3.0 is refused too: a seed that arrives as a float is a client bug worth naming.
-    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    # JSON Schema's integer is a number with no fraction, so 3.0 is one (and is handed
+    # on as 3, L{_integral}); 3.5 is not.
+    "integer": ("an integer", lambda v: _is_integer(v)),
     "number": ("a number", _is_number),
     "boolean": ("a boolean", lambda v: isinstance(v, bool)),
     "object": ("an object", lambda v: isinstance(v, dict)),
@@ -230,10 +254,12 @@ def _check_object(schema: Schema, value: dict[str, Any], path: str) -> None:
     for key, subschema in properties.items():
         if key in value:
             validate(subschema, value[key], path=_child(path, key))
+            value[key] = _integral(subschema, value[key])
     if isinstance(additional, dict):
         for key, item in value.items():
             if key not in properties:
                 validate(additional, item, path=_child(path, key))
+                value[key] = _integral(additional, item)
 
 
 def _check_array(schema: Schema, value: list[Any], path: str) -> None:
@@ -248,6 +274,7 @@ def _check_array(schema: Schema, value: list[Any], path: str) -> None:
         subschema = prefix[index] if index < len(prefix) else schema.get("items")
         if subschema is not None:
             validate(subschema, item, path=f"{path}[{index}]")
+            value[index] = _integral(subschema, item)
 
 
 def _refuse_constant(name: str) -> object:
