@@ -56,7 +56,17 @@ PUBLIC_ROUTES = {
     "/installs/outdated": {"post"},
     "/installs/{job}": {"get"},
     "/installs/{job}/events": {"get"},
+    # The OpenAI shim and its discovery (section 11; docs/openai.md); not /mcp (section 12).
+    "/v1/audio/speech": {"post"},
+    "/v1/audio/speech/batch": {"post"},
+    "/v1/audio/speech/stream": {"get"},
+    "/v1/models": {"get"},
+    "/v1/models/{model}": {"get"},
+    "/v1/audio/models": {"get"},
+    "/v1/audio/voices": {"get"},
 }
+#: Open, but a browser page from an origin not allowed is refused (403) before the upgrade.
+ORIGIN_CHECKED = {("/v1/audio/speech/stream", "get")}
 MANAGEMENT = {
     ("/engines/{engine}/voices", "post"),
     ("/engines/{engine}/voices/{voice}", "delete"),
@@ -254,23 +264,26 @@ def test_path_parameters_are_declared_where_used() -> None:
 
 def test_errors_are_the_envelope_with_the_statuses_that_apply() -> None:
     """
-    Every error answer is the Error envelope; unknown_engine (404) is documented on /speak
-    and every engine-scoped route, 403 forbidden exactly on the management routes, and
-    the speaking routes answer 400, 422, 429, 500 and 503 (model_unavailable, oom).
+    Every error answer is the Error envelope (OpenAI's on the /v1 routes, whose clients
+    parse only that); unknown_engine (404) is documented on /speak and every
+    engine-scoped route, 403 forbidden exactly on the management routes and the
+    origin-checked stream, and the speaking routes answer 400, 422, 429, 500 and 503
+    (model_unavailable, oom).
     """
     document = public_openapi("0.1.0")
     for path, method, operation in _operations(document):
         statuses = {int(status) for status in operation["responses"]}
+        envelope = "OpenAIError" if path.startswith("/v1/") else "Error"
         for status, response in operation["responses"].items():
             if int(status) >= 400:
                 resolved = _resolved(document, response)
                 assert resolved["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/Error"
+                    "$ref": f"#/components/schemas/{envelope}"
                 }
         if path.startswith("/engines/") or path == "/speak":
             not_found = _resolved(document, operation["responses"]["404"])
             assert "unknown_engine" in not_found["description"], path
-        assert (403 in statuses) == ((path, method) in MANAGEMENT), (path, method)
+        assert (403 in statuses) == ((path, method) in MANAGEMENT | ORIGIN_CHECKED), (path, method)
         if (path, method) in MANAGEMENT:
             assert "loopback" in operation["description"]
             forbidden = _resolved(document, operation["responses"]["403"])

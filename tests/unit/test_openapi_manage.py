@@ -185,14 +185,19 @@ def test_parameters_are_the_engine_the_job_and_the_queries_the_routes_take() -> 
 def test_the_event_stream_is_described_frame_by_frame() -> None:
     """
     GET /installs/{job}/events answers text/event-stream whose frames carry a FeedEvent
-    as data, and its description gives the frame format, resync, both ways to resume,
+    as their data's JSON (each frame described as a reader of the stream parses it: id,
+    event and data, a resync frame's data {}), and its description gives the frame format, resync, both ways to resume,
     the heartbeat, and when to close the stream.
     """
     document = public_openapi("0.1.0")
     operation = document["paths"]["/installs/{job}/events"]["get"]
     content = operation["responses"]["200"]["content"]
     assert set(content) == {"text/event-stream"}
-    assert _resolve(document, content["text/event-stream"]["schema"]) == FEED_EVENT
+    frame = content["text/event-stream"]["schema"]
+    assert frame["required"] == ["event", "data"]
+    assert frame["properties"]["data"]["contentMediaType"] == "application/json"
+    carried = frame["properties"]["data"]["contentSchema"]["anyOf"]
+    assert _resolve(document, carried[0]) == FEED_EVENT and carried[1] == {"type": "object", "maxProperties": 0}
     description = operation["description"]
     for phrase in (
         "id: <event id>",

@@ -366,3 +366,92 @@ def test_a_core_without_a_state_database_answers_unsupported() -> None:
     app = build_core(Registry({}), reactor=MemoryReactorClock())
     head, answer = _exchange(app, b"GET /settings HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert answer["error"]["code"] == "unsupported", head
+
+
+@pytest.mark.parametrize("body", [b"", b"  \r\n"])
+def test_a_patch_without_a_body_is_refused(h: Harness, body: bytes) -> None:
+    """
+    A PATCH with no body is bad_request naming the body (the document requires one),
+    not taken as an empty patch; {} is the patch that changes nothing.
+    """
+    app = build_core(Registry({}), reactor=MemoryReactorClock(), settings_api=h.settings)
+    head, document = _exchange(
+        app,
+        b"PATCH /settings HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert (document["error"]["code"], document["error"]["field"]) == ("bad_request", "body")
+    head, document = _exchange(
+        app,
+        b"PATCH /settings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\n\r\n{}",
+    )
+    assert head.startswith(b"HTTP/1.1 200"), head
+
+
+def _schema_takes(schema: dict[str, Any], value: Any) -> bool:
+    """Whether C{value} is within C{schema}'s type and bounds (the keywords the table uses)."""
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    if "integer" in kinds and not (isinstance(value, int) and not isinstance(value, bool)):
+        return False
+    if "number" in kinds and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return False
+    if "minimum" in schema and value < schema["minimum"]:
+        return False
+    if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+        return False
+    return not ("maximum" in schema and value > schema["maximum"])
+
+
+def test_the_patch_schema_describes_every_setting_as_its_check_takes_it(tmp_path: Path) -> None:
+    """
+    The PATCH body's schema in /openapi.json names every setting of every section and
+    every per-engine setting, and no other; each numeric one takes exactly what its
+    check takes at and around its bounds, and each flag, level and text is typed as
+    its check types it.  Every object of it is closed, as the API refuses unknown keys.
+    """
+    from rhapsode._config import ENGINE_SETTINGS, SECTIONS, ConfigError
+    from rhapsode._manage.patch import ENGINE_SETTING_SCHEMAS, SETTING_SCHEMAS, settings_patch_schema
+
+    assert set(SETTING_SCHEMAS) == {f"{name}.{key}" for name, (_, checks) in SECTIONS.items() for key in checks}
+    assert set(ENGINE_SETTING_SCHEMAS) == set(ENGINE_SETTINGS)
+
+    def check_of(key: str) -> Any:
+        section, name = key.split(".", 1)
+        return SECTIONS[section][1][name] if section in SECTIONS else ENGINE_SETTINGS[name]
+
+    described = {**SETTING_SCHEMAS, **{f"engines.{k}": v for k, v in ENGINE_SETTING_SCHEMAS.items()}}
+    for key, schema in described.items():
+        check = check_of(key)
+
+        def taken(value: Any) -> bool:
+            try:
+                check(value, key, tmp_path)
+            except ConfigError:
+                return False
+            return True
+
+        if schema["type"] in ("integer", "number"):
+            low = schema.get("minimum", schema.get("exclusiveMinimum"))
+            for value in (low - 1, low, low + 1, schema["maximum"], schema["maximum"] + 1, True):
+                assert taken(value) == _schema_takes(schema, value), (key, value)
+        elif schema["type"] == "boolean":
+            assert taken(True) and not taken(1) and not taken("true"), key
+        elif "enum" in schema:
+            assert all(taken(v) for v in schema["enum"]) and not taken("loud"), key
+        elif schema["type"] == "string":
+            assert not taken(5), key
+    patch = settings_patch_schema()
+    assert patch["additionalProperties"] is False
+    assert set(patch["properties"]) == {*SECTIONS, "engines"}
+    for name in SECTIONS:
+        assert patch["properties"][name]["additionalProperties"] is False
+    assert patch["properties"]["engines"]["additionalProperties"]["additionalProperties"] is False
+
+
+def test_the_served_document_carries_the_patch_schema() -> None:
+    """/openapi.json's SettingsPatch is the closed, typed shape, not an open map."""
+    from rhapsode._http.table import openapi_document
+    from rhapsode._manage.patch import settings_patch_schema
+
+    assert openapi_document("0.1.0")["components"]["schemas"]["SettingsPatch"] == settings_patch_schema()

@@ -397,3 +397,35 @@ def test_a_refusal_at_the_head_goes_out_with_its_standard_reason_phrase() -> Non
     headers = b"".join(b"X-N%d: v\r\n" % i for i in range(600))
     channel.dataReceived(b"GET /things/a HTTP/1.1\r\n" + headers + b"\r\n")
     assert transport.value().startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+
+
+class _Shadowed:
+    """
+    A static path beside a rule whose argument also matches it: /jobs/outdated (POST)
+    and /jobs/<job> (GET), as /installs/outdated and /installs/<job> are in the core.
+    """
+
+    app = Klein()
+
+    @app.route("/jobs/outdated", methods=["POST"])
+    def outdated(self, request: IRequest) -> bytes:
+        return b"outdated"
+
+    @app.route("/jobs/<string:job>", methods=["GET"])
+    def job(self, request: IRequest, job: str) -> bytes:
+        return job.encode()
+
+
+def test_allow_names_only_the_methods_of_the_route_the_path_is() -> None:
+    """
+    A wrong method on /jobs/outdated is told the methods of /jobs/outdated (POST), not
+    also those of /jobs/<job>, whose argument happens to match the word "outdated".
+    """
+    app = _Shadowed()
+    routes = Routes(app.app.url_map)
+    with pytest.raises(Exception) as refused:
+        routes.resolve(b"DELETE", b"/jobs/outdated")
+    assert dict(refused.value.headers)[b"Allow"] == b"POST"  # type: ignore[attr-defined]
+    with pytest.raises(Exception) as refused:
+        routes.resolve(b"DELETE", b"/jobs/j-1")
+    assert dict(refused.value.headers)[b"Allow"] == b"GET, HEAD"  # type: ignore[attr-defined]

@@ -13,8 +13,14 @@ from typing import Any, Sequence
 from .errors import ERROR_TABLE
 from .schemas import (
     _COMPONENTS,
+    BATCH_ITEMS,
+    MAX_NAME_CHARACTERS,
+    OPENAI_BATCH_REQUEST,
+    OPENAI_SPEECH_REQUEST,
+    OPENAI_VOICE_OBJECT,
     _REF_PREFIX,
     MEDIA_TYPES,
+    ENGINE_ID_PATTERN,
     VARIANT_NAME_PATTERN,
     VOICE_ID_PATTERN,
     Schema,
@@ -353,6 +359,24 @@ EventSource reconnect to a finished job over and over. The stream follows the jo
 path only."""
 
 
+#: One frame of a job's event stream, as a reader of server-sent events parses it: its
+#: id, its kind, and its data, a JSON text holding a FeedEvent (a resync frame's is {}).
+_EVENT_FRAME: Schema = {
+    "type": "object",
+    "description": "One server-sent frame: id, event and data lines.",
+    "properties": {
+        "id": _string("The FeedEvent's id, for Last-Event-ID (absent on resync)."),
+        "event": {"type": "string", "enum": ["progress", "log", "status", "error", "resync"]},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref("FeedEvent"), {"type": "object", "maxProperties": 0}]},
+        },
+    },
+    "required": ["event", "data"],
+}
+
+
 def _job_event_parameters() -> list[dict[str, Any]]:
     return [
         {
@@ -529,8 +553,9 @@ def _management_paths() -> dict[str, Any]:
                 (
                     200,
                     _ok(
-                        "A text/event-stream whose every frame's data is a FeedEvent.",
-                        {"text/event-stream": {"schema": _ref("FeedEvent")}},
+                        "A text/event-stream whose every frame's data is a FeedEvent (a resync "
+                        "frame's is {}).",
+                        {"text/event-stream": {"schema": _EVENT_FRAME}},
                     ),
                 ),
                 (400, 403, 404, 429),
@@ -628,11 +653,272 @@ def _public_paths() -> dict[str, Any]:
             )
         },
         **_management_paths(),
+        **_openai_paths(),
         "/openapi.json": {
             "get": _operation(
                 "getOpenApi",
                 "This document, describing this server's version.",
                 (200, _ok("The OpenAPI 3.1 document.", _json_content_of({"type": "object"}))),
+            )
+        },
+    }
+
+
+# -- the OpenAI shim and its discovery (protocol.md section 11; docs/openai.md) -------------
+
+#: OpenAI's error envelope: the taxonomy's code and retryable flag, the field as OpenAI's
+#: request names it.
+_OPENAI_ERROR_DETAIL: Schema = {
+    "type": "object",
+    "properties": {
+        "message": _string(),
+        "type": {"type": "string", "enum": ["invalid_request_error", "server_error"]},
+        "param": {"type": ["string", "null"], "description": "The request field at fault, by OpenAI's name."},
+        "code": _string("The taxonomy's code (bad_request, unknown_engine, unsupported, ...)."),
+        "retryable": {"type": "boolean"},
+    },
+    "required": ["message", "type", "param", "code", "retryable"],
+}
+_OPENAI_ERROR: Schema = {
+    "type": "object",
+    "description": "OpenAI's error envelope, which its clients parse; x-should-retry says whether to retry.",
+    "properties": {"error": {"$ref": "#/components/schemas/OpenAIErrorDetail"}},
+    "required": ["error"],
+}
+
+
+def _openai_request(base: Schema) -> Schema:
+    """
+    A shim request as the document says it, which the validator's shape cannot: a voice
+    is a name or C{{"id": ...}}, and a format one of those the server encodes.
+    """
+    schema = copy.deepcopy(base)
+    properties = schema["properties"]
+    if "voice" in properties:
+        properties["voice"] = {
+            "description": "A voice id, or {\"id\": ...} as the current OpenAI SDK sends it; absent: "
+            "the engine's default.",
+            "anyOf": [_string(minLength=1, maxLength=MAX_NAME_CHARACTERS), copy.deepcopy(OPENAI_VOICE_OBJECT)],
+        }
+    if "response_format" in properties:
+        properties["response_format"] = {
+            "type": "string",
+            "enum": list(MEDIA_TYPES),
+            "description": "Absent: mp3 (OpenAI's default; wav in a batch). aac is unsupported.",
+        }
+    if "items" in properties:
+        properties["items"]["items"] = _openai_request(properties["items"]["items"])
+    return schema
+
+
+_OPENAI_SCHEMAS: dict[str, Schema] = {
+    "OpenAIError": _OPENAI_ERROR,
+    "OpenAIErrorDetail": _OPENAI_ERROR_DETAIL,
+    "OpenAISpeechRequest": {
+        **_openai_request(OPENAI_SPEECH_REQUEST),
+        "description": "OpenAI's speech request: model is an engine id or engine:variant; instructions "
+        "are unsupported unless empty; speed is the variant's speed dial.",
+    },
+    "OpenAIBatchRequest": {
+        **_openai_request(OPENAI_BATCH_REQUEST),
+        "description": f"Up to {BATCH_ITEMS} items, each spoken as a buffered request; an item's fields "
+        "override the batch's.",
+    },
+    "OpenAIBatchResponse": {
+        "type": "object",
+        "properties": {
+            "id": _string(),
+            "total": _integer(minimum=0),
+            "succeeded": _integer(minimum=0),
+            "failed": _integer(minimum=0),
+            "results": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "index": _integer(minimum=0),
+                        "status": {"type": "string", "enum": ["success", "error"]},
+                        "audio_data": _string("Base64 of the item's audio (success)."),
+                        "media_type": _string("The audio's type (success)."),
+                        "error": {"$ref": "#/components/schemas/OpenAIErrorDetail"},
+                    },
+                    "required": ["index", "status"],
+                },
+            },
+        },
+        "required": ["id", "total", "succeeded", "failed", "results"],
+    },
+    "OpenAIModel": {
+        "type": "object",
+        "properties": {
+            "id": _string("An engine id, or engine:variant."),
+            "object": {"type": "string", "const": "model"},
+            "created": _integer(minimum=0),
+            "owned_by": _string(),
+        },
+        "required": ["id", "object", "created", "owned_by"],
+    },
+    "OpenAIModelList": {
+        "type": "object",
+        "properties": {
+            "object": {"type": "string", "const": "list"},
+            "data": {"type": "array", "items": {"$ref": "#/components/schemas/OpenAIModel"}},
+            "models": {"type": "array", "items": {"$ref": "#/components/schemas/OpenAIModel"},
+                       "description": "GET /v1/audio/models only: the same list, where Open WebUI reads it."},
+        },
+        "required": ["object", "data"],
+    },
+    "OpenAIVoiceList": {
+        "type": "object",
+        "properties": {
+            "object": {"type": "string", "const": "list"},
+            "voices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"id": _string(), "name": _string(), "engine": _string(),
+                                   "tags": {"type": "array", "items": _string()}},
+                    "required": ["id", "name", "engine"],
+                },
+            },
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "model": _string(),
+                        "voices": {"type": "array", "items": {
+                            "type": "object", "properties": {"id": _string(), "name": _string()},
+                            "required": ["id", "name"]}},
+                    },
+                    "required": ["model", "voices"],
+                },
+            },
+        },
+        "required": ["object", "voices", "data"],
+    },
+}
+
+_OPENAI_STATUS = {
+    400: "bad_request: the body or a field is malformed (param names it).",
+    403: "forbidden: a browser page from an origin that may not call it.",
+    404: "unknown_engine: no engine or variant by that model (the message names those there are).",
+    409: "conflict.",
+    422: "unsupported: the variant cannot do what was asked (a format, a voice, instructions).",
+    426: "bad_request: not a WebSocket upgrade.",
+    429: "overloaded: past the engine's turns and queue, or the buffered-audio budget; Retry-After says when.",
+    500: "internal.",
+    503: "model_unavailable: the engine's worker cannot start or went away.",
+}
+
+
+def _openai_operation(
+    operation_id: str, summary: str, success: tuple[int, dict[str, Any]], errors: Sequence[int], **extra: Any
+) -> dict[str, Any]:
+    status, response = success
+    responses: dict[str, Any] = {str(status): response}
+    for error in errors:
+        responses[str(error)] = {
+            "description": _OPENAI_STATUS[error],
+            "headers": {"x-should-retry": {"description": "true exactly where the error is retryable.",
+                                           "schema": {"type": "string", "enum": ["true", "false"]}}},
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}},
+        }
+    return {"operationId": operation_id, "summary": summary, "tags": ["openai"], **extra, "responses": responses}
+
+
+_OPENAI_SPEAKING = (400, 404, 422, 429, 500, 503)
+_STREAM_NOTE = """A WebSocket (RFC 6455), which OpenAPI can only name: connect with GET and Upgrade: websocket. The client sends JSON text messages: one session.config (model, voice, response_format, speed as for POST /v1/audio/speech, plus split_granularity), then input.text pieces as they arrive, input.done to end an utterance, and session.close. The server speaks each sentence (or clause) as soon as it is complete: audio.start (a JSON text message naming the sentence, its format and sample rate), then the audio as binary messages, then audio.done; session.done once every utterance is spoken. A browser page from an origin neither this machine's nor in management.origins (or cors.origins) is refused 403 before the upgrade. Limits close the session with a code: 1003 a binary message from the client, 1007 text that is not a JSON object with a type, 1008 a broken rule (no config within 10 s, a message after session.close), 1009 a message over 64 KiB or too much text held, 1000 after 60 s idle, 1001 at shutdown, 1011 a failure in the server. docs/streaming.md has the whole protocol."""
+
+
+def _openai_paths() -> dict[str, Any]:
+    model_list = _ok("One model per engine and one per engine:variant.",
+                     _json_content_of({"$ref": "#/components/schemas/OpenAIModelList"}))
+    return {
+        "/v1/audio/speech": {
+            "post": _openai_operation(
+                "openaiSpeech",
+                "OpenAI's speech route, translated into POST /speak: the same limits, lease and failures.",
+                (200, {
+                    "description": (
+                        "The audio, streamed, in response_format; with stream_format sse (pcm and wav "
+                        "only), server-sent events speech.audio.delta (base64 audio), then "
+                        "speech.audio.done, or speech.audio.error after the first event. A failure "
+                        "after the headers of raw audio aborts the connection."
+                    ),
+                    "content": {**{media_type: {} for media_type in MEDIA_TYPES.values()},
+                                "text/event-stream": {}},
+                }),
+                _OPENAI_SPEAKING,
+                requestBody={"required": True, "content": _json_content_of(
+                    {"$ref": "#/components/schemas/OpenAISpeechRequest"})},
+            )
+        },
+        "/v1/audio/speech/batch": {
+            "post": _openai_operation(
+                "openaiSpeechBatch",
+                f"Up to {BATCH_ITEMS} utterances, each a buffered request, answered together (the peer API's).",
+                (200, _ok("Each item's audio or its own error, in order.",
+                          _json_content_of({"$ref": "#/components/schemas/OpenAIBatchResponse"}))),
+                (400, 404, 422, 429, 500),
+                description="An item's failure is its own; an unknown model or a malformed body refuses "
+                "the whole batch. Every item's audio stays counted against limits.bufferedBytes until the "
+                "answer is written.",
+                requestBody={"required": True, "content": _json_content_of(
+                    {"$ref": "#/components/schemas/OpenAIBatchRequest"})},
+            )
+        },
+        "/v1/audio/speech/stream": {
+            "get": _openai_operation(
+                "openaiSpeechStream",
+                "Text in as it arrives, speech out a sentence at a time, over a WebSocket.",
+                (101, {"description": "Switching Protocols: the WebSocket session begins."}),
+                (403, 426),
+                description=_STREAM_NOTE,
+            )
+        },
+        "/v1/models": {
+            "get": _openai_operation(
+                "openaiModels",
+                "The models: every engine, and every engine:variant. May start a worker, never loads a model.",
+                (200, model_list),
+                (),
+            )
+        },
+        "/v1/models/{model}": {
+            "parameters": [{
+                "name": "model", "in": "path", "required": True,
+                "description": "An engine id or engine:variant, as GET /v1/models lists it.",
+                "schema": _string(minLength=1, maxLength=2 * MAX_NAME_CHARACTERS + 1),
+            }],
+            "get": _openai_operation(
+                "openaiModel",
+                "One model.",
+                (200, _ok("The model.", _json_content_of({"$ref": "#/components/schemas/OpenAIModel"}))),
+                (404, 503),
+            ),
+        },
+        "/v1/audio/models": {
+            "get": _openai_operation(
+                "openaiAudioModels",
+                "The models again, as data and as models (Open WebUI reads models).",
+                (200, model_list),
+                (),
+            )
+        },
+        "/v1/audio/voices": {
+            "get": _openai_operation(
+                "openaiVoices",
+                "Every engine's voices, or one model's, in the shape OpenAI-style readers parse.",
+                (200, _ok("The voices, flat and by model.",
+                          _json_content_of({"$ref": "#/components/schemas/OpenAIVoiceList"}))),
+                (404, 503),
+                parameters=[{
+                    "name": "model", "in": "query", "required": False,
+                    "description": "An engine id or engine:variant: only its voices. Without it, an engine "
+                    "whose worker cannot start is left out.",
+                    "schema": _string(minLength=1, maxLength=2 * MAX_NAME_CHARACTERS + 1),
+                }],
             )
         },
     }
@@ -655,7 +941,7 @@ def _reachable(roots: Any) -> list[str]:
     pending = [ref for ref in _refs(roots) if ref.startswith(_REF_PREFIX)]
     while pending:
         name = pending.pop()[len(_REF_PREFIX) :]
-        if name not in seen:
+        if name not in seen and name in _COMPONENTS:
             seen.add(name)
             pending.extend(_refs(_COMPONENTS[name]))
     return [name for name in _COMPONENTS if name in seen]
@@ -668,6 +954,7 @@ def _document(
     paths: dict[str, Any],
     parameters: dict[str, Any],
     excluded_codes: frozenset[str],
+    extra_schemas: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """
     An OpenAPI 3.1.0 document of C{paths}, holding the error responses and schemas they
@@ -679,8 +966,12 @@ def _document(
         for status, name in _ERROR_RESPONSES.items()
         if f"#/components/responses/{name}" in used
     }
+    extra = extra_schemas or {}
     components = {
-        "schemas": {name: _COMPONENTS[name] for name in _reachable([paths, responses])},
+        "schemas": {
+            **{name: _COMPONENTS[name] for name in _reachable([paths, responses, list(extra.values())])},
+            **extra,
+        },
         "responses": responses,
         "parameters": parameters,
     }
@@ -735,7 +1026,7 @@ def worker_openapi(version: str) -> dict[str, Any]:
 
 _PUBLIC_DESCRIPTION = """\
 Rhapsode's public API: one HTTP contract in front of many text-to-speech engines \
-(protocol.md sections 4, 6, 7, 9 and 10). GET /engines lists the engines this server has; every \
+(protocol.md sections 4, 6, 7, 9, 10 and 11). GET /engines lists the engines this server has; every \
 engine-scoped route and POST /speak name one, and an id not in that list is \
 unknown_engine.
 
@@ -772,7 +1063,7 @@ def public_openapi(version: str) -> dict[str, Any]:
 
     Public routes only, never a worker's.  A fresh structure each call.
     """
-    return _document(
+    document = _document(
         "Rhapsode",
         version,
         _PUBLIC_DESCRIPTION,
@@ -782,8 +1073,9 @@ def public_openapi(version: str) -> dict[str, Any]:
                 "name": "engine",
                 "in": "path",
                 "required": True,
-                "description": "An engine id, as GET /engines lists it.",
-                "schema": _string(),
+                "description": "An engine id, as GET /engines lists it: 1 to 64 ASCII letters, digits, _ or -, "
+                "starting with a letter or digit.",
+                "schema": _string(pattern=ENGINE_ID_PATTERN),
             },
             "VoiceId": _voice_id_parameter(
                 "voice", "A voice id, as GET /engines/{engine}/voices lists it."
@@ -797,4 +1089,12 @@ def public_openapi(version: str) -> dict[str, Any]:
             },
         },
         frozenset(),
+        _OPENAI_SCHEMAS,
     )
+    # Said to the reader and to a fuzzer; the multipart form is not checked by the
+    # validator, so the shape may use what the validator does not read.
+    document["components"]["schemas"]["VoiceCreate"]["oneOf"] = [
+        {"required": ["reference"]},
+        {"required": ["blend"]},
+    ]
+    return document

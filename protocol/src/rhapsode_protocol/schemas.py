@@ -32,6 +32,8 @@ MEDIA_TYPES: dict[str, str] = {
 #: A voice id (protocol.md section 7): letters, digits, - and _, starting with a letter
 #: or digit, at most 64 characters.  Anything else could name a path or a pattern.
 VOICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+#: An engine id (the config's, the catalog's, every engine-scoped path's) follows the same rule.
+ENGINE_ID_PATTERN = VOICE_ID_PATTERN
 
 #: A language tag as BCP 47 writes one (language, then subtags), compared without case.
 LANGUAGE_PATTERN = r"^[A-Za-z]{2,8}(-[A-Za-z0-9]{1,8})*$"

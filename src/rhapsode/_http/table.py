@@ -26,6 +26,8 @@ from rhapsode_protocol import contract
 from rhapsode_protocol.http.answers import no_route
 from rhapsode_protocol.http.site import DEFAULT_BODY_LIMIT
 
+from .._manage.patch import settings_patch_schema
+
 __all__ = [
     "BATCH_BODY",
     "CORS_ROUTES",
@@ -221,9 +223,19 @@ def openapi_document(version: str, routes: Iterable[RouteSpec] = ROUTES, metrics
             guarded = True
         if spec.method in ("POST", "PATCH", "PUT"):
             operation["x-rhapsode-body-limit"] = spec.body
+            envelope = "OpenAIError" if spec.rule.startswith("/v1/") else "Error"
+            operation["responses"].setdefault("413", {
+                "description": f"bad_request: the body is over {spec.body} bytes (x-rhapsode-body-limit), "
+                "refused before it is read, or as it arrives past the limit.",
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{envelope}"}}},
+            })
         operation["x-rhapsode-cors"] = spec.cors
         if spec.origin_checked:
             operation["x-rhapsode-origin-checked"] = True
     if guarded:
         document["components"]["securitySchemes"] = {"managementToken": dict(_TOKEN_SCHEME)}
+    schemas = document["components"]["schemas"]
+    if "SettingsPatch" in schemas:
+        # Every section and key the settings API takes, typed, and no other.
+        schemas["SettingsPatch"] = settings_patch_schema()
     return document

@@ -347,9 +347,12 @@ class Settings:
 
 def read_patch(raw: bytes) -> Any:
     """
-    A PATCH body as JSON; anything else is bad_request.
+    A PATCH body as JSON; anything else, no body included, is bad_request.
     """
+    if not raw.strip():
+        raise BadRequest("a settings patch needs a body: a JSON object shaped like values ({} changes nothing)",
+                         field="body")
     try:
-        return json.loads(raw or b"{}")
+        return json.loads(raw)
     except ValueError as error:
         raise BadRequest(f"the body is not JSON: {error}", field="body") from None

@@ -486,10 +486,29 @@ class Routes:
             refusal.headers = ((b"Location", location.encode("utf-8") + (b"?" + query if query else b"")),)
             raise refusal from None
         except MethodNotAllowed as wrong:
-            raise wrong_method(verb, path_info, wrong.valid_methods or ()) from None
+            raise wrong_method(verb, path_info, self._allowed(path_info, wrong.valid_methods or ())) from None
         except NotFound:
             raise no_such_path(path_info) from None
         return Route(verb, rule.rule, arguments, self.limit(verb, rule.rule))
+
+    def _allowed(self, path_info: str, methods: Iterable[str]) -> list[str]:
+        """
+        The methods of the route C{path_info} is: werkzeug names every method of every
+        rule matching it, so C{/installs/outdated} (POST) would also be offered GET for
+        C{/installs/<job>}, whose argument matches the word.  Of the rules matching, the
+        one with the fewest arguments (the most literal) is the path's own.
+        """
+        by_rule: dict[str, tuple[int, list[str]]] = {}
+        for method in methods:
+            adapter = self._map.bind("localhost", "", path_info=path_info, default_method=method)
+            try:
+                rule, arguments = adapter.match(return_rule=True)
+            except Exception:
+                continue
+            by_rule.setdefault(rule.rule, (len(arguments), []))[1].append(method)
+        if not by_rule:
+            return list(methods)
+        return min(by_rule.values(), key=lambda entry: entry[0])[1]
 
 
 def no_such_path(path: str) -> BadRequest:
