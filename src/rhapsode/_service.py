@@ -25,7 +25,6 @@ from twisted.logger import (
     Logger,
     LogLevel,
     LogLevelFilterPredicate,
-    PredicateResult,
     textFileLogObserver,
 )
 from twisted.python.failure import Failure
@@ -34,6 +33,7 @@ from rhapsode_protocol.contract import CONTRACT_VERSIONS
 from rhapsode_protocol.errors import refusal
 from rhapsode_protocol.http.answers import InFlight
 from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, Routes
+from rhapsode_protocol.logs import twisted_routine
 
 from . import __version__
 from ._config import RELEASES_URL, Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry
@@ -775,35 +775,8 @@ def level_filtered(level: str, stream: Any = None) -> Any:
     threshold = LogLevel.levelWithName(name)
     predicates: list[Any] = [LogLevelFilterPredicate(defaultLogLevel=threshold)]
     if threshold > LogLevel.debug:
-        predicates.append(_quiet_twisted)
+        predicates.append(twisted_routine)
     return FilteringLogObserver(textFileLogObserver(stream or sys.stdout), predicates)
-
-
-#: How the lines begin that Twisted logs about objects of the core's and the workers'
-#: own classes, under their namespace rather than Twisted's (a site is a twisted.web
-#: factory, its channel an HTTPChannel).
-_TWISTED_ROUTINE = ("Starting factory ", "Stopping factory ", "Timing out client: ")
-
-
-def _quiet_twisted(event: Mapping[str, Any]) -> PredicateResult:
-    """
-    No to Twisted's own events below a warning: those in its namespaces, except the
-    access lines twisted.web writes to C{twisted.python.log}'s file (C{log_io}); those
-    of its older C{log.msg}, which carry no namespace (a port opening or closing); and
-    the few it logs in the namespace of a subclass.  A worker's line, relayed by its
-    supervisor, keeps the worker's namespace and carries its text as C{message}.
-    """
-    if event.get("log_level", LogLevel.info) >= LogLevel.warn:
-        return PredicateResult.maybe
-    namespace = event.get("log_namespace", "")
-    if namespace.startswith("twisted.") and "log_io" not in event:
-        return PredicateResult.no
-    if namespace == "log_legacy":
-        return PredicateResult.no
-    text = event.get("message") if "engine" in event else event.get("log_format")
-    if isinstance(text, str) and text.startswith(_TWISTED_ROUTINE):
-        return PredicateResult.no
-    return PredicateResult.maybe
 
 
 def _terminate_verb(client: WorkerClient) -> Any:

@@ -15,7 +15,7 @@ from twisted.internet.defer import succeed
 from twisted.internet.error import CannotListenError
 from twisted.internet.protocol import Factory
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import Logger, LogLevel, capturedLogs, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, Logger, LogLevel, capturedLogs, formatEvent, globalLogPublisher
 from twisted.python import log as legacy_log
 from twisted.web.http import HTTPChannel
 
@@ -253,3 +253,58 @@ def test_stopping_with_nothing_to_wait_for_says_so(tmp_path: Path) -> None:
         "shutting down: no request in flight; no worker running",
         "rhapsode stopped",
     ]
+
+
+def test_a_workers_own_log_leaves_twisteds_routine_lines_out_at_info() -> None:
+    """
+    A worker's JSON log on stderr (read by its supervisor, or by whoever runs it by
+    hand) holds no "DirectSite starting on" or "Starting factory" at info, and its own
+    lines; at debug it holds everything.
+    """
+    from rhapsode_worker._runtime import worker_observer
+
+    def written(level: LogLevel) -> str:
+        stream = io.StringIO()
+        observer = worker_observer(stream, "tone", level)
+        globalLogPublisher.addObserver(observer)
+        try:
+            _twisted_chatter()
+            legacy_log.msg("DirectSite starting on '/run/tone.sock'")
+            Logger(namespace="rhapsode_worker").info("serving tone on unix:/run/tone.sock")
+        finally:
+            globalLogPublisher.removeObserver(observer)
+        return stream.getvalue()
+
+    quiet = written(LogLevel.info)
+    assert "serving tone on unix:/run/tone.sock" in quiet
+    for chatter in ("Starting factory", "Stopping factory", "Main loop terminated", "starting on"):
+        assert chatter not in quiet, (chatter, quiet)
+    loud = written(LogLevel.debug)
+    assert "DirectSite starting on" in loud and "Starting factory" in loud
+
+
+def test_rhapsode_web_logs_as_the_core_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    Under twistd, `rhapsode web` offers its application the core's observer, so its
+    log at info has no "WebSite starting on" or "Starting factory" line either.
+    """
+    from twisted.application.service import Application
+
+    from rhapsode._web._site import WebConfig
+    from rhapsode._web._tap import WebService
+
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stdout", stream)  # where the observer writes, as twistd's does
+    application = Application("rhapsode-web")
+    WebService(WebConfig(), "127.0.0.1", 8090).setServiceParent(application)
+    observer = ILogObserver(application, None)  # type: ignore[misc]
+    assert observer is not None
+    globalLogPublisher.addObserver(observer)
+    try:
+        legacy_log.msg("WebSite starting on 8090")
+        QuietFactory().doStart()
+        Logger(namespace="rhapsode._web._tap.WebService").info("rhapsode web: open http://127.0.0.1:8090/")
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    text = stream.getvalue()
+    assert "rhapsode web: open" in text and "starting on" not in text and "Starting factory" not in text

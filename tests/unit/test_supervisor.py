@@ -402,6 +402,28 @@ def test_stderr_json_lines_are_forwarded_with_the_engine() -> None:
     assert len(forwarded) == 3
 
 
+def test_a_workers_access_line_is_relayed_at_debug() -> None:
+    """
+    A worker's own access line (rhapsode.access, at info in its log) is relayed at
+    debug: the core writes the request's access line itself, so a /speak is one line
+    at info, not the core's and the worker's.  The worker's other info lines stay info.
+    """
+    h = harness()
+    h.supervisor.start()
+    worker = last_worker(h.reactor)
+    access = {"time": "t", "level": "info", "engine": "tone", "namespace": "rhapsode.access",
+              "message": "POST /speak 200 4096 B 12.0 ms"}
+    loaded = {"time": "t", "level": "info", "engine": "tone", "namespace": "rhapsode_worker._model",
+              "message": "loaded expressive"}
+    with capturedLogs() as events:
+        worker.err((json.dumps(access) + "\n" + json.dumps(loaded) + "\n").encode())
+    forwarded = [(e["log_level"], e["log_namespace"], e["message"]) for e in events if e.get("engine") == "tone"]
+    assert forwarded == [
+        (LogLevel.debug, "rhapsode.access", "POST /speak 200 4096 B 12.0 ms"),
+        (LogLevel.info, "rhapsode_worker._model", "loaded expressive"),
+    ]
+
+
 def test_partial_stderr_line_is_kept_at_exit() -> None:
     """A last stderr line without a newline is still logged and still part of the error."""
     h = harness()

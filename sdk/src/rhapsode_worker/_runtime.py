@@ -41,6 +41,7 @@ from twisted.logger import (
 from twisted.python.threadpool import ThreadPool
 from zope.interface import provider
 
+from rhapsode_protocol.logs import twisted_routine
 from rhapsode_protocol.schemas import CONTRACT_VERSIONS
 from rhapsode_protocol.spawn import (
     CONTRACT_VARIABLE,
@@ -145,6 +146,17 @@ def _json_observer(stream: IO[str], engine: str) -> ILogObserver:
             pass
 
     return observe
+
+
+def worker_observer(stream: IO[str], engine: str, level: LogLevel) -> ILogObserver:
+    """
+    The worker's log: JSON lines on C{stream} at C{level} and above; above debug,
+    without Twisted's routine lines (a port or a factory starting, the main loop ending).
+    """
+    predicates: list[Any] = [LogLevelFilterPredicate(defaultLogLevel=level)]
+    if level > LogLevel.debug:
+        predicates.append(twisted_routine)
+    return FilteringLogObserver(_json_observer(stream, engine), predicates)
 
 
 class _StdoutToLog(io.TextIOBase):
@@ -486,9 +498,7 @@ def serve(factory: EngineFactory, environ: Mapping[str, str] | None = None) -> N
     engine_id = str(getattr(factory, "id", "") or "") or "engine"
     name = environ.get(ENGINE_VARIABLE) or engine_id
     level = LogLevel.levelWithName(environ.get(LOG_LEVEL_VARIABLE, "info"))
-    observer = FilteringLogObserver(
-        _json_observer(sys.stderr, name), [LogLevelFilterPredicate(defaultLogLevel=level)]
-    )
+    observer = worker_observer(sys.stderr, name, level)
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     logging.basicConfig(level=logging.INFO, handlers=[_LoggingBridge()], force=True)
     try:

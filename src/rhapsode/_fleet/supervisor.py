@@ -81,6 +81,8 @@ class _Prestartable(Protocol):
 
 
 _prestart_log = Logger(namespace="rhapsode.prestart")
+#: The namespace both sides write their access lines in.
+_ACCESS = "rhapsode.access"
 
 
 def prestart(handles: Iterable[_Prestartable]) -> list[Deferred[None]]:
@@ -245,7 +247,12 @@ class _Child(ProcessProtocol):
             fields["traceback"] = str(traceback)
             text += "\n{traceback}"
             message += "\n" + str(traceback)
-        Logger(namespace=namespace).emit(_level(record.get("level")), text, **fields)
+        level = _level(record.get("level"))
+        if namespace == _ACCESS and level == LogLevel.info:
+            # The core writes each request's access line itself: the worker's, for the
+            # same request relayed, would make every /speak two lines at info.
+            level = LogLevel.debug
+        Logger(namespace=namespace).emit(level, text, **fields)
         self._tail.append(message)
         self._relay(message)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, DeferredList
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 from twisted.python import usage
 
 from .._guard import origin_key
@@ -124,6 +124,19 @@ class WebService(service.Service):
         self.listening: Deferred[Any] = Deferred()
         #: Why it could not listen, for C{rhapsode web} to exit non-zero with.
         self.failed_to_start: Any = None
+
+    def setServiceParent(self, parent: Any) -> None:
+        """
+        Under twistd, offer the application the core's log observer at info (Twisted's
+        routine lines left out, as the core leaves them); twistd asks the application
+        for one before it falls back to its own.
+        """
+        super().setServiceParent(parent)
+        get = getattr(parent, "getComponent", None)
+        if get is not None and get(ILogObserver, None) is None:
+            from .._service import level_filtered
+
+            parent.setComponent(ILogObserver, level_filtered("info"))
 
     def startService(self) -> None:
         super().startService()
