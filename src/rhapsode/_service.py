@@ -33,7 +33,7 @@ from rhapsode_protocol.contract import CONTRACT_VERSIONS
 from rhapsode_protocol.errors import refusal
 from rhapsode_protocol.http.answers import InFlight
 from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, Routes
-from rhapsode_protocol.logs import twisted_routine
+from rhapsode_protocol.http.logs import twisted_routine
 
 from . import __version__
 from ._config import RELEASES_URL, Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry

@@ -41,7 +41,7 @@ from twisted.logger import (
 from twisted.python.threadpool import ThreadPool
 from zope.interface import provider
 
-from rhapsode_protocol.logs import twisted_routine
+from rhapsode_protocol.http.logs import twisted_routine
 from rhapsode_protocol.schemas import CONTRACT_VERSIONS
 from rhapsode_protocol.spawn import (
     CONTRACT_VARIABLE,

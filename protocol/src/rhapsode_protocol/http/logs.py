@@ -1,5 +1,6 @@
 """
-What both processes leave out of their logs at info: Twisted's own routine lines (a
+What both processes leave out of their logs at info (beside the HTTP server they share, in
+the part of the protocol that may import Twisted): Twisted's own routine lines (a
 factory or a port starting and stopping, twistd starting up, the main loop ending, an
 idle client timed out), which say nothing a line of the core's or a worker's own does
 not.  The core's log, a worker's and the web page's each filter with L{twisted_routine}
