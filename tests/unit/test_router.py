@@ -316,3 +316,32 @@ def test_the_openapi_document_is_fed_from_the_route_table() -> None:
         if spec.method == "POST":
             assert operation["x-rhapsode-body-limit"] == spec.body
     assert document["components"]["securitySchemes"]["managementToken"]["scheme"] == "bearer"
+
+
+def test_engines_shows_the_capabilities_of_the_process_running_now() -> None:
+    """
+    After its worker is replaced (a new process, whose document names the engine
+    anew), GET /engines shows the new process's display name, not the first one's:
+    the running worker is asked again, and nothing is started to ask it.
+    """
+    first = {**CAPABILITIES, "engine": {**CAPABILITIES["engine"], "displayName": "Tone, first build"}}
+    second = {**CAPABILITIES, "engine": {**CAPABILITIES["engine"], "displayName": "Tone, second build"}}
+    answers: dict[tuple[bytes, str], Any] = {(b"GET", "/capabilities"): (200, first)}
+    client = FakeClient(answers)
+    supervisor = FakeSupervisor("up", pid=100)
+    handle = EngineHandle("tone-a", client, supervisor)
+    app = build_core(Registry({"tone-a": handle}), reactor=MemoryReactorClock())
+    stub = StubTreq(app.resource())
+    call(stub, "GET", "/engines/tone-a/capabilities")
+    assert call(stub, "GET", "/engines")[1][0]["displayName"] == "Tone, first build"
+    # The worker is replaced: another process, another build.
+    supervisor.pid = 101
+    client.answers[(b"GET", "/capabilities")] = (200, second)
+    [summary] = call(stub, "GET", "/engines")[1]
+    assert summary["displayName"] == "Tone, second build"
+    assert supervisor.pid == 101  # the running process was asked; none was started
+    # Down, nothing is asked: what the last process said stands.
+    supervisor.state, supervisor.pid = "down", None
+    supervisor.startable = False
+    client.answers[(b"GET", "/capabilities")] = (500, {})
+    assert call(stub, "GET", "/engines")[1][0]["displayName"] == "Tone, second build"

@@ -106,7 +106,19 @@ class EngineHandle:
         return state
 
     def cached_capabilities(self) -> dict[str, Any] | None:
-        return self._capabilities
+        """
+        The capabilities last read, or None while a process other than the one they came
+        from runs (a replaced worker may be another build): L{capabilities_behind}.
+        """
+        return None if self.capabilities_behind() else self._capabilities
+
+    def capabilities_behind(self) -> bool:
+        """
+        Whether a worker process is running that the capabilities were not read from:
+        asking it costs no start.
+        """
+        running = self.supervisor.pid if self.supervisor is not None else None
+        return self._capabilities is not None and running is not None and running != self._capabilities_from
 
     def effective_variant(self, requested: str | None, resident: str | None) -> str:
         """

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
@@ -158,10 +159,23 @@ class CoreApp:
 
     # -- the routes ----------------------------------------------------------------------
 
-    def _engines(self, request: IRequest) -> bytes:
+    async def _catch_up(self) -> None:
+        """
+        Read again the capabilities of every engine whose worker was replaced since they
+        were read (a restart, a new build): the process is running, so asking it starts
+        nothing, and a worker taken to be hung is not asked.
+        """
+        behind = [h for h in self.registry if h.capabilities_behind() and h.unresponsive is None]
+        if behind:
+            await DeferredList([Deferred.fromCoroutine(h.capabilities()) for h in behind], consumeErrors=True)
+
+    async def _engines(self, request: IRequest) -> bytes:
+        await self._catch_up()
         return json_response(request, 200, self.engines())
 
     def _health(self, request: IRequest) -> bytes:
+        # Never waits on a worker: a replaced one's summary holds no capabilities of the
+        # process before it (cached_capabilities), until GET /engines or a request reads them.
         engines = self.engines()
         residency = self.residency.snapshot()
         degraded = any(e["process"] == "failed" or h.unresponsive for e, h in zip(engines, self.registry))
