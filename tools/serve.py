@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,25 @@ def _get(url: str) -> Any:
         return json.loads(response.read())
 
 
+def _taken(url: str) -> str | None:
+    """
+    What answers at C{url} already, in words, or None when nothing listens there: a
+    Rhapsode says its version in GET /health; anything else is not Rhapsode.
+    """
+    parts = urllib.parse.urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or 80), timeout=2).close()
+    except OSError:
+        return None
+    try:
+        health = _get(url + "/health")
+    except (OSError, ValueError):
+        return "a server that is not Rhapsode (it does not answer GET /health as Rhapsode does)"
+    if isinstance(health, dict) and "version" in health and "contract" in health:
+        return f"another Rhapsode ({health['version']}, `make serve` or `rhapsode serve` already running)"
+    return "a server that is not Rhapsode (it does not answer GET /health as Rhapsode does)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("config", type=Path)
@@ -59,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=60.0, help="how long the server may take to answer")
     args = parser.parse_args(argv)
     url = _address(args.config)
+    taken = _taken(url)
+    if taken is not None:
+        # Said before starting anything: the server's own check would be answered by
+        # whatever holds the port, and its start fail with Address already in use.
+        _say(f"serve: {url} is taken: {taken} answers there. Stop it, or set server.port in {args.config}",
+             sys.stderr)
+        return 1
     server = subprocess.Popen([args.rhapsode, "serve", "--config", str(args.config)])
     # The server gets Ctrl-C from the terminal itself (same process group); here it
     # only stops the installs and waits for the server's own stop.

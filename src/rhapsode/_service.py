@@ -11,6 +11,7 @@ stands (L{rhapsode._interfaces}); no other constructor builds a collaborator.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from functools import partial
@@ -19,6 +20,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
+from twisted.internet.error import CannotListenError
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
@@ -55,6 +57,7 @@ from ._manage.routes import ManagementRoutes
 from ._manage.settings import Settings
 from ._manage.state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._manage.update import UpdateChecker, checker_for
+from ._ports import listener_of
 from ._speech.limits import BufferBudget, Turnstile
 from ._speech.metrics import Metrics
 from ._speech.relay import SpeechRelay
@@ -550,7 +553,26 @@ class RhapsodeService(service.Service):
                 return
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
-        endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
+        endpoint.listen(app.site(access_log=access_log)).addCallbacks(
+            listening, lambda failure: failed(self._port_taken(failure))
+        )
+
+    def _port_taken(self, failure: Failure) -> Failure:
+        """
+        A port in use, said as a start refused (which process holds it, and where the
+        port is set) rather than a traceback; any other failure as it is.
+        """
+        error = failure.value
+        cause = getattr(error, "socketError", None)
+        if not (failure.check(CannotListenError) and getattr(cause, "errno", None) == errno.EADDRINUSE):
+            return failure
+        server = self.config.server
+        holder = listener_of(server.port)
+        by = f" by {holder}" if holder else ""
+        where = f"server.port in {self._config_path}" if self._config_path is not None else "server.port in the config file"
+        return Failure(ServiceStartError(
+            f"port {server.port} on {server.host} is taken{by}: stop it, or set {where}"
+        ))
 
     def _cannot_start(self, failure: Any) -> None:
         """

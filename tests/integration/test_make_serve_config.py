@@ -113,3 +113,42 @@ def test_serve_installs_its_engines_through_the_api_and_stops_on_ctrl_c(tmp_path
         assert not any("installing" in line for line in lines)
     finally:
         stop(again)
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_a_second_serve_on_a_taken_port_says_so_and_exits_non_zero(tmp_path: Path, foreign: bool) -> None:
+    """
+    With the port already served (by another Rhapsode, or by something else), serve.py
+    says the port is taken, by what, and where the port is set, starts no server and
+    exits 1: no "is serving", no traceback, no Address already in use.
+    """
+    import http.server
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status": "ok", "version": "0.1.0", "contract": 1}' if not foreign else b"<html>hi</html>"
+            self.send_response(200 if not foreign else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    holder = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=holder.serve_forever, daemon=True).start()
+    try:
+        port = holder.server_address[1]
+        config = tmp_path / "rhapsode.json"
+        config.write_text(json.dumps({"server": {"port": port, "host": "127.0.0.1"}, "engines": {}}))
+        run = subprocess.run([sys.executable, str(ROOT / "tools" / "serve.py"), str(config), "tone"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        holder.shutdown()
+        holder.server_close()
+    assert run.returncode == 1, run.stdout + run.stderr
+    said = run.stderr
+    assert f"http://127.0.0.1:{port} is taken: " in said and f"set server.port in {config}" in said
+    assert ("not Rhapsode" in said) == foreign and ("another Rhapsode (0.1.0" in said) == (not foreign)
+    assert "is serving" not in run.stdout and "Traceback" not in said and "already in use" not in said

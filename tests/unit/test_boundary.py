@@ -218,6 +218,7 @@ def test_the_scan_finds_each_form_of_import(tmp_path: Path) -> None:
 FLOORS: dict[str, int] = {
     "rhapsode._interfaces": 0,
     "rhapsode._guard": 1,
+    "rhapsode._ports": 1,
     "rhapsode._upstream": 1,
     "rhapsode._client": 1,
     "rhapsode._config": 2,

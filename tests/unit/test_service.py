@@ -19,7 +19,7 @@ from twisted.logger import ILogObserver, Logger, LogLevel, capturedLogs, formatE
 from twisted.python import log as legacy_log
 from twisted.web.http import HTTPChannel
 
-from rhapsode._service import level_filtered
+from rhapsode._service import ServiceStartError, level_filtered
 from rhapsode.service import RhapsodeService, parse_config
 
 
@@ -65,12 +65,53 @@ def test_a_port_taken_is_reported_and_stops_only_twistds_reactor(tmp_path: Path,
     core = RhapsodeService(config, reactor, stop_reactor_if_unable=under_twistd)
     waiting = core.when_listening()
     core.startService()
-    assert _failure_of(waiting).check(CannotListenError)
-    assert _failure_of(core.when_listening()).check(CannotListenError)
+    assert _failure_of(waiting).check(ServiceStartError)
+    assert _failure_of(core.when_listening()).check(ServiceStartError)
     assert core.failed_to_start is not None and core.port is None
     assert reactor.stops == 0
     reactor.start_running()
     assert reactor.stops == (1 if under_twistd else 0)
+
+
+def test_a_port_taken_says_so_and_by_what_without_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    A second core on a taken port logs one critical line saying the port is taken, by
+    which process, and where the port is set, and no traceback.
+    """
+    import rhapsode._service as service_module
+
+    monkeypatch.setattr(service_module, "listener_of", lambda port: f"pid 4321 (rhapsode serve, port {port})")
+    (tmp_path / "rhapsode.json").write_text('{"server": {"port": 8080}, "workers": {"socketDir": "sock", "voiceDir": "voices"}}')
+    config = parse_config({"server": {"port": 8080}, "workers": {"socketDir": "sock", "voiceDir": "voices"}}, tmp_path)
+    core = RhapsodeService(config, PortTaken(), config_path=str(tmp_path / "rhapsode.json"))
+    with capturedLogs() as events:
+        core.startService()
+    message = _failure_of(core.when_listening()).getErrorMessage()
+    assert message == (
+        f"port 8080 on 127.0.0.1 is taken by pid 4321 (rhapsode serve, port 8080): stop it, "
+        f"or set server.port in {tmp_path / 'rhapsode.json'}"
+    )
+    [critical] = [e for e in events if e["log_level"] == LogLevel.critical]
+    assert formatEvent(critical) == message and "log_failure" not in critical
+    assert not [e for e in events if "log_failure" in e]
+
+
+def test_the_process_listening_on_a_port_is_named(tmp_path: Path) -> None:
+    """
+    listener_of names the process holding a listening TCP port: here, this one.
+    """
+    import os
+    import socket
+
+    from rhapsode._ports import listener_of
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        named = listener_of(port)
+    assert named is not None and named.startswith(f"pid {os.getpid()} (") and "python" in named
+    assert listener_of(port) is None
 
 
 def test_a_folder_that_cannot_be_made_is_reported_before_listening(tmp_path: Path) -> None:
