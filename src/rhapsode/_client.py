@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.iweb import IResponse
 
-from rhapsode_protocol.errors import SpeechError, error_from_envelope
+from rhapsode_protocol.errors import Internal, SpeechError, error_from_envelope
 
 _DURATION_HEADER = b"X-Rhapsode-Duration-Ms"
 
@@ -57,6 +57,22 @@ class Audio:
     content_type: str
     data: bytes
     duration_ms: int | None
+
+
+class NotRhapsode(Internal):
+    """
+    What answered is not a Rhapsode server: a refusal without the error envelope every
+    Rhapsode answer carries, or a body that is not JSON where JSON was due (another
+    program on the port, or a wrong address).
+
+    @ivar url: the address asked.
+    @ivar seen: what it answered, in words.
+    """
+
+    def __init__(self, url: str, seen: str) -> None:
+        super().__init__(f"what answers at {url} is not Rhapsode ({seen})")
+        self.url = url
+        self.seen = seen
 
 
 class TruncatedResponse(Exception):
@@ -252,21 +268,28 @@ class RhapsodeClient:
             method, self._base + path, headers=sent, unbuffered=True, **kwargs
         )
         if not 200 <= response.code < 300:
-            raise await self._refusal(response)
+            raise await self._refusal(response, method, path)
         return response
 
-    @staticmethod
-    async def _refusal(response: IResponse) -> SpeechError:
+    async def _refusal(self, response: IResponse, method: str = "", path: str = "") -> SpeechError:
         raw = await _read(response)
         try:
             envelope = json.loads(raw)
         except ValueError:
             envelope = None
+        if not (isinstance(envelope, dict) and isinstance(envelope.get("error"), dict)
+                and "code" in envelope["error"]):
+            # Rhapsode answers every refusal in its envelope: whatever answered is not it.
+            return NotRhapsode(self._base, f"{method} {path} answered HTTP {response.code} without its error envelope")
         return error_from_envelope(envelope, response.code)
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = await self._send(method, path, **kwargs)
-        return json.loads(await _read(response))
+        raw = await _read(response)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise NotRhapsode(self._base, f"{method} {path} answered HTTP {response.code} with something that is not JSON") from None
 
     async def _audio(self, path: str, body: dict[str, Any]) -> Audio:
         response = await self._send("POST", path, body=body)

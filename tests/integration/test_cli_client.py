@@ -134,3 +134,48 @@ def test_nothing_listening_says_so_and_exits_1() -> None:
     assert failed.returncode == 1
     err = failed.stderr.decode()
     assert err.startswith(f"rhapsode: nothing is answering at {nowhere}") and "Traceback" not in err
+
+
+@pytest.fixture(params=["html-404", "html-200"])
+def foreign(request: pytest.FixtureRequest) -> Iterator[str]:
+    """
+    A web server that is not Rhapsode, on a loopback port: a 404 page for every path,
+    or a 200 page that is not JSON.
+    """
+    import http.server
+    import threading
+
+    status = 404 if request.param == "html-404" else 200
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html><body>Not here</body></html>"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_that_is_not_rhapsode_is_said_to_be_so(foreign: str) -> None:
+    """
+    engines and doctor against a foreign server on the port say that what answers is
+    not Rhapsode and where the address and the port are set, exit 1, no traceback; not
+    "internal: HTTP 404 without an error envelope".
+    """
+    for argv in (["engines"], ["doctor"]):
+        failed = rhapsode_cli(foreign, *argv)
+        said = failed.stdout.decode() + failed.stderr.decode()
+        assert failed.returncode == 1, said
+        assert f"what answers at {foreign} is not Rhapsode" in said, said
+        assert "--url" in said and "RHAPSODE_URL" in said and "server.port" in said, said
+        assert "without an error envelope" not in said and "Traceback" not in said, said

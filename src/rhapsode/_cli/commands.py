@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from rhapsode_protocol.errors import BadRequest, SpeechError
 
 from .. import __version__
+from .._client import NotRhapsode
 from .install import COMMANDS as _INSTALL_COMMANDS
 from .install import add_parsers as _install_parsers
 from .render import (
@@ -137,6 +138,11 @@ def _write_stderr(line: str) -> None:
         pass
 
 
+#: Where the address a command talks to is set, for when something else answers there.
+_WHERE_SET = (
+    "Give the server's address with --url or $RHAPSODE_URL (default http://127.0.0.1:8080); "
+    "the server listens on server.port of its config file"
+)
 #: Where the client subcommands find the server without C{--url} or C{RHAPSODE_URL}.
 DEFAULT_URL = "http://127.0.0.1:8080"
 #: What a refusal, or a server that does not answer, exits with; a bad command line is 2.
@@ -313,6 +319,8 @@ async def run(ns: argparse.Namespace, client: Any, out: Output, url: str, now: f
     """
     try:
         return await _COMMANDS[ns.command](ns, client, out, time.time() if now is None else now)
+    except NotRhapsode as foreign:
+        out.error(f"rhapsode: {foreign.message}. {_WHERE_SET}")
     except SpeechError as refusal:
         out.error(f"{refusal.code}: {refusal.message}")
     except (ConnectError, DNSLookupError) as failure:
@@ -578,6 +586,9 @@ async def doctor_rows(client: Any, url: str, tools: dict[str, str | None]) -> li
         health = await client.health()
     except (ConnectError, DNSLookupError) as failure:
         rows.append(["server", _FAIL, f"nothing is answering at {url} ({failure.__class__.__name__}): start it with `rhapsode serve`"])
+        health = None
+    except NotRhapsode as foreign:
+        rows.append(["server", _FAIL, f"{foreign.message}. {_WHERE_SET}"])
         health = None
     if health is not None:
         status = health.get("status")
