@@ -331,6 +331,7 @@ class RhapsodeService(service.Service):
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
         self._clients: list[IWorkerClient] = []
+        self._connections = _Connections()
         #: Why the service could not start (a folder, its port), once that has happened.
         self.failed_to_start: Any = None
         self._listen_waiters: list[Deferred[Any]] = []
@@ -553,7 +554,10 @@ class RhapsodeService(service.Service):
                 return
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
-        endpoint.listen(app.site(access_log=access_log)).addCallbacks(
+        site = app.site(access_log=access_log)
+        # Every connection of the public port, so that a stop can cut off what outlasts its grace.
+        site.connections = self._connections
+        endpoint.listen(site).addCallbacks(
             listening, lambda failure: failed(self._port_taken(failure))
         )
 
@@ -657,6 +661,9 @@ class RhapsodeService(service.Service):
                         requests=_count(self.app.requests.count, "request"),
                         grace=f"{grace:g}",
                     )
+                    # Cut off now, as said: each connection is aborted, which cancels its
+                    # relay and so the worker's stream, before the workers are stopped.
+                    self._connections.abort_all()
                 finally:
                     if timer.active():
                         timer.cancel()
@@ -671,6 +678,27 @@ class RhapsodeService(service.Service):
             self.log.info("rhapsode stopped")
 
         return Deferred.fromCoroutine(stop())
+
+
+class _Connections:
+    """
+    The public port's open connections, told by each channel as it opens and closes.
+    """
+
+    def __init__(self) -> None:
+        self._open: set[Any] = set()
+
+    def opened(self, channel: Any) -> None:
+        self._open.add(channel)
+
+    def closed(self, channel: Any) -> None:
+        self._open.discard(channel)
+
+    def abort_all(self) -> None:
+        for channel in list(self._open):
+            transport = channel.transport
+            if transport is not None:
+                getattr(transport, "abortConnection", transport.loseConnection)()
 
 
 def _operator_engines(raw: Mapping[str, Any]) -> set[str]:

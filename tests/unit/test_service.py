@@ -349,3 +349,34 @@ def test_rhapsode_web_logs_as_the_core_does(monkeypatch: pytest.MonkeyPatch) -> 
         globalLogPublisher.removeObserver(observer)
     text = stream.getvalue()
     assert "rhapsode web: open" in text and "starting on" not in text and "Starting factory" not in text
+
+
+class _Abortable(StringTransport):
+    """A connection that records being aborted."""
+
+    aborted = False
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+        self.loseConnection()
+
+
+def test_a_request_said_to_be_cut_off_is_cut_off_then(tmp_path: Path) -> None:
+    """
+    When the grace ends with a request in flight, the warning says it is cut off and
+    its connection is aborted at that moment (its relay is cancelled, the worker's
+    stream stopped), not left to stream until the workers are killed.
+    """
+    from twisted.internet.address import IPv4Address
+
+    reactor, core = _stopping_with_a_request_in_flight(tmp_path)
+    [(_, site, _, _)] = reactor.tcpServers
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
+    transport = _Abortable(peerAddress=IPv4Address("TCP", "127.0.0.1", 50001))
+    channel.makeConnection(transport)
+    with capturedLogs():
+        stopped = core.stopService()
+        reactor.advance(6.9)
+        assert not transport.aborted
+        reactor.advance(0.1)
+    assert transport.aborted and stopped.called
