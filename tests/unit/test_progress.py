@@ -156,10 +156,10 @@ def log(message: str) -> dict[str, Any]:
 
 def test_plain_progress_prints_a_line_per_step_and_pips_lines_only_when_verbose() -> None:
     """
-    Piped, each running step is one line with its place; log lines appear only with -v;
-    an error goes to stderr.
+    Piped, each running step is one line with its place; log lines appear only with -v,
+    and never pip's raw progress counts; an error goes to stderr.
     """
-    events = [step("venv", 1), log("Collecting rhapsode"), step("packages", 2),
+    events = [step("venv", 1), log("Collecting rhapsode"), log("Progress 1024 of 4096"), step("packages", 2),
               {"kind": "error", "message": "pip install exited 1: why"}]
     quiet, verbose = Out(), Out()
     for out, shown in ((quiet, PlainProgress(quiet)), (verbose, PlainProgress(verbose, verbose=True))):
@@ -196,3 +196,31 @@ def test_rich_progress_draws_steps_the_newest_line_and_a_download_bar_at_a_termi
     assert (progress.tasks[0].completed, progress.tasks[0].total) == (4, 4)
     shown.close()
     assert "install kokoro: register" in screen.getvalue()
+
+
+def test_the_download_bar_shows_human_sizes_and_each_files_own_total() -> None:
+    """
+    The download bar reads in human sizes (8.0 MiB of 16 MiB, never 8000000/17200000),
+    and a file that follows another starts without the one before's total: a small file
+    pip reports no progress for shows none, not the previous file's bytes.
+    """
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=140, color_system=None)
+    shown = RichProgress(console, "install kokoro")
+    shown.event(step("packages", 2))
+    shown.event(log("  Downloading onnxruntime-1.23.2-cp311-cp311-manylinux.whl (17.2 MB)"))
+    shown.event(log("Progress 8388608 of 17825792"))
+    shown._progress.refresh()
+    drawn = screen.getvalue()
+    assert "8.0 MiB of 17 MiB" in drawn, drawn
+    assert "8388608" not in drawn and "17825792" not in drawn
+    shown.event(log("  Downloading small-1.0-py3-none-any.whl (12 kB)"))
+    screen.truncate(0)
+    screen.seek(0)
+    shown._progress.refresh()
+    drawn = screen.getvalue()
+    assert "small-1.0-py3-none-any.whl" in drawn and "17 MiB" not in drawn and "17825792" not in drawn, drawn
+    shown.event(log("Progress 6144 of 12288"))
+    shown._progress.refresh()
+    assert "6.0 KiB of 12 KiB" in screen.getvalue()
+    shown.close()

@@ -790,3 +790,22 @@ def test_a_hung_report_about_a_worker_already_gone_is_ignored() -> None:
     h = harness()
     h.supervisor.hung("late")
     assert h.supervisor.state == "down" and h.kills == []
+
+
+def test_a_workers_progress_bar_lines_are_relayed_at_debug() -> None:
+    """
+    A download's progress bar on a worker's stderr (huggingface_hub's tqdm, fetching
+    weights) reaches the core's log at debug, line by line, not dozens of lines at info;
+    any other plain stderr line stays at info.
+    """
+    h = harness()
+    h.supervisor.start()
+    worker = last_worker(h.reactor)
+    bars = b"".join(
+        b"kokoro-v1.0.int8.onnx:  %d%%|####      | %dM/88.1M [00:01<00:02, 30.0MB/s]\n" % (n, n) for n in (10, 45, 90)
+    )
+    with capturedLogs() as events:
+        worker.err(bars + b"\rFetching 2 files: 100%|##########| 2/2 [00:03<00:00,  1.6s/it]\n" + b"ALSA lib: no card\n")
+    relayed = [(e["log_level"], e["line"]) for e in events if e.get("stream") == "stderr"]
+    assert [level for level, _ in relayed] == [LogLevel.debug] * 4 + [LogLevel.info]
+    assert relayed[-1][1] == "ALSA lib: no card"

@@ -21,7 +21,7 @@ from twisted.internet.defer import CancelledError, Deferred
 
 from rhapsode_protocol.errors import BadRequest
 
-from .render import table
+from .render import size, table
 
 #: What a detached command exits with, as a shell reports an interrupted one.
 DETACHED = 130
@@ -54,7 +54,10 @@ class PlainProgress:
             if progress["status"] == "running":
                 self._out.line(f"{progress['phase']} ({progress['index']}/{progress['total']})")
         elif kind == "log" and self._verbose:
-            self._out.line("    " + str(event.get("message", "")))
+            message = str(event.get("message", ""))
+            if not _PROGRESS.match(message.strip()):
+                # pip's raw progress (byte counts, many a second) is for a bar, not a line.
+                self._out.line("    " + message)
         elif kind == "resync":
             self._out.line("    (some lines were missed while reconnecting)")
         elif kind == "error":
@@ -71,54 +74,54 @@ class RichProgress:
     """
 
     def __init__(self, console: Any, title: str) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TransferSpeedColumn,
-        )
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
-        self._steps_columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-        self._progress = Progress(*self._steps_columns, console=console, transient=False)
-        self._download_columns = (TextColumn("  {task.description}"), BarColumn(), DownloadColumn(),
-                                  TransferSpeedColumn())
+        # One set of columns draws both bars, so each task says its own count: the
+        # steps as N/M, a download in human sizes (a column per kind would be drawn for both).
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+            console=console, transient=False,
+        )
         self._title = title
-        self._step = self._progress.add_task(title, total=None)
+        self._step = self._progress.add_task(title, total=None, count="")
         self._download: Any = None
         self._file = "download"
         self._phase = ""
         self._progress.start()
+
+    def _end_download(self) -> None:
+        if self._download is not None:
+            self._progress.remove_task(self._download)
+            self._download = None
 
     def event(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
         progress = self._progress
         if kind == "progress":
             step = event["progress"]
-            if self._download is not None:
-                # A step's downloads are over once the next step begins.
-                progress.remove_task(self._download)
-                self._download = None
+            # A step's downloads are over once the next step begins.
+            self._end_download()
             self._phase = step["phase"]
             done = step["index"] - (1 if step["status"] == "running" else 0)
             progress.update(self._step, total=step["total"], completed=done,
-                            description=f"{self._title}: {self._phase}")
+                            description=f"{self._title}: {self._phase}", count=f"{done}/{step['total']}")
         elif kind == "log":
             message = str(event.get("message", ""))
             found = _PROGRESS.match(message.strip())
             if found:
                 completed, total = int(found.group(1)), int(found.group(2))
+                count = f"{size(completed)} of {size(total)}"
                 if self._download is None:
-                    self._download = progress.add_task(self._file, total=total)
-                progress.update(self._download, completed=completed, total=total, description=self._file)
+                    self._download = progress.add_task(f"  {self._file}", total=total, count=count)
+                progress.update(self._download, completed=completed, total=total, count=count)
                 return
             downloading = _DOWNLOADING.match(message)
             if downloading:
+                # A new file: its own bar, with no total until pip reports one (a small
+                # file it reports none for shows none, not the last file's).
                 self._file = downloading.group(1)[:48]
-                if self._download is not None:
-                    progress.update(self._download, completed=0, description=self._file)
+                self._end_download()
+                self._download = progress.add_task(f"  {self._file}", total=None, count="")
             newest = message.strip()[:60]
             progress.update(self._step, description=f"{self._title}: {self._phase}  [dim]{newest}[/dim]")
         elif kind == "error":

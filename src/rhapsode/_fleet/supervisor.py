@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections import deque
 from dataclasses import dataclass
@@ -81,6 +82,9 @@ class _Prestartable(Protocol):
 
 
 _prestart_log = Logger(namespace="rhapsode.prestart")
+#: A progress bar's line, as tqdm (huggingface_hub's downloads) and pip draw one: a
+#: percentage against a bar, or a carriage return redrawing the line.
+_PROGRESS_BAR = re.compile(r"\d{1,3}%\s*\||\r")
 #: The namespace both sides write their access lines in.
 _ACCESS = "rhapsode.access"
 
@@ -234,7 +238,10 @@ class _Child(ProcessProtocol):
             return
         record = _record(line)
         if record is None:
-            self._log.info("[{engine}] {line}", engine=self.engine, line=line, stream="stderr")
+            # A progress bar (a weights download's) redraws itself line after line: kept
+            # for whoever looks at debug, and out of the log at info.
+            level = LogLevel.debug if _PROGRESS_BAR.search(line) else LogLevel.info
+            self._log.emit(level, "[{engine}] {line}", engine=self.engine, line=line, stream="stderr")
             self._tail.append(line)
             self._relay(line)
             return
