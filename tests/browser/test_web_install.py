@@ -26,7 +26,8 @@ def test_install_from_the_page_reaches_done(empty: Served, page: Page) -> None:
     """
     Install on the tone row starts a job whose progress bar, fed by its event stream,
     reaches its maximum with the job marked succeeded; the core then lists tone as
-    installed and managed, and the page offers to uninstall it.
+    installed and managed, the page offers to uninstall it, and the finished job is a
+    row of the Jobs table.
     """
     p = page.open(empty.web, "engines")
     p.get_by_role("button", name="Install Tone").click()
@@ -46,5 +47,9 @@ def test_install_from_the_page_reaches_done(empty: Served, page: Page) -> None:
     tone = next(e for e in catalog if e["id"] == "tone")
     assert (tone["installed"], tone["managed"]) == ("yes", True)
     p.get_by_role("button", name="Uninstall tone").wait_for(timeout=60000)
+    # The job just finished is in the Jobs table, as GET /installs lists it.
+    row = p.locator("section[aria-labelledby=jobs-heading] table tr", has_text="succeeded")
+    row.wait_for(timeout=60000)
+    assert "install" in row.inner_text() and "tone" in row.inner_text()
     page.screenshot("engines-install")
     assert page.errors == []

@@ -237,3 +237,34 @@ def test_screenshots_go_under_a_temporary_folder_not_the_tree(served: Served, pa
         assert saved.exists() and ROOT not in saved.parents, saved
         assert not (tracked / "probe.png").exists()
         assert {path.name: path.stat().st_mtime_ns for path in tracked.glob("*.png")} == before
+
+
+def test_played_counts_audio_time_not_the_wall_time_of_an_underrun(served: Served, page: Page) -> None:
+    """
+    The player's "Played" is the audio heard: one second, then four seconds with
+    nothing to play (the stream ran dry), then another second, is 2 s played, not 6.
+    Driven on the page's own player module with a clock the test moves.
+    """
+    p = page.open(served.web, "try")
+    played = p.evaluate(
+        """async () => {
+          const { StreamPlayer } = await import('/js/player.js');
+          const context = {
+            currentTime: 0, destination: {},
+            createBuffer: (channels, frames, rate) => ({ duration: frames / rate, getChannelData: () => new Float32Array(frames) }),
+            createBufferSource: () => ({ connect() {}, start() {}, stop() {}, onended: null, buffer: null }),
+          };
+          const player = new StreamPlayer(context, 1000, 1, true);
+          const second = new Uint8Array(2000);
+          const seen = [];
+          player.push(second);                  // plays from 0.05 to 1.05
+          context.currentTime = 1.05; seen.push(player.played());
+          context.currentTime = 5.0; seen.push(player.played());   // ran dry for four seconds
+          player.push(second);                  // plays from 5.05 to 6.05
+          context.currentTime = 5.55; seen.push(player.played());
+          context.currentTime = 6.05; seen.push(player.played());
+          return seen;
+        }"""
+    )
+    assert [round(x, 2) for x in played] == [1.0, 1.0, 1.5, 2.0], played
+    assert page.errors == []

@@ -14,6 +14,8 @@ export async function render(main) {
   const dialog = h("dialog", { id: "licence-dialog", "aria-labelledby": "licence-title" });
   main.append(catalog, jobs, resident, dialog);
   const streams = new Set();
+  // The jobs whose cards follow them live: the table leaves them out until they end.
+  const following = new Set();
   let timer = null;
 
   async function drawCatalog() {
@@ -122,15 +124,19 @@ export async function render(main) {
     const card = h("div", { class: "card", id: `job-${job.id}` },
       h("h3", { text: `${job.kind} of ${job.engine}${job.variant ? ` (${job.variant})` : ""}` }), bar, step, state, log);
     jobList.prepend(card);
+    following.add(job.id);
     const source = new EventSource(`/api/installs/${enc(job.id)}/events`);
     streams.add(source);
     const finish = (outcome) => {
       source.close();
       streams.delete(source);
+      following.delete(job.id);
       state.dataset.state = outcome;
       state.textContent = outcome;
       announce(`${job.kind} of ${job.engine}: ${outcome}`);
       drawCatalog().catch(() => {});
+      // Over: it joins the table of jobs, as GET /installs now lists it.
+      drawJobs().catch(() => {});
     };
     const line = (text) => {
       // Follows the end only while the reader is at the end.
@@ -165,8 +171,8 @@ export async function render(main) {
   async function drawJobs() {
     let list = [];
     try { list = await api("/installs"); } catch { return; }
-    const known = new Set([...jobList.querySelectorAll(".card")].map((c) => c.id));
-    const rows = list.filter((j) => !known.has(`job-${j.id}`)).slice(0, 10)
+    // A job followed live has its card; every other, finished ones included, is a row.
+    const rows = list.filter((j) => !following.has(j.id)).slice(0, 10)
       .map((j) => [j.kind, j.engine, j.variant || "", j.state, j.step || "", j.createdAt || "",
         j.error ? h("span", { class: "error", text: j.error.message }) : ""]);
     const old = jobs.querySelector(".table-wrap");
@@ -197,7 +203,7 @@ export async function render(main) {
   }
 
   await Promise.all([drawCatalog(), drawResidency(), drawJobs()]);
-  timer = setInterval(() => { drawResidency().catch(() => {}); }, 5000);
+  timer = setInterval(() => { drawResidency().catch(() => {}); drawJobs().catch(() => {}); }, 5000);
   return () => {
     clearInterval(timer);
     for (const source of streams) source.close();

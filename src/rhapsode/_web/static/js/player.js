@@ -9,6 +9,9 @@ export class StreamPlayer {
     this.carry = new Uint8Array(0);
     this.next = 0;
     this.firstAt = null;
+    // Where the stream ran dry: [from, to] stretches with nothing scheduled, which are
+    // no audio played however long they last.
+    this.gaps = [];
     this.sources = new Set();
   }
 
@@ -34,6 +37,7 @@ export class StreamPlayer {
     source.buffer = buffer;
     source.connect(this.context.destination);
     const at = Math.max(this.next, this.context.currentTime + 0.05);
+    if (this.firstAt !== null && at > this.next) this.gaps.push([this.next, at]);
     source.start(at);
     this.sources.add(source);
     source.onended = () => this.sources.delete(source);
@@ -46,10 +50,13 @@ export class StreamPlayer {
     return Math.max(0, this.next - this.context.currentTime);
   }
 
-  /** Seconds played so far. */
+  /** Seconds of audio played so far: the clock since the first sound, less every gap. */
   played() {
     if (this.firstAt === null) return 0;
-    return Math.max(0, Math.min(this.context.currentTime, this.next) - this.firstAt);
+    const now = Math.min(this.context.currentTime, this.next);
+    let silent = 0;
+    for (const [from, to] of this.gaps) silent += Math.max(0, Math.min(now, to) - from);
+    return Math.max(0, now - this.firstAt - silent);
   }
 
   stop() {
