@@ -349,3 +349,24 @@ def test_unused_namespace_fields_do_not_matter() -> None:
     stub = StubRhapsode({"tone": FakeEngine()})
     code = CASE.successResultOf(Deferred.fromCoroutine(run(ns, stub.client(), out, "http://box", now=NOW)))
     assert code == 0 and out.text.startswith("client version")
+
+
+def test_say_takes_a_language() -> None:
+    """
+    say --language TAG asks the server for that language (protocol.md section 6), as
+    --voice and --variant are asked; without it none is sent.
+    """
+    from rhapsode.client import Audio
+
+    class Recording:
+        def __init__(self) -> None:
+            self.asked: list[dict[str, Any]] = []
+
+        async def speak(self, engine: str, text: str, **fields: Any) -> Audio:
+            self.asked.append(fields)
+            return Audio(content_type="audio/L16; rate=24000; channels=1", data=b"\x00\x00", duration_ms=None)
+
+    client = Recording()
+    assert command(None, "say", "tone", "Bonjour.", "--language", "fr-FR", "-o", "/dev/null", client=client)[0] == 0
+    assert command(None, "say", "tone", "Hello.", "-o", "/dev/null", client=client)[0] == 0
+    assert client.asked == [{"language": "fr-FR"}, {}]

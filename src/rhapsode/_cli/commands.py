@@ -180,6 +180,7 @@ def parser() -> argparse.ArgumentParser:
     say.add_argument("--voice", help="a voice id the engine lists")
     say.add_argument("--format", help="wav, mp3, opus, flac, aac or pcm (default: the server's)")
     say.add_argument("--variant", help="the engine's variant (default: the resident one, else its default)")
+    say.add_argument("--language", help="a BCP 47 tag the variant lists, e.g. fr-FR (default: its first)")
     commands.add_parser(
         "catalog", parents=[client, listing], help="every engine that exists, with both licences"
     )
@@ -274,7 +275,8 @@ async def _say(ns: argparse.Namespace, client: Any, out: Output, now: float) -> 
         # Audio on a terminal is noise and can leave it in a strange state.
         out.error("rhapsode: say writes audio: give -o FILE, or redirect stdout to a file or a player")
         return USAGE
-    fields = {k: v for k, v in (("voice", ns.voice), ("format", ns.format), ("variant", ns.variant)) if v}
+    given = (("voice", ns.voice), ("format", ns.format), ("variant", ns.variant), ("language", ns.language))
+    fields = {k: v for k, v in given if v}
     audio = await client.speak(ns.engine, ns.text, **fields)
     if ns.output is None:
         out.binary.write(audio.data)
