@@ -574,8 +574,8 @@ class RhapsodeService(service.Service):
         holder = listener_of(server.port)
         by = f" by {holder}" if holder else ""
         where = f"server.port in {self._config_path}" if self._config_path is not None else "server.port in the config file"
-        return Failure(ServiceStartError(
-            f"port {server.port} on {server.host} is taken{by}: stop it, or set {where}"
+        return Failure(PortTaken(
+            error.interface, error.port, cause, f"port {server.port} on {server.host} is taken{by}: stop it, or set {where}"
         ))
 
     def _cannot_start(self, failure: Any) -> None:
@@ -699,6 +699,20 @@ class _Connections:
             transport = channel.transport
             if transport is not None:
                 getattr(transport, "abortConnection", transport.loseConnection)()
+
+
+class PortTaken(ServiceStartError, CannotListenError):
+    """
+    The public port is in use: a start refused (said without a traceback), and still
+    the CannotListenError a program embedding the core may be waiting for.
+    """
+
+    def __init__(self, interface: str, port: int, socket_error: BaseException, message: str) -> None:
+        CannotListenError.__init__(self, interface, port, socket_error)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _operator_engines(raw: Mapping[str, Any]) -> set[str]:

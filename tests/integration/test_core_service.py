@@ -74,7 +74,8 @@ def serve_once(tmp_path: Path, port: int, socket_dir: Path) -> subprocess.Comple
 def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None:
     """
     `rhapsode serve` on a port something else holds exits at once with status 1 and
-    says why, rather than running on listening nowhere.
+    says why (the port is taken, by which process, and where it is set), rather than
+    running on listening nowhere or printing a traceback.
     """
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -82,7 +83,9 @@ def test_a_port_already_taken_ends_the_server_saying_why(tmp_path: Path) -> None
         port = taken.getsockname()[1]
         run = serve_once(tmp_path, port, tmp_path / "sock")
     assert run.returncode == 1, (run.returncode, run.stdout[-500:])
-    assert f"Couldn't listen on 127.0.0.1:{port}" in run.stderr and "already in use" in run.stderr
+    # Which process holds it (this one), and where the port is set; no traceback.
+    assert f"port {port} on 127.0.0.1 is taken by pid {os.getpid()} (" in run.stderr, run.stderr
+    assert "server.port in" in run.stderr and "Traceback" not in run.stderr + run.stdout
 
 
 def test_a_folder_that_cannot_be_made_ends_the_server_saying_which(tmp_path: Path) -> None:

@@ -65,8 +65,9 @@ def test_a_port_taken_is_reported_and_stops_only_twistds_reactor(tmp_path: Path,
     core = RhapsodeService(config, reactor, stop_reactor_if_unable=under_twistd)
     waiting = core.when_listening()
     core.startService()
-    assert _failure_of(waiting).check(ServiceStartError)
-    assert _failure_of(core.when_listening()).check(ServiceStartError)
+    assert _failure_of(waiting).check(ServiceStartError, CannotListenError)
+    refused = _failure_of(core.when_listening())
+    assert refused.check(ServiceStartError) and refused.check(CannotListenError)
     assert core.failed_to_start is not None and core.port is None
     assert reactor.stops == 0
     reactor.start_running()
