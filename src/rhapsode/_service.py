@@ -567,8 +567,10 @@ class RhapsodeService(service.Service):
         port is set) rather than a traceback; any other failure as it is.
         """
         error = failure.value
-        cause = getattr(error, "socketError", None)
-        if not (failure.check(CannotListenError) and getattr(cause, "errno", None) == errno.EADDRINUSE):
+        if not isinstance(error, CannotListenError):
+            return failure
+        cause = error.socketError
+        if getattr(cause, "errno", None) != errno.EADDRINUSE:
             return failure
         server = self.config.server
         holder = listener_of(server.port)
