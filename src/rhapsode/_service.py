@@ -12,6 +12,7 @@ stands (L{rhapsode._interfaces}); no other constructor builds a collaborator.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -38,6 +39,7 @@ from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, Routes
 from . import __version__
 from ._config import RELEASES_URL, Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry
 from ._doors.mcp import McpServer
+from ._doors.node import NodeDoor
 from ._doors.openai import OpenAIShim
 from ._doors.stream import SpeechStreams
 from ._fleet.catalog import Catalog, read_catalog, read_source
@@ -47,7 +49,7 @@ from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
 from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
-from ._http.table import ROUTES, klein_app
+from ._http.table import klein_app, routes_for
 from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
 from ._manage.installer import Commands, Installer, find_uv
 from ._manage.jobs import JobContext, Jobs
@@ -57,7 +59,7 @@ from ._manage.state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._manage.update import UpdateChecker, checker_for
 from ._speech.limits import BufferBudget, Turnstile
 from ._speech.metrics import Metrics
-from ._speech.relay import SpeechRelay
+from ._speech.relay import MODEL_HEADER, SpeechRelay
 from ._speech.service import SpeechService
 from ._speech.translate import OpenAITranslation
 from ._upstream import Stalls, WorkerClient
@@ -116,6 +118,7 @@ class Core:
         catalog: Catalog,
         site_options: Mapping[str, Any],
         metrics_public: bool,
+        node: NodeDoor | None = None,
     ) -> None:
         self.reactor = reactor
         self.registry = registry
@@ -132,6 +135,7 @@ class Core:
         self.manage = manage
         self.jobs = jobs
         self.catalog = catalog
+        self.node = node
         self._site_options = dict(site_options)
         self._metrics_public = metrics_public
         handlers = {
@@ -140,9 +144,11 @@ class Core:
             **mcp.handlers(),
             **streams.handlers(),
             **manage.handlers(),
+            **(node.handlers() if node is not None else {}),
         }
         self._handlers = handlers
-        self.klein = klein_app(handlers, ROUTES)
+        self.routes = routes_for("node" if node is not None else "core")
+        self.klein = klein_app(handlers, self.routes)
 
     @property
     def installer(self) -> Installer | None:
@@ -164,12 +170,12 @@ class Core:
         The site to listen with: its requests are guarded and stripped at their headers.
         Without C{access_log} no access line is even formatted (a log level above info).
         """
-        routes = Routes(self.klein.url_map, {spec.key: spec.body for spec in ROUTES})
+        routes = Routes(self.klein.url_map, {spec.key: spec.body for spec in self.routes})
         return core_site(
             self.resource(),
             routes,
             self._handlers,
-            specs=ROUTES,
+            specs=self.routes,
             metrics_public=self._metrics_public,
             log=CoreApp.log,
             access_log=access_log,
@@ -207,6 +213,7 @@ def build_core(
     installer: Callable[[Jobs], Installer] | None = None,
     updates: UpdateChecker | None = None,
     version: str = __version__,
+    node: str | None = None,
 ) -> Core:
     """
     Build and wire every part of one core over C{registry}.
@@ -229,6 +236,8 @@ def build_core(
         install route answers unsupported.
     @param updates: the update check; by default GitHub's on this reactor, on unless
         the environment turned it off.
+    @param node: this core's name as a cluster's node (server.role "node"): it then
+        serves its engines' worker routes and its state to the cluster (docs/cluster.md).
     """
     catalog = catalog if catalog is not None else Catalog((), version)
     # The defaults, built once: a Config works out its default paths when made.
@@ -288,6 +297,9 @@ def build_core(
             "cors_origins": tuple(cors_origins),
         },
         metrics_public=metrics_public,
+        node=NodeDoor(
+            name=node, registry=registry, residency=residency, speech=speech, routes=router, requests=requests
+        ) if node is not None else None,
     )
 
 
@@ -462,6 +474,7 @@ class RhapsodeService(service.Service):
             # update.check is read on every request, so a PATCH applies at once; the URL
             # and the environment are the start's.
             updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
+            node=(self.config.server.node or socket.gethostname()) if self.config.server.role == "node" else None,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
@@ -475,6 +488,15 @@ class RhapsodeService(service.Service):
         workers = self.config.workers
         catalog = self.catalog
         assert catalog is not None
+        if engine.cluster is not None:
+            # One upstream for the whole cluster: each request names its engine (and its
+            # variant) for the cluster's router, and a node answers as the worker would.
+            catalog.declare(engine_id, None, None)
+            client = WorkerClient(
+                reactor, f"{engine.cluster}/worker/{engine_id}", {MODEL_HEADER: [engine_id.encode()]}
+            )
+            self._clients.append(client)
+            return EngineHandle(engine_id, client, None, elsewhere=True)
         if engine.url is not None:
             catalog.declare(engine_id, None, None)
             client = WorkerClient(reactor, engine.url)

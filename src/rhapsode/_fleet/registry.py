@@ -30,8 +30,13 @@ class EngineHandle:
         client: IWorkerClient,
         supervisor: ISupervisor | None,
         catalog: Mapping[str, Any] | None = None,
+        *,
+        elsewhere: bool = False,
     ) -> None:
         self.id = engine_id
+        #: Its models are another core's to keep (a cluster's nodes): this core takes
+        #: no turn and no lease for them, and never unloads or terminates them.
+        self.elsewhere = elsewhere
         self.client = client
         self.supervisor = supervisor
         #: Facts from the engine's catalog.json, known before its worker ever runs.

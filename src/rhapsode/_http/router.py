@@ -21,7 +21,7 @@ from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import Conflict, Forbidden, Internal
+from rhapsode_protocol.errors import Conflict, Forbidden, Internal, Unsupported
 from rhapsode_protocol.http.answers import InFlight, answer, error_response, json_response, read_json
 
 from .._fleet.catalog import Catalog
@@ -202,6 +202,10 @@ class CoreApp:
             require_guard(request)
             engine = self.registry.get(engine_id)
             raw = request.args.get(b"mode", [b"terminate"])[0]
+            if engine.elsewhere:
+                raise Unsupported(
+                    f'engine "{engine.id}" runs on a cluster, whose nodes own its models: unload it on its node'
+                )
             if self.uploads.get(engine.id):
                 # As for a stream (section 3): cutting it off would cost its caller the
                 # upload for a reason it could not have predicted.

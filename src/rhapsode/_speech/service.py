@@ -18,7 +18,7 @@ from twisted.internet.defer import CancelledError
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import UnknownVoice, as_speech_error
+from rhapsode_protocol.errors import UnknownVoice, Unsupported, as_speech_error
 
 from .._fleet.registry import EngineHandle, Registry
 from .._fleet.residency import Residency
@@ -75,6 +75,30 @@ class SpeechService:
             raise
         measured.end("ok")
 
+    async def forwarded(
+        self, sink: IAudioSink, engine_id: str, body: Mapping[str, Any], dialogue: bool, keep_alive: int | None
+    ) -> None:
+        measured = self._metrics.begin("dialogue" if dialogue else "speak", engine_id)
+        try:
+            engine = self._registry.get(engine_id)
+            contract.validate(contract.DIALOGUE_REQUEST if dialogue else contract.SPEAK_REQUEST, dict(body))
+            caps = await engine.capabilities()
+            forwarded = dict(body)
+            forwarded.setdefault("variant", engine.effective_variant(None, self.resident(engine.id)))
+            if forwarded["variant"] not in caps.get("variants", {}):
+                known = ", ".join(sorted(caps.get("variants", {})))
+                raise Unsupported(f'no variant "{forwarded["variant"]}" (variants: {known})', field="variant")
+            await self._check_voices(engine, forwarded)
+            path = "/dialogue" if dialogue else "/speak"
+            await self._relay.dispatch(sink, engine, path, forwarded, caps, keep_alive, measured)
+        except CancelledError:
+            measured.end("cancelled")
+            raise
+        except Exception as exc:
+            measured.end(as_speech_error(exc).code)
+            raise
+        measured.end("ok")
+
     async def preview(self, sink: IAudioSink, engine_id: str, voice_id: str) -> None:
         contract.check_voice_id(voice_id, "voice")
         engine = self._registry.get(engine_id)
@@ -92,7 +116,8 @@ class SpeechService:
         """
         wanted = voices_to_check(forward)
         model = self._residency.state(engine.id)
-        if not wanted or (model["resident"] and model["variant"] == forward["variant"]):
+        if not wanted or engine.elsewhere or (model["resident"] and model["variant"] == forward["variant"]):
+            # A cluster's node checks for itself, knowing what its card holds.
             return
         client = await engine.ready()
         code, voices = await client.json(b"GET", "/voices")
