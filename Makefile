@@ -55,7 +55,7 @@ browser-deps:
 # Debian's packages when podman is missing and apt-get can install them (as root; CI is);
 # where it cannot, tests/container skip, saying so.  `make image` builds both tags, on a
 # Debian base it makes with debootstrap the first time (kept in podman's storage, as are
-# the layers and pip's downloads, so later builds take seconds).
+# the layers, so later builds take seconds).
 image-deps:
 	@{ command -v podman && command -v runc && command -v debootstrap; } >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

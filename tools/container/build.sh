@@ -13,8 +13,8 @@
 # RHAPSODE_IMAGE_SUFFIX goes after every tag (`make image-gpu`: -cuda, so :VERSION-cuda, :cuda).
 # RHAPSODE_IMAGE_CA is a CA bundle handed to the build as the secret `hostca` (default: this
 # machine's /etc/ssl/certs/ca-certificates.crt, which is what reaches PyPI from here, through
-# the TLS-intercepting egress proxy); RHAPSODE_IMAGE_CA=none hands none.  pip's downloads are
-# cached in podman's storage (RUN --mount=type=cache), outside the tree.
+# the TLS-intercepting egress proxy); RHAPSODE_IMAGE_CA=none hands none.  pip's cache is a
+# cache mount outside the tree (where the index's answers allow caching: here they do not).
 set -euo pipefail
 
 which=${1:-all}
