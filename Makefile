@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps
+.PHONY: test unit integration venv engines serve bench openapi clean browser-deps image image-gpu image-deps container
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -41,7 +41,7 @@ engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it).
-test: $(STAMP) engines browser-deps
+test: $(STAMP) engines browser-deps image-deps
 	$(PY) -m pytest
 	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
 
@@ -50,6 +50,30 @@ test: $(STAMP) engines browser-deps
 browser-deps:
 	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell; }
+
+# The container image (Containerfile, docs/container.md): podman, runc and debootstrap from
+# Debian's packages when podman is missing and apt-get can install them (as root; CI is);
+# where it cannot, tests/container skip, saying so.  `make image` builds both tags, on a
+# Debian base it makes with debootstrap the first time (kept in podman's storage, as are
+# the layers, so later builds take seconds).
+image-deps:
+	@{ command -v podman && command -v runc && command -v debootstrap; } >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	     podman runc debootstrap iptables >/dev/null; } || echo "image-deps: podman, runc or debootstrap is missing and could not be installed; tests/container will skip"
+
+image: image-deps
+	tools/container/build.sh all
+
+# The GPU variant (docs/container.md, "GPU"): the core tag on a CUDA runtime base, which
+# must be pullable (no registry is reachable from this project's machines, so it is not
+# built here), tagged :VERSION-cuda and :cuda.
+CUDA_BASE ?= docker.io/nvidia/cuda:12.6.2-cudnn-runtime-ubuntu24.04
+image-gpu: image-deps
+	RHAPSODE_IMAGE_BASE=$(CUDA_BASE) RHAPSODE_IMAGE_SUFFIX=-cuda tools/container/build.sh core
+
+# The image's tests alone (they build the image first, from this checkout).
+container: $(STAMP) image-deps
+	$(PY) -m pytest -m container tests/container
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
