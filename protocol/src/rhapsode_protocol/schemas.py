@@ -568,6 +568,14 @@ ENGINE_SUMMARY: Schema = _object(
         "defaultVariant": _string(),
         **ENGINE_STATE["properties"],
         **_version_fields(),
+        "nodes": _array(
+            _object(
+                {"node": _string(), "variant": _string(), "leases": _integer(minimum=0)},
+                required=["node", "variant", "leases"],
+            ),
+            "At a cluster's front, for an engine its nodes serve: each node holding one of "
+            "its models now (docs/cluster.md).",
+        ),
     },
     required=["id", *ENGINE_STATE["required"]],
     description="One entry of GET /engines and of GET /health. displayName, license and "
@@ -596,13 +604,32 @@ RESIDENT_MODEL: Schema = _object(
         "expiresAt": _string("ISO 8601, UTC; absent while it speaks, or when its keep-alive says never."),
         "keepAliveSeconds": _integer("The keep-alive in force: request, then engine, then server.", minimum=-1),
         "sizeBytes": _integer("What the worker measured it taking, where it could.", minimum=1),
+        "node": _string("At a cluster's front: the node holding it (docs/cluster.md)."),
     },
     required=["engine", "variant", "leases", "lastUsedAt", "keepAliveSeconds"],
 )
 
 RESIDENCY: Schema = _extend(
     RESIDENCY_SUMMARY,
-    {"models": _array(_ref("ResidentModel"))},
+    {
+        "models": _array(_ref("ResidentModel")),
+        "nodes": _array(
+            _object(
+                {
+                    "node": _string(),
+                    "url": _string(),
+                    "answering": _boolean(),
+                    "engines": _array(_string()),
+                    "resident": _integer(minimum=0),
+                    "max": _integer(minimum=0),
+                    "waiting": _integer(minimum=0),
+                },
+                required=["node", "url", "answering", "engines", "resident", "max", "waiting"],
+            ),
+            "At a cluster's front: each node as it last said; its models are in models, "
+            "each with its node, and the counts above add every node's to the front's own.",
+        ),
+    },
     required=["models"],
     description="GET /residency (protocol.md section 3).",
 )
@@ -679,6 +706,11 @@ CATALOG_ENTRY: Schema = _object(
             "the operator configured is installed: yes, managed: false."
         ),
         **_version_fields(),
+        "nodes": _array(
+            _string(),
+            "At a cluster's front, for an engine its nodes serve: the nodes that have it "
+            "installed (an install runs on each node, docs/cluster.md).",
+        ),
     },
     required=["id", "displayName", "license", "installed", "managed"],
     description="One engine that exists, installed or not (protocol.md section 10). "

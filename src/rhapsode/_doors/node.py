@@ -26,8 +26,8 @@ from rhapsode_protocol.http.answers import InFlight, answer, json_response, read
 
 from .._fleet.registry import Registry
 from .._fleet.residency import Residency
-from .._http.site import admitted_of, require_guard
 from .._http.sinks import HttpSink
+from .._http.site import admitted_of, require_guard
 from .._http.table import JSON_BODY
 from .._interfaces import IPublicRoutes, ISpeech
 from .._speech.relay import KEEP_ALIVE_HEADER, NODE_HEADER
