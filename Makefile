@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps image image-gpu image-deps container
+.PHONY: test unit integration venv engines serve bench openapi clean browser-deps image image-gpu image-deps container cluster-venv
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -41,9 +41,24 @@ engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it).
-test: $(STAMP) engines browser-deps image-deps
-	$(PY) -m pytest
+test: $(STAMP) engines browser-deps image-deps cluster-venv
+	$(PY) -m pytest --ignore=tests/cluster
 	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
+	$(CLUSTER_PY) -m pytest tests/cluster -p no:cacheprovider
+
+# The cluster tests' virtualenv: the core with its cluster extra (Ray), which the core's
+# own virtualenv never carries; its node cores spawn the engines of .venvs/.
+CLUSTER_VENV := $(ENGINE_VENVS)/cluster
+CLUSTER_PY := $(CLUSTER_VENV)/bin/python
+
+$(CLUSTER_VENV)/.installed: setup.cfg pyproject.toml protocol/setup.cfg $(SOURCES)
+	test -x $(CLUSTER_PY) || $(PYTHON) -m venv $(CLUSTER_VENV)
+	$(CLUSTER_PY) -m pip install --quiet --upgrade pip
+	$(CLUSTER_PY) -m pip install --quiet -e protocol -e '.[cluster]' 'pytest>=8' 'pytest-twisted>=1.14' \
+	  --config-settings editable_mode=strict
+	touch $@
+
+cluster-venv: $(CLUSTER_VENV)/.installed
 
 # The web page's browser tests drive the system's Chromium (Playwright cannot download
 # its own here): installed from Debian's packages when none is on the machine.

@@ -63,7 +63,7 @@ from ._speech.metrics import Metrics
 from ._speech.relay import MODEL_HEADER, SpeechRelay
 from ._speech.service import SpeechService
 from ._speech.translate import OpenAITranslation
-from ._upstream import Stalls, WorkerClient
+from ._upstream import ClusterClient, Stalls, WorkerClient
 
 _T = TypeVar("_T")
 
@@ -500,14 +500,14 @@ class RhapsodeService(service.Service):
         catalog = self.catalog
         assert catalog is not None
         if engine.cluster is not None:
-            # One upstream for the whole cluster: each request names its engine (and its
-            # variant) for the cluster's router, and a node answers as the worker would.
+            # The cluster's router says which node each request's model goes to, and that
+            # node's core answers it as the engine's worker would (_upstream.cluster).
             catalog.declare(engine_id, None, None)
-            client = WorkerClient(
-                reactor, f"{engine.cluster}/worker/{engine_id}", {MODEL_HEADER: [engine_id.encode()]}
+            cluster = ClusterClient(
+                WorkerClient(reactor, engine.cluster), engine_id, MODEL_HEADER, lambda url: WorkerClient(reactor, url)
             )
-            self._clients.append(client)
-            return EngineHandle(engine_id, client, None, elsewhere=True)
+            self._clients.append(cluster)
+            return EngineHandle(engine_id, cluster, None, elsewhere=True)
         if engine.url is not None:
             catalog.declare(engine_id, None, None)
             client = WorkerClient(reactor, engine.url)

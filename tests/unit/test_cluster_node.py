@@ -21,6 +21,8 @@ from rhapsode._config import parse_config
 from rhapsode._fleet.registry import EngineHandle, Registry
 from rhapsode._service import RhapsodeService, build_core
 from rhapsode._speech.relay import KEEP_ALIVE_HEADER, MODEL_HEADER, NODE_HEADER
+from rhapsode._upstream import ClusterClient
+from rhapsode_protocol.errors import ModelUnavailable
 
 from _fakes import FakeClient, FakeResponse, FakeSupervisor
 from test_router import CAPABILITIES
@@ -182,14 +184,68 @@ def test_a_front_refuses_to_unload_a_cluster_engine() -> None:
 
 def test_a_cluster_engine_in_the_config_is_one_upstream_naming_its_engine(tmp_path: Path) -> None:
     """
-    engines.<id>.cluster makes a remote engine whose worker routes are the cluster's
-    /worker/<id>, every request naming its engine for the cluster's router, and whose
-    models this core never counts.
+    engines.<id>.cluster makes a remote engine reached through the cluster's Serve app
+    (each request routed there, then sent to the node it names), whose models this core
+    never counts.
     """
     config = parse_config({"engines": {"tone": {"cluster": "http://head:8000/rhapsode/"}}}, tmp_path)
     service = RhapsodeService(config, MemoryReactorClock())
     core = service.build()
     handle = core.registry.get("tone")
     assert handle.elsewhere and handle.supervisor is None
-    assert handle.client.address == "http://head:8000/rhapsode/worker/tone"
-    assert handle.client._headers == {MODEL_HEADER: [b"tone"]}  # type: ignore[attr-defined]
+    assert isinstance(handle.client, ClusterClient)
+    assert handle.client.address == "http://head:8000/rhapsode/_route" and handle.client.engine_id == "tone"
+    assert service.cluster is not None and service.cluster.urls == ["http://head:8000/rhapsode"]
+
+
+class Routing(FakeClient):
+    """
+    A cluster app that routes every request to one node, recording the model each named.
+    """
+
+    def __init__(self, answer: bytes = b'{"node": "box-3", "url": "http://10.0.0.3:9000"}', code: int = 200) -> None:
+        super().__init__()
+        self.answer = answer
+        self.code = code
+
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        super().request(method, path, body, headers)
+        return succeed(FakeResponse(self.code, self.answer, {b"Content-Type": b"application/json"}))
+
+
+def test_a_cluster_client_asks_the_cluster_then_speaks_to_the_node_itself() -> None:
+    """
+    Each request is routed by the cluster (GET /_route naming its model, the engine's
+    own where the request names none) and then sent, headers and all, to that node
+    core's /worker/<engine>; a node's client is kept for the next request.
+    """
+    app = Routing()
+    made: dict[str, SpeakingClient] = {}
+
+    def node(url: str) -> SpeakingClient:
+        made[url] = SpeakingClient(node=b"box-3")
+        return made[url]
+
+    client = ClusterClient(app, "tone", MODEL_HEADER, node)
+    case = SynchronousTestCase()
+    headers = {MODEL_HEADER: [b"tone/classic"], KEEP_ALIVE_HEADER: [b"30"]}
+    response = case.successResultOf(client.request(b"POST", "/speak", None, headers))
+    assert response.code == 200 and client.last_node == "box-3"
+    assert app.requests == [(b"GET", "/_route", None)] and app.sent_headers == [{MODEL_HEADER: [b"tone/classic"]}]
+    [worker] = made.values()
+    assert list(made) == ["http://10.0.0.3:9000/worker/tone"] and worker.sent_headers == [headers]
+    code, caps = case.successResultOf(Deferred.fromCoroutine(client.json(b"GET", "/capabilities")))
+    assert code == 200 and caps == CAPABILITIES and len(made) == 1
+    assert app.sent_headers[-1] == {MODEL_HEADER: [b"tone"]}
+
+
+def test_a_cluster_that_names_no_node_is_a_model_unavailable() -> None:
+    """
+    An answer to /_route that is not a node (the app's error, a body that is not one)
+    fails the request as retryable model_unavailable, sending nothing on.
+    """
+    case = SynchronousTestCase()
+    for app in (Routing(b'{"error": "no replicas"}', 503), Routing(b"not json")):
+        client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: SpeakingClient())
+        failure = case.failureResultOf(client.request(b"POST", "/speak"), ModelUnavailable)
+        assert failure.value.retryable

@@ -73,12 +73,15 @@ def test_room_needs_a_slot_and_the_models_measured_size_in_free_memory() -> None
     assert rank([tight], "tone/v1") == [["tight"]]
 
 
-def test_a_node_that_has_not_reported_is_still_a_candidate() -> None:
+def test_a_node_that_has_not_reported_counts_one_free_slot() -> None:
     """
-    A node with no report yet (just started) has no slots to offer, but is never left
-    out: the request may wait there.
+    A node with no report yet (just started) is taken to have one free slot, so a burst
+    at a new cluster spreads over its fresh nodes; once a model has been sent to it, it
+    has none left until it reports, and it is never left out.
     """
-    assert rank([Candidate("new", NodeReport.read(None))], "tone/v1") == [["new"]]
+    new, other = NodeReport.read(None), report(("tone", "v1", 0))
+    assert rank([Candidate("busy", other), Candidate("new", new)], "piper/medium") == [["new"], ["busy"]]
+    assert rank([Candidate("busy", other), Candidate("new", new, pending=1)], "piper/medium") == [["busy"], ["new"]]
 
 
 def test_a_slot_a_model_was_just_sent_to_is_not_room_for_another() -> None:

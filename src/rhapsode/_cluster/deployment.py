@@ -2,12 +2,15 @@
 The Ray Serve deployment of a Rhapsode cluster (docs/cluster.md).
 
 Each replica (one per GPU, or one per node by a custom resource on CPU boxes) starts a
-node core (C{rhapsode serve} with C{server.role} "node") on its own machine and forwards
-the requests the cluster's router sends it to that core, streaming the answer back as it
-arrives: the replica's response is a generator over the node core's body, so nothing is
-held whole, and a node core that stops mid-answer ends the stream in an error.  Its
-routing stats are its node core's C{GET /node}, and its health the node core's
-C{GET /health}.
+node core (C{rhapsode serve} with C{server.role} "node") on its own machine.  A front asks
+C{GET <app>/_route} for each request, naming its model: the cluster's residency router
+sends that to the best node's replica, which answers with its node core's address, and
+the front speaks to that core itself (L{rhapsode._upstream.cluster}).  Serve's proxy
+buffers a streamed answer whole when its reader falls behind (a client reading nothing
+let a 10 MB stream be made and held), so speech does not travel through it.  For clients
+that cannot reach the nodes, a replica also forwards any other request to its node core
+and streams the answer back, without that backpressure.  Its routing stats are its node
+core's C{GET /node}, and its health the node core's C{GET /health}.
 
 The node core runs under a process-group leader whose stdin is a pipe from the replica:
 a replica that dies (its Ray node removed, say) closes the pipe, and the leader kills the
@@ -45,6 +48,8 @@ __all__ = ["DIRECTORY", "NodeDirectory", "RhapsodeNode", "application"]
 DIRECTORY = "rhapsode-node-directory"
 #: How long a node core may take to answer /health after it is started.
 START_SECONDS = 120.0
+#: A node its replica has not said again for this long (a few health checks) is gone.
+FORGET_SECONDS = 10.0
 #: Headers a request to a node keeps (the rest are the proxy's or the front's own).
 _FORWARDED = ("content-type", "content-length", "x-rhapsode-keep-alive", "authorization", "accept", "x-request-id")
 #: Headers an answer from a node keeps.
@@ -61,20 +66,32 @@ class NodeDirectory:
     def __init__(self) -> None:
         self._nodes: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str, url: str, replica: str) -> None:
-        self._nodes[name] = {"node": name, "url": url, "replica": replica, "since": time.time()}
+    def register(self, name: str, url: str, replica: str, ray_node: str) -> None:
+        known = self._nodes.get(name)
+        since = known["since"] if known is not None and known["url"] == url else time.time()
+        self._nodes[name] = {"node": name, "url": url, "replica": replica, "rayNode": ray_node, "since": since,
+                             "seen": time.monotonic()}
 
     def unregister(self, name: str) -> None:
         self._nodes.pop(name, None)
 
     def nodes(self) -> list[dict[str, Any]]:
-        return sorted(self._nodes.values(), key=lambda node: str(node["node"]))
+        # A replica says its node again at each health check: one that stopped is gone.
+        now = time.monotonic()
+        for name in [n for n, node in self._nodes.items() if now - node["seen"] > FORGET_SECONDS]:
+            del self._nodes[name]
+        return sorted(({k: v for k, v in node.items() if k != "seen"} for node in self._nodes.values()),
+                      key=lambda node: str(node["node"]))
 
 
 def _directory() -> Any:
-    # ray.remote made NodeDirectory an actor class, which Ray's types do not say.
+    # ray.remote made NodeDirectory an actor class, which Ray's types do not say.  On the
+    # head, which stays as long as the cluster does (a node may leave with its actors).
     actor: Any = NodeDirectory
-    return actor.options(name=DIRECTORY, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+    return actor.options(
+        name=DIRECTORY, namespace="serve", get_if_exists=True, lifetime="detached",
+        resources={"node:__internal_head__": 0.001},
+    ).remote()
 
 
 def _free_port(host: str) -> int:
@@ -130,7 +147,8 @@ class RhapsodeNode:
         self._wait_started()
         address = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else reach
         self.url = f"http://{address}:{port}"
-        ray.get(_directory().register.remote(self.name, self.url, str(context.replica_id)))
+        self._entry = (self.name, self.url, str(context.replica_id), node_id)
+        ray.get(_directory().register.remote(*self._entry))
         self._session: aiohttp.ClientSession | None = None
 
     def _wait_started(self) -> None:
@@ -163,6 +181,10 @@ class RhapsodeNode:
         if path == "/_nodes":
             nodes = await _directory().nodes.remote()
             return JSONResponse(nodes)
+        if path == "/_route":
+            # The router sent this request here for its model: the front speaks to this
+            # node's core itself (rhapsode._upstream.cluster), keeping its backpressure.
+            return JSONResponse({"node": self.name, "url": self.url})
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
         body = await request.body()
         target = self.base + path + (f"?{request.url.query}" if request.url.query else "")
@@ -185,6 +207,8 @@ class RhapsodeNode:
         async with self._client().get(self.base + "/health", timeout=aiohttp.ClientTimeout(total=5)) as answer:
             if answer.status != 200:
                 raise RuntimeError(f"the node core answered /health with {answer.status}")
+        # Said again at every check, so a directory made afresh hears of every node.
+        await _directory().register.remote(*self._entry)
 
     def __del__(self) -> None:
         process = getattr(self, "_process", None)

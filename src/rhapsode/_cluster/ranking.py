@@ -9,8 +9,8 @@ loads nothing), the ranks are, best first:
   1. nodes that hold it now (or were just sent it, until their next report says so),
      fewest leases first;
   2. nodes with room for it: a free slot (not counting those that models just sent
-     there will take), and free memory for its measured size where any node has
-     measured it;
+     there will take; a node that has not reported yet counts one), and free memory
+     for its measured size where any node has measured it;
   3. nodes whose least recently used model has no lease, so their own residency can
      evict it;
   4. every other node: the request waits there as section 3 says, and that node's
@@ -52,15 +52,20 @@ class NodeReport:
     free_bytes: int | None = None
     #: The least recently used resident model's leases, or None with nothing resident.
     lru_leases: int | None = None
+    #: Whether the node has reported at all: one that has not (just started) is taken to
+    #: have one free slot, so a burst at a new cluster spreads over its fresh nodes.
+    known: bool = True
+    #: The node's count of its own reports: a later one has seen what was sent before it.
+    number: int = 0
 
     @classmethod
     def read(cls, stats: Mapping[str, Any] | None) -> "NodeReport":
         """
-        A report from a node's C{GET /node} document; an empty one (a node that has not
-        reported yet) where there is none.
+        A report from a node's C{GET /node} document; an unknown one (a node that has
+        not reported yet) where there is none.
         """
         if not stats:
-            return cls()
+            return cls(slots=1, known=False)
         residency = stats.get("residency") or {}
         models = [m for m in residency.get("models") or () if isinstance(m, Mapping)]
         resident = {(str(m["engine"]), str(m["variant"])): int(m.get("leases", 0)) for m in models}
@@ -75,6 +80,7 @@ class NodeReport:
             slots=int(stats.get("slots", 0)),
             free_bytes=int(free) if isinstance(free, int) else None,
             lru_leases=int(oldest.get("leases", 0)) if oldest is not None else None,
+            number=int(stats.get("report", 0)),
         )
 
     def holds(self, engine: str, variant: str | None) -> int | None:

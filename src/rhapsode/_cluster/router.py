@@ -18,12 +18,12 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from .ranking import Candidate, NodeReport, model_of, rank
+from .ranking import Candidate, NodeReport, rank
 
 __all__ = ["ResidencyRouter"]
 
-#: How long a model the router sent to a node counts as that node's, waiting for its
-#: report to say so (a few report periods).
+#: How long a model the router sent to a node counts as that node's while no report of
+#: the node's since says otherwise (a few report periods).
 REMEMBER_SECONDS = 5.0
 
 
@@ -32,12 +32,13 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
     Ranks the replicas for a request by what their nodes report holding.
     """
 
-    _sent: dict[str, tuple[ReplicaID, float]]
+    #: model -> (replica, when, the replica's report number then), for each model sent.
+    _sent: dict[str, tuple[ReplicaID, float, int]]
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._sent = {}
 
-    def _memory(self) -> dict[str, tuple[ReplicaID, float]]:
+    def _memory(self) -> dict[str, tuple[ReplicaID, float, int]]:
         # Serve calls initialize_state as it builds the router; made here should it not.
         if not hasattr(self, "_sent"):
             self._sent = {}
@@ -58,19 +59,21 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
             return [candidate_replicas]
         now = time.monotonic()
         memory = self._memory()
+        reports = {replica.replica_id: NodeReport.read(replica.routing_stats) for replica in candidate_replicas}
+
+        def unreported(where: ReplicaID, when: float, number: int) -> bool:
+            # Sent there, and no report of that node's since: it cannot show it yet.
+            report = reports.get(where)
+            return now - when <= REMEMBER_SECONDS and report is not None and report.number <= number
+
+        for other, (where, when, number) in list(memory.items()):
+            if not unreported(where, when, number):
+                del memory[other]
         sent = memory.get(model)
-        if sent is not None and now - sent[1] > REMEMBER_SECONDS:
-            del memory[model]
-            sent = None
         candidates = []
         for replica in candidate_replicas:
-            report = NodeReport.read(replica.routing_stats)
-            # Other models just sent here that its report does not show yet.
-            pending = sum(
-                1 for other, (where, when) in memory.items()
-                if other != model and where == replica.replica_id and now - when <= REMEMBER_SECONDS
-                and report.holds(*model_of(other)) is None
-            )
+            report = reports[replica.replica_id]
+            pending = sum(1 for other, (where, _, _) in memory.items() if other != model and where == replica.replica_id)
             candidates.append(Candidate(
                 replica, report, sent=sent is not None and replica.replica_id == sent[0], pending=pending,
             ))
@@ -79,5 +82,10 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         model = self._model_of(pending_request)
-        if model:
-            self._memory()[model] = (replica_id, time.monotonic())
+        if not model:
+            return
+        number = 0
+        for replica in self.curr_replicas.values() if hasattr(self, "curr_replicas") else ():
+            if replica.replica_id == replica_id:
+                number = NodeReport.read(replica.routing_stats).number
+        self._memory()[model] = (replica_id, time.monotonic(), number)
