@@ -50,6 +50,8 @@ class ModelState:
         self.state = UNLOADED
         self.variant: str | None = None
         self.model_bytes: int | None = None
+        #: The variants served elsewhere (read once, at the first load).
+        self._remote: set[str] | None = None
 
     def _become(self, state: str, variant: str | None, model_bytes: int | None = None) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -94,6 +96,13 @@ class ModelState:
         self.log.info("loaded {variant} ({bytes} bytes)", variant=variant, bytes=measured)
 
     def _load_measured(self, variant: str) -> int | None:
+        if self._remote is None:
+            self._remote = {name for name, v in self._engine.variants().items() if v.remote is not None}
+        if variant in self._remote:
+            # Served elsewhere: whatever this process grew by across the load is not
+            # the model, so nothing is reported rather than a figure that misleads.
+            self._engine.load(variant)
+            return None
         before = _memory.device_bytes()
         self._engine.load(variant)
         told = self._engine.memory_bytes()
