@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 import pytest
 from _worker_fakes import FakePool, ImmediateReactor
 from test_routes import call, make_app
+from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from rhapsode_protocol import contract
@@ -136,19 +137,40 @@ def test_health_names_the_variants_that_cannot_be_reached() -> None:
     assert "unreachable" not in call(stub, "GET", "/health")[1]
 
 
-def test_a_remote_variant_reports_no_model_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remote_variants_load_beside_each_other_and_measure_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """
-    Whatever this process grows by across the load of a variant served elsewhere is not
-    its model: no modelBytes is reported, where a local variant's growth is.
+    A variant served elsewhere loads without unloading what is resident and without a
+    memory measurement (what this process grew by is not the model), so two of them
+    are resident at once and switching between them waits on nothing; an unload lets
+    go of both.
     """
     from rhapsode_worker import _memory
 
-    readings = iter([1_000, 50_000_000])
-    monkeypatch.setattr(_memory, "device_bytes", lambda: next(readings))
-    engine = WordedEngine()
-    model = ModelState(engine, ImmediateReactor(), FakePool())
-    assert model._load_measured("styled") is None
-    assert model._load_measured("plain") == 49_999_000
+    monkeypatch.setattr(_memory, "device_bytes", lambda: pytest.fail("a remote load measured memory"))
+    events: list[str] = []
+
+    class Probed(WordedEngine):
+        def load(self, variant: str) -> None:
+            events.append(f"load {variant}")
+
+        def unload(self) -> None:
+            events.append("unload")
+
+    pool = FakePool()
+    model = ModelState(Probed(), ImmediateReactor(), pool)
+    for variant in ("styled", "designed"):
+        loading = Deferred.fromCoroutine(model.ensure(variant))
+        pool.run_next()
+        assert loading.called
+    assert events == ["load styled", "load designed"]
+    assert model.resident("styled") and model.resident("designed")
+    assert (model.state, model.variant, model.model_bytes) == ("loaded", "designed", None)
+    Deferred.fromCoroutine(model.ensure("styled"))
+    assert pool.calls == [], "a remote variant loaded already is not loaded again"
+    unloading = Deferred.fromCoroutine(model.unload())
+    pool.run_next()
+    assert unloading.called and events[-1] == "unload"
+    assert not model.resident("styled") and not model.resident("designed")
 
 
 def _drawing(drawn: list[int], chunks: int) -> Any:

@@ -575,6 +575,12 @@ ENGINE_STATE: Schema = _object(
             "Names no path on the box; the worker's own words are in the server's log."
         ),
         "remote": _boolean("A worker at a URL: this server does not run its process."),
+        "unreachable": _map(
+            _string(),
+            "Variants whose model is served elsewhere by a server the worker cannot reach "
+            "now (its last health check), each with why: refused, 503 and retryable, until "
+            "it answers again.",
+        ),
         "adapter": _string(
             "The adapter's own engine id, where the server's id for it differs "
             "(two engines on one adapter); known once the worker has answered."
