@@ -84,6 +84,7 @@ class Fake:
         self.mode: dict[str, Any] = {}
         self.sent = 0
         self.streams = 0
+        self.open = 0
         self.pauses = 0
         self.hung: list[Any] = []
 
@@ -174,6 +175,7 @@ class Streamer:
 
     def start(self) -> None:
         self.fake.streams += 1
+        self.fake.open += 1
         self.request.registerProducer(self, True)
         self.request.notifyFinish().addBoth(self._gone)
         if self.wav:
@@ -181,6 +183,7 @@ class Streamer:
         self._schedule(float(self.fake.mode.get("head_delay", 0)))
 
     def _gone(self, _: object) -> None:
+        self.fake.open -= 1
         self.done = True
         if self.pending is not None and self.pending.active():
             self.pending.cancel()
@@ -394,7 +397,7 @@ class Root(resource.Resource):
                 fake.requests.clear()
             return self._json(request, 200, fake.requests)
         if path == "/_fake/stats":
-            return self._json(request, 200, {"sent": fake.sent, "streams": fake.streams, "pauses": fake.pauses,
+            return self._json(request, 200, {"sent": fake.sent, "streams": fake.streams, "open": fake.open, "pauses": fake.pauses,
                                              "uploaded": sorted(fake.uploaded)})
         return self._json(request, 404, {"error": "no such control"})
 

@@ -29,6 +29,23 @@ from ._config import ServerConfig
 ANSWER_LIMIT = 1024 * 1024
 #: Idle connections kept per server.
 _IDLE = 16
+#: What the kernel may hold of a server's answer for this worker.  Linux grows a TCP
+#: receive buffer on its own up to net.ipv4.tcp_rmem's maximum (32 MiB here), so a reader
+#: that paused would leave the server free to send that much before it felt the pause;
+#: set, the buffer stays this size (the kernel doubles it for its bookkeeping).
+RECEIVE_BUFFER = 256 * 1024
+
+
+class _Connection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+
+
+class _SecureConnection(http.client.HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
 
 
 class Unreachable(Exception):
@@ -96,8 +113,8 @@ class Server:
 
     def _new(self, timeout: float) -> http.client.HTTPConnection:
         if self._https:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout)
-        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            return _SecureConnection(self._host, self._port, timeout=timeout)
+        return _Connection(self._host, self._port, timeout=timeout)
 
     def _checkout(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
