@@ -68,6 +68,13 @@ class ServerError(Exception):
         return f"{self.status}: {self.message}"
 
 
+class NotJSON(ServerError):
+    """
+    A 2xx whose body is not JSON: the route is not the API's (a web page's catch-all
+    answering every path, as local-tts-studio's does).
+    """
+
+
 def _message(raw: bytes) -> tuple[str, str | None]:
     try:
         doc = json.loads(raw)
@@ -211,7 +218,7 @@ class Server:
         try:
             return json.loads(raw) if raw else None
         except ValueError:
-            raise ServerError(502, f"{self.origin}{path} answered {response.status} with no JSON") from None
+            raise NotJSON(502, f"{self.origin}{path} answered {response.status} with no JSON") from None
 
     def upload(self, path: str, fields: list[tuple[str, str | None, bytes, str | None]]) -> Any:
         """

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from twisted.logger import Logger
 
-from ._client import Server, ServerError, Unreachable, read_capped
+from ._client import NotJSON, Server, ServerError, Unreachable, read_capped
 from ._config import RemoteConfigError, ServerConfig
 
 log = Logger(namespace="rhapsode_engine_remote")
@@ -87,6 +87,8 @@ def _models_of(server: Server, config: ServerConfig) -> list[str] | None:
     """What /v1/models lists, or None where the server has no such route."""
     try:
         listed = server.json("GET", "/v1/models", fresh=True)
+    except NotJSON:
+        return None
     except ServerError as error:
         if error.status in (404, 405):
             return None
@@ -98,14 +100,15 @@ def _models_of(server: Server, config: ServerConfig) -> list[str] | None:
 
 
 def _voices_api(server: Server) -> dict[str, Any] | None:
-    """GET /v1/audio/voices, or None where the server has no such route."""
+    """
+    GET /v1/audio/voices, or None where the server has no such route (or answers it with
+    anything but a voices document: it is not the API's).
+    """
     try:
         listed = server.json("GET", "/v1/audio/voices", fresh=True)
-    except ServerError as error:
-        if error.status in (404, 405):
-            return None
-        raise
-    return listed if isinstance(listed, dict) else None
+    except ServerError:
+        return None
+    return listed if isinstance(listed, dict) and isinstance(listed.get("voices"), list) else None
 
 
 def _wav_rate(head: bytes) -> int:
@@ -163,10 +166,14 @@ def describe(name: str, config: ServerConfig, record: Mapping[str, Any]) -> Desc
             elif model not in listed:
                 log.warn("{where}: /v1/models does not list {model} ({listed})", where=where, model=model,
                          listed=", ".join(listed[:8]))
-        voices = _voices_api(server)
     except (Unreachable, ServerError) as error:
         reachable = False
         log.warn("{where} cannot be asked about itself now: {error}", where=where, error=str(error))
+    if reachable:
+        try:
+            voices = _voices_api(server)
+        except Unreachable:
+            voices = None
     facts: Mapping[str, Any] = record.get("models", {}).get(model or "", {})
     vllm = bool(facts) or (isinstance(voices, dict) and "uploaded_voices" in voices)
     api = config.api or ("vllm-omni" if vllm else "openai")

@@ -59,7 +59,7 @@ from rhapsode_worker import (
     WorkerContext,
 )
 
-from ._client import Server, ServerError, Unreachable, error_of
+from ._client import NotJSON, ServerError, Unreachable, error_of
 from ._config import RemoteConfigError, read_config
 from ._describe import Described, catalog, describe
 
@@ -268,7 +268,7 @@ class RemoteEngine(Engine):
             known = d.facts.get("speakers")
             if isinstance(known, dict):
                 return list(known)
-            if isinstance(error, ServerError) and error.status in (404, 405):
+            if isinstance(error, NotJSON) or (isinstance(error, ServerError) and error.status in (404, 405)):
                 return []
             raise ModelUnavailable(f"variant {d.name}: its voices cannot be read: {error}") from None
         names: list[str] = []
