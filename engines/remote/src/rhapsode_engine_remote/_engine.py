@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import re
 import json
-import socket
+import re
 import threading
 import time
 from dataclasses import replace
@@ -42,15 +41,12 @@ from rhapsode_worker import (
     BadRequest,
     Engine,
     Instructions,
-    Internal,
     License,
     ModelUnavailable,
     NativeFormat,
-    Overloaded,
     Reference,
     Remote,
     SpeakRequest,
-    SpeechError,
     UnknownVoice,
     Unsupported,
     Variant,
@@ -60,6 +56,7 @@ from rhapsode_worker import (
 )
 
 from ._client import NotJSON, ServerError, Unreachable, error_of
+from ._stream import raw_pcm, refusal, sse_pcm
 from ._config import RemoteConfigError, read_config
 from ._describe import Described, catalog, describe
 
@@ -72,34 +69,6 @@ VOICES_SECONDS = 10.0
 #: may be, to be sent as ref_audio).
 REFERENCE_TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg",
                    "aac": "audio/aac", "webm": "audio/webm", "mp4": "audio/mp4"}
-#: What one SSE line may be: a delta of a few hundred milliseconds of base64 PCM.
-_LINE_LIMIT = 8 * 1024 * 1024
-_CHUNK = 64 * 1024
-
-
-def _refusal(error: ServerError, where: str, voice: str | None) -> SpeechError:
-    """
-    A server's error status as the taxonomy's: its 400 naming a speaker or voice is
-    unknown_voice; other 4xx the request's fault (bad_request); 429 overloaded; 401 and
-    403 the operator's key (internal, not retryable); 404 a model the server no longer
-    serves, and 5xx, model_unavailable (retryable), except a plain 500 (internal).
-    """
-    said = f"{where} answered {error.status}: {error.message}"
-    lowered = error.message.lower()
-    if error.status == 400 and voice is not None and ("speaker" in lowered or "voice" in lowered):
-        return UnknownVoice(f'no voice "{voice}" on {where}: {error.message}', field="voice")
-    if error.status == 429:
-        return Overloaded(said)
-    if error.status in (401, 403):
-        return Internal(f"{where} refused this engine's key ({error.status}); its operator must set the right one")
-    if error.status == 404:
-        return ModelUnavailable(said)
-    if 400 <= error.status < 500:
-        field = {"input": "text", "voice": "voice", "instructions": "instructions", "language": "language"}
-        return BadRequest(said, field=field.get(error.param or "", "text"))
-    if error.status == 500:
-        return Internal(said)
-    return ModelUnavailable(said)
 
 
 class RemoteEngine(Engine):
@@ -200,7 +169,7 @@ class RemoteEngine(Engine):
             raise ModelUnavailable(f"variant {variant}: {error}") from None
         except ServerError as error:
             if error.status not in (404, 405):
-                raise _refusal(error, d.server.origin, None) from None
+                raise refusal(error, d.server.origin, None) from None
             listed = None
         self._mark_up(variant)
         data = listed.get("data") if isinstance(listed, dict) else None
@@ -432,11 +401,11 @@ class RemoteEngine(Engine):
             with d.server.exchange("POST", "/v1/audio/speech", body, {"Content-Type": "application/json"}) as response:
                 self._mark_up(request.variant)
                 if response.status != 200:
-                    raise _refusal(error_of(response), where, request.voice)
+                    raise refusal(error_of(response), where, request.voice)
                 if streamed:
-                    yield from _sse_pcm(response, where)
+                    yield from sse_pcm(response, where)
                 else:
-                    yield from _raw_pcm(response, where)
+                    yield from raw_pcm(response, where)
         except Unreachable as error:
             self._mark_down(request.variant, str(error))
             raise ModelUnavailable(f"variant {request.variant}: {error}") from None
@@ -448,70 +417,3 @@ _VOICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 def _usable_id(name: str) -> bool:
     return bool(_VOICE_ID.match(name))
-
-
-def _raw_pcm(response: Any, where: str) -> Iterator[bytes]:
-    """
-    A PCM body as it arrives; a body cut short (a chunked one without its end, or one
-    short of its Content-Length) or a stall fails, so the worker aborts, never ends clean.
-    """
-    while True:
-        try:
-            chunk = response.read1(_CHUNK)
-        except (socket.timeout, TimeoutError):
-            raise ModelUnavailable(f"{where} stopped sending audio past its stall time") from None
-        except Exception as exc:  # http.client.IncompleteRead, a reset: the stream broke off
-            raise ModelUnavailable(f"{where} broke off its audio ({type(exc).__name__})") from None
-        if not chunk:
-            if response.chunked or response.length is None:
-                # A chunked body's last chunk closes it; one cut short raised above.  One
-                # delimited by the connection's close ends when that closes.
-                return
-            if response.length:
-                raise ModelUnavailable(f"{where} ended its audio {response.length} bytes short")
-            response.read()  # what http.client needs to call the body read and reuse the connection
-            return
-        yield chunk
-
-
-def _sse_pcm(response: Any, where: str) -> Iterator[bytes]:
-    """
-    vLLM-Omni's C{speech.audio.*} events as PCM: each delta's audio as it comes, until
-    C{speech.audio.done}.  An error event, a malformed event, or an end without done
-    fails the stream.
-    """
-    data: list[bytes] = []
-    while True:
-        try:
-            line = response.readline(_LINE_LIMIT)
-        except (socket.timeout, TimeoutError):
-            raise ModelUnavailable(f"{where} stopped sending audio past its stall time") from None
-        except Exception as exc:
-            raise ModelUnavailable(f"{where} broke off its audio ({type(exc).__name__})") from None
-        if not line:
-            raise ModelUnavailable(f"{where} ended its stream without speech.audio.done")
-        line = line.rstrip(b"\r\n")
-        if line.startswith(b"data:"):
-            data.append(line[5:].lstrip())
-            continue
-        if line or not data:
-            continue  # event:, id:, comments; or a blank line with no data yet
-        raw, data = b"\n".join(data), []
-        try:
-            event = json.loads(raw)
-        except ValueError:
-            raise ModelUnavailable(f"{where} sent an event that is not JSON") from None
-        kind = event.get("type") if isinstance(event, dict) else None
-        if kind == "speech.audio.delta":
-            try:
-                pcm = base64.b64decode(event.get("audio", ""), validate=True)
-            except ValueError:
-                raise ModelUnavailable(f"{where} sent a delta that is not base64") from None
-            if pcm:
-                yield pcm
-        elif kind == "speech.audio.done":
-            response.read(_CHUNK)  # the body's end, so the connection can be used again
-            return
-        elif kind == "speech.audio.error":
-            error = event.get("error") if isinstance(event.get("error"), dict) else {}
-            raise ModelUnavailable(f"{where} failed while speaking: {error.get('message', 'no message')}")
