@@ -340,8 +340,9 @@ def test_a_reader_that_stops_reading_pauses_the_server(box: dict[str, Any]) -> N
     """
     An utterance of eighteen minutes streamed to a client that reads its head and stops:
     the server is paused after a bounded amount (the kernel buffers along the way and a
-    batch, not the utterance), sends nothing more while nobody reads, the worker grows by
-    no more than that, and once the client hangs up the server's stream is let go.
+    batch, not the utterance: 7.7 MB of 52.8 here), sends nothing more while nobody
+    reads, the worker grows by little (1.4 MB here), and once the client hangs up the
+    server's stream is let go.
     """
     port, custom = box["port"], box["custom"]
     assert post(port, "/speak", {"engine": "qwen", "text": "Warm up.", "format": "pcm"})[0] == 200
@@ -359,7 +360,11 @@ def test_a_reader_that_stops_reading_pauses_the_server(box: dict[str, Any]) -> N
         time.sleep(2)
         second = custom.stats()["sent"] - sent_before
         full = 2 * 24000 * 1100
-        assert second < 8 * 1024 * 1024 < full, f"{second} bytes sent while nobody read"
+        # What may wait on the way: the fake's TCP send buffer and the core's to the
+        # client, each up to the kernel's tcp_wmem maximum, and a few MB of smaller ones.
+        wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+        bound = 2 * wmem + 4 * 1024 * 1024
+        assert second < bound < full / 2, f"{second} bytes sent while nobody read (bound {bound})"
         assert second - first < 512 * 1024, "the server went on sending while nobody read"
         assert resident_kib(pid) - before < 32 * 1024
         sock.close()
