@@ -183,7 +183,8 @@ def test_each_task_type_sends_what_its_checkpoint_takes(box: dict[str, Any]) -> 
     """
     CustomVoice gets its speaker, the language by name and the style instructions;
     VoiceDesign gets its task type and the description; the audio comes back as the
-    format asked for, at the model's rate, and instructions change it.
+    format asked for, at the model's rate, and instructions change it; a speed other
+    than 1 is asked for whole (vLLM-Omni streams only at 1) and comes back shorter.
     """
     port = box["port"]
     custom, design = box["custom"], box["design"]
@@ -208,6 +209,12 @@ def test_each_task_type_sends_what_its_checkpoint_takes(box: dict[str, Any]) -> 
     status, _, refused = post(port, "/speak", {"engine": "qwen", "variant": "design", "text": "Hello there."})
     error = json.loads(refused)["error"]
     assert (status, error["code"], error["field"]) == (400, "bad_request", "instructions")
+    status, _, faster = post(port, "/speak", {"engine": "qwen", "text": "Good morning to you.", "voice": "ryan",
+                                              "format": "wav", "stream": False, "params": {"speed": 2.0}})
+    sent = custom.requests()[-1]
+    # vLLM-Omni streams only at speed 1: any other is asked for whole.
+    assert status == 200 and sent["speed"] == 2.0 and "stream_format" not in sent and "stream" not in sent
+    assert len(pcm_of(faster)[1]) < len(pcm) * 0.6
 
 
 def test_instructions_through_every_door_and_refused_where_undeclared(box: dict[str, Any]) -> None:
@@ -406,6 +413,10 @@ def test_a_server_that_hangs_is_fenced_until_it_answers(tmp_path: Path) -> None:
         engines = {"qwen": remote({"custom": {"url": custom.url, "headSeconds": 1, "probeSeconds": 0.5},
                                    "design": {"url": design.url, "probeSeconds": 0.5}})}
         with serving_core(tmp_path, engines, workers={"healthCheckSeconds": 0.5}) as (core, port):
+            # Known from its capabilities alone, before anything spoke: nothing to unload here.
+            get(port, "/engines/qwen/capabilities")
+            status, _, answer = post(port, "/engines/qwen/unload", {})
+            assert (status, json.loads(answer)["error"]["code"]) == (422, "unsupported")
             assert post(port, "/speak", {"engine": "qwen", "text": "Hello.", "format": "pcm"})[0] == 200
             custom.mode(hang=True)
             started = time.monotonic()
@@ -470,3 +481,26 @@ def test_a_misconfigured_engine_fails_its_start_saying_why(tmp_path: Path) -> No
             log = (tmp_path / "core.log").read_text()
             assert "one engine speaks one native rate" in log
             assert "its sample rate is known neither from the catalog nor the configuration" in log
+
+
+def test_a_known_model_whose_server_is_down_starts_fenced(tmp_path: Path) -> None:
+    """
+    A variant whose model the configuration names and the catalog knows starts while its
+    server is down (its facts are the catalog's), reported unreachable from the first
+    health check, refused 503 and retryable, and spoken as soon as the server is there.
+    """
+    port = free_port()
+    engines = {"qwen": remote({"custom": {"url": f"http://127.0.0.1:{port}", "model": CUSTOM, "probeSeconds": 0.5}})}
+    with serving_core(tmp_path, engines, workers={"healthCheckSeconds": 0.5}) as (core, core_port):
+        assert get(core_port, "/engines/qwen/capabilities")["nativeFormat"]["sampleRate"] == 24000
+        wait_for(lambda: "custom" in engine_of(get(core_port, "/health"), "qwen").get("unreachable", {}), 30,
+                 "the variant to be reported unreachable")
+        status, _, answer = post(core_port, "/speak", {"engine": "qwen", "text": "Hello.", "format": "pcm"})
+        assert (status, json.loads(answer)["error"]["retryable"]) == (503, True)
+        server = FakeServer(CUSTOM, "--port", str(port))
+        try:
+            wait_for(lambda: "unreachable" not in engine_of(get(core_port, "/health"), "qwen"), 30,
+                     "the server to be reached")
+            assert post(core_port, "/speak", {"engine": "qwen", "text": "Hello.", "format": "pcm"})[0] == 200
+        finally:
+            server.stop()

@@ -62,6 +62,8 @@ class Described:
     presets: bool = True
     default_voice: str | None = None
     catalogued: bool = False
+    #: Why the server could not be asked at the start, if it could not.
+    unreachable: str | None = None
 
     @property
     def task(self) -> str | None:
@@ -154,6 +156,7 @@ def describe(name: str, config: ServerConfig, record: Mapping[str, Any]) -> Desc
     model = config.model
     voices: dict[str, Any] | None = None
     reachable = True
+    why: str | None = None
     try:
         listed = _models_of(server, config)
         if listed is not None:
@@ -168,6 +171,7 @@ def describe(name: str, config: ServerConfig, record: Mapping[str, Any]) -> Desc
                          listed=", ".join(listed[:8]))
     except (Unreachable, ServerError) as error:
         reachable = False
+        why = str(error)
         log.warn("{where} cannot be asked about itself now: {error}", where=where, error=str(error))
     if reachable:
         try:
@@ -225,4 +229,5 @@ def describe(name: str, config: ServerConfig, record: Mapping[str, Any]) -> Desc
         presets=bool(facts.get("presets", True)),
         default_voice=default_voice,
         catalogued=bool(facts),
+        unreachable=why,
     )

@@ -105,8 +105,11 @@ class RemoteEngine(Engine):
         self._store = VoiceStore(context.voice_dir, blob=".ref")
         self._presets: dict[str, tuple[float, list[str]]] = {}
         self._presets_lock = threading.Lock()
-        #: Variants whose server does not answer now, with why (read by /health).
-        self._down: dict[str, str] = {}
+        #: Variants whose server does not answer now, with why (read by /health): from
+        #: the start, those that could not be asked then.
+        self._down: dict[str, str] = {
+            d.name: d.unreachable for d in self._described.values() if d.unreachable is not None
+        }
         self._stop = threading.Event()
         self._prober = threading.Thread(target=self._probe_forever, name="remote-prober", daemon=True)
         self._prober.start()
