@@ -504,7 +504,8 @@ class RhapsodeService(service.Service):
             # node's core answers it as the engine's worker would (_upstream.cluster).
             catalog.declare(engine_id, None, None)
             cluster = ClusterClient(
-                WorkerClient(reactor, engine.cluster), engine_id, MODEL_HEADER, lambda url: WorkerClient(reactor, url)
+                WorkerClient(reactor, engine.cluster), engine_id, MODEL_HEADER, lambda url: WorkerClient(reactor, url),
+                reactor,
             )
             self._clients.append(cluster)
             return EngineHandle(engine_id, cluster, None, elsewhere=True)
@@ -714,6 +715,10 @@ class _ServiceHost:
 
     def operator_engines(self) -> set[str]:
         return _operator_engines(self._service._raw)
+
+    def cluster_of(self, engine_id: str) -> str | None:
+        engine = self._service.config.engines.get(engine_id)
+        return engine.cluster if engine is not None else None
 
     def _installed(self) -> dict[str, Mapping[str, Any]]:
         state = self._service.state

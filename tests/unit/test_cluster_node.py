@@ -249,3 +249,29 @@ def test_a_cluster_that_names_no_node_is_a_model_unavailable() -> None:
         client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: SpeakingClient())
         failure = case.failureResultOf(client.request(b"POST", "/speak"), ModelUnavailable)
         assert failure.value.retryable
+
+
+def test_a_cluster_client_keeps_the_clusters_answer_a_moment_and_drops_it_on_failure() -> None:
+    """
+    For a second the cluster's answer for a model stands (no second /_route); a request
+    to the node that fails before its answer drops it, so the next asks afresh; and once
+    the second is over the cluster is asked again.
+    """
+    clock = MemoryReactorClock()
+    app = Routing()
+    worker = FakeClient()
+    client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: worker, clock)
+    headers = {MODEL_HEADER: [b"tone/classic"]}
+    first = client.request(b"POST", "/speak", None, headers)
+    second = client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 1 and len(worker.pending) == 2
+    worker.pending[1].errback(ConnectionRefusedError())
+    case = SynchronousTestCase()
+    case.failureResultOf(second, ConnectionRefusedError)
+    client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 2
+    clock.advance(1.5)
+    client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 3
+    first.cancel()
+    case.failureResultOf(first)

@@ -37,8 +37,8 @@ def test_the_node_holding_the_model_comes_first_fewest_leases_first() -> None:
     Nodes holding the model (any variant for a key naming none) rank first, by their
     leases on it; the others follow in their own ranks.
     """
-    busy = Candidate("busy", report(("piper", "medium", 3)))
-    quiet = Candidate("quiet", report(("piper", "medium", 1)))
+    busy = Candidate("busy", report(("piper", "medium", 1)))
+    quiet = Candidate("quiet", report(("piper", "medium", 0)))
     empty = Candidate("empty", report(slots=1))
     assert rank([busy, empty, quiet], "piper/medium") == [["quiet", "busy"], ["empty"]]
     assert rank([busy, empty], "piper") == [["busy"], ["empty"]]
@@ -62,7 +62,7 @@ def test_room_needs_a_slot_and_the_models_measured_size_in_free_memory() -> None
     a node whose models are all leased comes last.
     """
     sizes = {("piper", "medium"): 500}
-    holder = Candidate("holder", report(("piper", "medium", 2), sizes=sizes))
+    holder = Candidate("holder", report(("piper", "medium", 1), sizes=sizes))
     roomy = Candidate("roomy", report(slots=1, free=1000))
     tight = Candidate("tight", report(slots=1, free=100))
     evicts = Candidate("evicts", report(("tone", "v1", 0)))
@@ -92,3 +92,16 @@ def test_a_slot_a_model_was_just_sent_to_is_not_room_for_another() -> None:
     busy = Candidate("busy", report(slots=1), pending=1)
     free = Candidate("free", report(slots=1))
     assert rank([busy, free], "piper/medium") == [["free"], ["busy"]]
+
+
+def test_a_model_in_demand_spreads_to_a_node_with_room_before_it_waits_or_evicts() -> None:
+    """
+    A holder with spread_at leases or more on the model ranks after a node with room
+    (a second copy loads there), yet before a node that would have to evict for it.
+    """
+    busy = Candidate("busy", report(("tone", "v1", 2)))
+    spare = Candidate("spare", report(slots=1))
+    full = Candidate("full", report(("piper", "medium", 0)))
+    assert rank([busy, spare, full], "tone/v1") == [["spare"], ["busy"], ["full"]]
+    assert rank([busy, spare, full], "tone/v1", spread_at=3) == [["busy"], ["spare"], ["full"]]
+    assert rank([busy, full], "tone/v1") == [["busy"], ["full"]]

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .._manage.installer import GROUP_LEADER
 
-__all__ = ["DIRECTORY", "NodeDirectory", "RhapsodeNode", "application"]
+__all__ = ["DIRECTORY", "NodeDirectory", "RhapsodeNode", "app_from_env", "application"]
 
 #: The named actor every replica registers its node core with.
 DIRECTORY = "rhapsode-node-directory"
@@ -250,11 +250,13 @@ def application(
     gpus: float = 0,
     host: str = "127.0.0.1",
     stats_seconds: float = 0.5,
+    spread_at: int = 2,
 ) -> Any:
     """
     The cluster's Serve application: C{replicas} node replicas, each on a node of its own
     (by the custom C{resource} every Ray node offers once, or by a GPU each), routed by
-    residency (L{rhapsode._cluster.router.ResidencyRouter}).
+    residency (L{rhapsode._cluster.router.ResidencyRouter}); a model with C{spread_at}
+    requests on its node spreads to a node with room.
     """
     actor: dict[str, Any] = {"num_cpus": 0}
     if gpus:
@@ -274,8 +276,27 @@ def application(
         graceful_shutdown_timeout_s=20,
         request_router_config=RequestRouterConfig(
             request_router_class="rhapsode._cluster.router:ResidencyRouter",
+            request_router_kwargs={"spread_at": spread_at},
             request_routing_stats_period_s=stats_seconds,
             request_routing_stats_timeout_s=max(2 * stats_seconds, 1.0),
         ),
     )
     return deployment.bind(dict(template), host)
+
+
+def app_from_env(args: Mapping[str, Any] | None = None) -> Any:
+    """
+    The app as a Serve config's C{import_path} builds it (KubeRay's RayService, C{serve
+    deploy}): the node template from the file C{RHAPSODE_NODE_TEMPLATE} names; the
+    replicas, GPUs per replica and node interface from C{RHAPSODE_NODE_REPLICAS},
+    C{RHAPSODE_NODE_GPUS} and C{RHAPSODE_NODE_HOST}, where the config does not set them.
+    """
+    template = json.loads(Path(os.environ["RHAPSODE_NODE_TEMPLATE"]).read_text(encoding="utf-8"))
+    gpus = float(os.environ.get("RHAPSODE_NODE_GPUS", "0"))
+    return application(
+        template,
+        replicas=int(os.environ.get("RHAPSODE_NODE_REPLICAS", "1")),
+        resource=None if gpus else "rhapsode_node",
+        gpus=gpus,
+        host=os.environ.get("RHAPSODE_NODE_HOST", "127.0.0.1"),
+    )

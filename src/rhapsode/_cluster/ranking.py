@@ -6,14 +6,16 @@ router's own.  Pure functions of those reports, so they are tested without Ray.
 For the model a request is for (C{engine/variant}, or C{engine} alone for a request that
 loads nothing), the ranks are, best first:
 
-  1. nodes that hold it now (or were just sent it, until their next report says so),
-     fewest leases first;
+  1. nodes that hold it now (or were just sent it, until their next report says so), and
+     are not busy with it (fewer than C{spread_at} leases), fewest leases first;
   2. nodes with room for it: a free slot (not counting those that models just sent
      there will take; a node that has not reported yet counts one), and free memory
      for its measured size where any node has measured it;
   3. nodes whose least recently used model has no lease, so their own residency can
      evict it;
-  4. every other node: the request waits there as section 3 says, and that node's
+  4. nodes that hold it but are busy with it: a model in demand spreads to a node with
+     room before it waits behind its own requests, and before it evicts another's;
+  5. every other node: the request waits there as section 3 says, and that node's
      evictionWaitSeconds decides.
 
 Eviction stays with each node's residency manager; a router never evicts by count.
@@ -24,7 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, Iterable, Mapping, Sequence, TypeVar
 
-__all__ = ["Candidate", "NodeReport", "model_of", "rank"]
+__all__ = ["SPREAD_AT", "Candidate", "NodeReport", "model_of", "rank"]
+
+#: Leases on a model at which the node holding it counts as busy with it, and a node
+#: with room is preferred (a second copy loads there).
+SPREAD_AT = 2
 
 _R = TypeVar("_R")
 
@@ -107,21 +113,24 @@ class Candidate(Generic[_R]):
     pending: int = 0
 
 
-def rank(candidates: Sequence[Candidate[_R]], model_id: str) -> list[list[_R]]:
+def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT) -> list[list[_R]]:
     """
-    The nodes for a request for C{model_id}, in the four ranks above (empty ranks left
+    The nodes for a request for C{model_id}, in the five ranks above (empty ranks left
     out), each rank in order of fewest leases.
     """
     engine, variant = model_of(model_id)
     size = _measured(candidates, engine, variant)
     held: list[tuple[int, Candidate[_R]]] = []
+    busy: list[tuple[int, Candidate[_R]]] = []
     room: list[Candidate[_R]] = []
     evictable: list[Candidate[_R]] = []
     rest: list[Candidate[_R]] = []
     for candidate in candidates:
         report = candidate.report
         leases = report.holds(engine, variant)
-        if leases is not None or candidate.sent:
+        if leases is not None and leases >= spread_at:
+            busy.append((leases, candidate))
+        elif leases is not None or candidate.sent:
             held.append((leases or 0, candidate))
         elif report.slots - candidate.pending > 0 and (
             size is None or report.free_bytes is None or report.free_bytes >= size
@@ -134,6 +143,7 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str) -> list[list[_R]]:
     ranks = [
         [c.replica for _, c in sorted(held, key=lambda pair: pair[0])],
         [c.replica for c in _by_leases(room)],
+        [c.replica for _, c in sorted(busy, key=lambda pair: pair[0])],
         [c.replica for c in _by_leases(evictable)],
         [c.replica for c in _by_leases(rest)],
     ]

@@ -18,7 +18,7 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from .ranking import Candidate, NodeReport, rank
+from .ranking import SPREAD_AT, Candidate, NodeReport, rank
 
 __all__ = ["ResidencyRouter"]
 
@@ -37,6 +37,7 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._sent = {}
+        self._spread_at = int(kwargs.get("spread_at", SPREAD_AT))
 
     def _memory(self) -> dict[str, tuple[ReplicaID, float, int]]:
         # Serve calls initialize_state as it builds the router; made here should it not.
@@ -77,7 +78,7 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
             candidates.append(Candidate(
                 replica, report, sent=sent is not None and replica.replica_id == sent[0], pending=pending,
             ))
-        ranked: List[List[RunningReplica]] = rank(candidates, model)
+        ranked: List[List[RunningReplica]] = rank(candidates, model, getattr(self, "_spread_at", SPREAD_AT))
         return ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
