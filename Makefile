@@ -65,11 +65,14 @@ CONFIG := $(RUN)/rhapsode.json
 SERVED := tone espeak piper
 
 # The engines' virtualenvs the tests use (integration tests spawn them directly): the
-# SDK and the protocol from this checkout, and the adapter; never the core.
-$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg
+# SDK and the protocol from this checkout, and the adapter; never the core.  An engine
+# whose catalog.json has an install recipe (the torch engines: a curated list, --no-deps
+# where a pin would pull a torch nobody chose) is installed by that recipe for a CPU
+# box, the one CI has (tools/engine_venv.py).
+$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg engines/%/catalog.json tools/engine_venv.py
 	test -x $(ENGINE_VENVS)/$*/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet --upgrade pip
-	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e protocol -e sdk -e engines/$*
+	$(PYTHON) tools/engine_venv.py $* $(ENGINE_VENVS)/$* --box cpu
 	touch $@
 
 # Written once, when it is missing (no prerequisites on purpose): from then on it is the
