@@ -54,3 +54,9 @@ def finish(scratch: Path, folder: Path, info: dict[str, object]) -> None:
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(scratch, folder)
+    # Older builds of the same engine and size (another builder, other versions) are
+    # gigabytes each and never read again.
+    stem = folder.name.rsplit("-", 1)[0]
+    for old in folder.parent.glob(f"{stem}-*"):
+        if old != folder and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
