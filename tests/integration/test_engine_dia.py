@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import wave
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -31,9 +32,13 @@ VARIANT = "1.6b"
 FRAMES = "24"
 
 
+#: tiny for every push; real (Dia-1.6B's own architecture, 6.4 GB) under make test-heavy.
+SIZE = os.environ.get("RHAPSODE_TEST_DIA_SIZE", "tiny")
+
+
 @pytest.fixture(scope="module")
 def built() -> Built:
-    return build("dia", "--size", "tiny")
+    return build("dia", "--size", SIZE)
 
 
 @pytest_twisted.async_yield_fixture(scope="module")
