@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps
+.PHONY: test test-heavy unit integration venv engines serve bench openapi clean browser-deps
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -47,6 +47,12 @@ test: $(STAMP) engines browser-deps
 
 # The web page's browser tests drive the system's Chromium (Playwright cannot download
 # its own here): installed from Debian's packages when none is on the machine.
+# The torch engines at their real size on this CPU (opt-in: Dia-1.6B with random weights is
+# 6.4 GB on disk and about 13 GB in memory; Chatterbox is real size in `make test` already,
+# its loader fixing the sizes, and adds the conformance checker here).  Built once into ~/.cache/rhapsode/test-weights.
+test-heavy: $(STAMP) $(ENGINE_VENVS)/chatterbox/.installed $(ENGINE_VENVS)/dia/.installed
+	RHAPSODE_TEST_HEAVY=1 RHAPSODE_TEST_DIA_SIZE=real $(PY) -m pytest tests/integration/test_engine_dia.py tests/integration/test_engine_chatterbox.py
+
 browser-deps:
 	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell; }
