@@ -82,7 +82,11 @@ class Device:
 
 
 def workers() -> dict[str, int]:
-    """Engine id to pid, for every worker process alive on the box."""
+    """
+    Engine id to pid, for every worker of this checkout's virtualenvs alive on the box
+    (another checkout's workers, on a shared box, are not this bench's).
+    """
+    mine = str(ROOT / ".venvs").encode()
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -90,6 +94,8 @@ def workers() -> dict[str, int]:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
+            continue
+        if not argv or not argv[0].startswith(mine):
             continue
         for arg in argv:
             if arg.startswith(b"rhapsode_engine_"):
@@ -276,7 +282,8 @@ def main(argv: list[str]) -> int:
                 if other["engine"] != engine:
                     call(port, "POST", f"/engines/{other['engine']}/unload?mode=terminate")
             for cycle in range(1, cycles + 1):
-                if time.monotonic() > deadline:
+                # The first cycle always runs, so a dry run takes this step too.
+                if cycle > 1 and time.monotonic() > deadline:
                     say(f"cycles {engine}: stopped after {ran} for time")
                     break
                 before = device.used()
