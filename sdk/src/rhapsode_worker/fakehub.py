@@ -281,7 +281,7 @@ class _Hub(Resource):
 
     def render(self, request: Request) -> Any:
         method = (request.method or b"").decode()
-        path = [part.decode("utf-8", "replace") for part in request.postpath]
+        path = [part.decode("utf-8", "replace") for part in request.postpath or []]
         self._hub.requests.append((method, "/" + "/".join(path)))
         if not self._authorised(request):
             return self._error(request, 401, None, "Invalid credentials in Authorization header")
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         hub.add(FakeRepo.from_folder(repo, commit, folder))
     port = listen(reactor, hub, args.port)
     print(json.dumps({"endpoint": f"http://127.0.0.1:{port.getHost().port}"}), flush=True)
-    reactor.run()  # type: ignore[attr-defined]
+    reactor.run()
 
 
 if __name__ == "__main__":
