@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ class Served:
     async def stop(self) -> None:
         await self.worker.stop()
         await self.port.stopListening()
+        # A pulled Chatterbox is 3.2 GB, and pytest keeps its last three runs' folders.
+        shutil.rmtree(self.cache, ignore_errors=True)
 
 
 async def serve(engine: str, built: Built, tmp: Path, extra: dict[str, str] | None = None) -> Served:
