@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines backends serve bench openapi clean browser-deps image image-gpu image-deps container cluster-venv
+.PHONY: test test-heavy unit integration venv engines backends serve bench openapi clean browser-deps image image-gpu image-deps container cluster-venv
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -74,6 +74,12 @@ cluster-venv: $(CLUSTER_VENV)/.installed
 
 # The web page's browser tests drive the system's Chromium (Playwright cannot download
 # its own here): installed from Debian's packages when none is on the machine.
+# The torch engines at their real size on this CPU (opt-in: Dia-1.6B with random weights is
+# 6.4 GB on disk and about 13 GB in memory; Chatterbox is real size in `make test` already,
+# its loader fixing the sizes, and adds the conformance checker here).  Built once into ~/.cache/rhapsode/test-weights.
+test-heavy: $(STAMP) $(ENGINE_VENVS)/chatterbox/.installed $(ENGINE_VENVS)/dia/.installed
+	RHAPSODE_TEST_HEAVY=1 RHAPSODE_TEST_DIA_SIZE=real $(PY) -m pytest tests/integration/test_engine_dia.py tests/integration/test_engine_chatterbox.py
+
 browser-deps:
 	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell; }
@@ -116,11 +122,14 @@ CONFIG := $(RUN)/rhapsode.json
 SERVED := tone espeak piper
 
 # The engines' virtualenvs the tests use (integration tests spawn them directly): the
-# SDK and the protocol from this checkout, and the adapter; never the core.
-$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg
+# SDK and the protocol from this checkout, and the adapter; never the core.  An engine
+# whose catalog.json has an install recipe (the torch engines: a curated list, --no-deps
+# where a pin would pull a torch nobody chose) is installed by that recipe for a CPU
+# box, the one CI has (tools/engine_venv.py).
+$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg engines/%/catalog.json tools/engine_venv.py
 	test -x $(ENGINE_VENVS)/$*/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet --upgrade pip
-	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e protocol -e sdk -e engines/$*
+	$(PYTHON) tools/engine_venv.py $* $(ENGINE_VENVS)/$* --box cpu
 	touch $@
 
 # Written once, when it is missing (no prerequisites on purpose): from then on it is the
