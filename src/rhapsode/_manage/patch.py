@@ -18,7 +18,7 @@ from typing import Any
 
 from rhapsode_protocol.schemas import ENGINE_ID_PATTERN, MAX_KEEP_ALIVE_SECONDS
 
-from .._config import LOG_LEVELS
+from .._config import LOG_LEVELS, ROLES
 
 __all__ = ["ENGINE_SETTING_SCHEMAS", "SETTING_SCHEMAS", "settings_patch_schema"]
 
@@ -49,6 +49,12 @@ SETTING_SCHEMAS: dict[str, Schema] = {
     "server.shutdownGraceMs": _integer(0, 600_000),
     "server.headTimeoutSeconds": _number(0, 600, inclusive=False),
     "server.idleTimeoutSeconds": _number(0, 3600, inclusive=False),
+    "server.role": {"type": "string", "enum": list(ROLES), "description": "core, or node of a cluster; applies at the next start."},
+    "server.node": {
+        "type": "string",
+        "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        "description": "This node's name in its cluster; by default the host's name.",
+    },
     "log.level": {"type": "string", "enum": list(LOG_LEVELS)},
     "residency.maxResidentModels": _integer(1, 64),
     "residency.evictionWaitSeconds": _number(0, 3600, inclusive=True),
