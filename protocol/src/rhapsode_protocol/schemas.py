@@ -201,11 +201,17 @@ def _keep_alive_field() -> Schema:
     )
 
 
+#: The rule on words that JSON Schema cannot state (Unicode classes, the variant's cues).
+NOTHING_TO_SPEAK = (
+    "A text with no letter or digit of any script once unclaimed cues, other bracketed "
+    "tags and control characters are removed has nothing to speak: bad_request."
+)
+
 SPEAK_REQUEST: Schema = _object(
     {
         "text": _string(
             "What to say. Cues are written [laugh]; the core strips those the variant does "
-            "not claim. At most the variant's maxCharacters.",
+            "not claim. At most the variant's maxCharacters. " + NOTHING_TO_SPEAK,
             minLength=1,
             maxLength=MAX_TEXT_CHARACTERS,
         ),
@@ -251,7 +257,8 @@ DIALOGUE_REQUEST: Schema = _object(
                         "A label the request makes up.", minLength=1, maxLength=MAX_NAME_CHARACTERS
                     ),
                     "text": _string(
-                        "This turn's words, cues written [laugh].", maxLength=MAX_TEXT_CHARACTERS
+                        "This turn's words, cues written [laugh]. " + NOTHING_TO_SPEAK,
+                        maxLength=MAX_TEXT_CHARACTERS,
                     ),
                 },
                 required=["speaker", "text"],
@@ -982,7 +989,7 @@ OPENAI_VOICE_OBJECT: dict[str, Any] = {
 
 #: The fields of OpenAI's speech request that the shim knows; any other is bad_request.
 _OPENAI_FIELDS: dict[str, Any] = {
-    "input": {"type": "string", "maxLength": MAX_TEXT_CHARACTERS},
+    "input": {"type": "string", "maxLength": MAX_TEXT_CHARACTERS, "description": "What to say. " + NOTHING_TO_SPEAK},
     "voice": {"type": ["string", "object"]},
     "response_format": {"type": "string", "minLength": 1, "maxLength": 16},
     "speed": {"type": "number", "minimum": 0, "maximum": 100},
