@@ -398,7 +398,8 @@ class Root(resource.Resource):
             return self._json(request, 200, fake.requests)
         if path == "/_fake/stats":
             return self._json(request, 200, {"sent": fake.sent, "streams": fake.streams, "open": fake.open, "pauses": fake.pauses,
-                                             "uploaded": sorted(fake.uploaded)})
+                                             "uploaded": sorted(fake.uploaded),
+                                             "held": [held.path.decode() for held in fake.hung]})
         return self._json(request, 404, {"error": "no such control"})
 
 

@@ -185,9 +185,10 @@ class RecordingReactor:
         return spawned
 
 
-async def until(reactor: Any, condition: Callable[[], bool], within: float = 5.0) -> None:
+async def until(reactor: Any, condition: Callable[[], bool], within: float = 60.0) -> None:
     """
-    Let the reactor turn until C{condition} holds, failing after C{within} seconds.
+    Let the reactor turn until C{condition} holds, failing after C{within} seconds (a
+    hang guard: it returns as soon as the condition holds).
     """
     deadline = time.monotonic() + within
     while not condition():
@@ -281,7 +282,7 @@ async def test_abort_kills_ffmpeg(reactor: Any, ffmpeg: str) -> None:
     encoder.write(sine(native, 1.0))
     await deferLater(reactor, 0.1, lambda: None)
     encoder.abort()
-    await until(reactor, lambda: pid_gone(pid), within=3.0)
+    await until(reactor, lambda: pid_gone(pid))
     # Stdin was never closed, so only the signal can have ended it.
     status = getattr(child, "status")
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL

@@ -34,6 +34,10 @@ from rhapsode_worker._threads import (
     thread_counts,
 )
 
+#: How long a thread freed by a release may take to finish: a hang guard, returned from
+#: at once when it works (0.2 s is how long a blocked one is watched staying blocked).
+HANG_GUARD = 30.0
+
 
 def test_budget_defaults_to_the_cores_this_process_may_use() -> None:
     """
@@ -117,7 +121,7 @@ def test_a_run_waits_while_every_core_is_taken() -> None:
     waiter.join(0.2)
     assert waiter.is_alive() and got == []
     gate.release(lease)
-    waiter.join(5)
+    waiter.join(HANG_GUARD)
     assert got == [1]
     assert gate.peak == 1
 
@@ -137,7 +141,7 @@ def test_a_run_that_waited_takes_one_core_even_with_more_free() -> None:
     assert waiter.is_alive()
     gate.release(first)
     gate.release(second)
-    waiter.join(5)
+    waiter.join(HANG_GUARD)
     assert got == [1]
     assert gate.acquire(2).count == 1
 
@@ -183,7 +187,7 @@ def test_a_newcomer_stops_a_young_wide_run_and_they_share_the_cores() -> None:
     newcomer.join(0.2)
     assert newcomer.is_alive() and options.terminate and wide.cut
     gate.release(wide)
-    newcomer.join(5)
+    newcomer.join(HANG_GUARD)
     assert (got[0].count, got[0].borrowed) == (1, False)
     again = gate.acquire(1)
     assert again.count == 1 and gate.held == 2
@@ -219,7 +223,7 @@ def test_no_thread_is_lent_beside_narrow_runs_or_another_workers() -> None:
     waiter.join(0.2)
     assert waiter.is_alive()
     gate.release(leases[0])
-    waiter.join(5)
+    waiter.join(HANG_GUARD)
     assert got == [False]
 
 
@@ -260,7 +264,7 @@ def test_gates_sharing_a_folder_share_the_cores(tmp_path: Path) -> None:
     waiter.join(0.2)
     assert waiter.is_alive(), "the other gate took a core the first one holds"
     one.shrink(lease, 1)
-    waiter.join(5)
+    waiter.join(HANG_GUARD)
     assert got == [1]
     assert sorted(os.listdir(tmp_path / "cores")) == ["core-0", "core-1"]
 
@@ -287,7 +291,7 @@ def test_a_dead_process_keeps_no_core(tmp_path: Path) -> None:
         assert attempt.is_alive(), "a core held by a live process was taken"
         holder.kill()
         holder.wait(10)
-        attempt.join(5)
+        attempt.join(HANG_GUARD)
         assert blocked == [1]
     finally:
         if holder.poll() is None:
