@@ -36,6 +36,14 @@ def speak(port: int, timeout: float = 60, **fields: Any) -> tuple[int, dict[str,
         return error.code, dict(error.headers), error.read()
 
 
+def queued(port: int, engine: str) -> float:
+    """How many speech requests wait for a turn on C{engine}, as GET /metrics says."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    prefix = f'rhapsode_requests_queued{{engine="{engine}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
 @contextmanager
 def serving(tmp_path: Path, engines: dict[str, Any], **sections: Any) -> Iterator[int]:
     with serving_core(tmp_path, engines, **sections) as (_, port):
@@ -147,7 +155,8 @@ def test_an_engines_queue_has_an_end(tmp_path: Path) -> None:
         for thread in threads:
             thread.start()
         wait_for(lambda: get(port, "/residency")["resident"] == 1, 20, "the first request to be admitted")
-        time.sleep(0.5)  # the second is queued behind it by now; a third has no place
+        # The second is queued behind it (the core says so, however slow the box); a third has no place.
+        wait_for(lambda: queued(port, "chatty") == 1, 60, "the second request to be queued")
         status, headers, body = speak(port, engine="chatty", text="One more.", stream=False)
         for thread in threads:
             thread.join(60)

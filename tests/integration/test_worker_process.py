@@ -182,6 +182,22 @@ async def test_failure_mid_stream_aborts_the_connection(reactor: Any, tmp_path: 
         await worker.stop()
 
 
+async def loaded(reactor: Any, worker: Worker, seconds: float = 60.0) -> None:
+    """Wait until chatty says it loads its model: a request is in flight (a hang guard)."""
+    deadline = time.monotonic() + seconds
+    while not any(line["message"] == "chatty loading only" for line in worker.protocol.log_lines()):
+        assert time.monotonic() < deadline, "chatty never loaded"
+        await deferLater(reactor, 0.02, lambda: None)
+
+
+async def draining(reactor: Any, worker: Worker, seconds: float = 60.0) -> None:
+    """Wait until the worker's /health says it drains (a hang guard)."""
+    deadline = time.monotonic() + seconds
+    while not (await worker.json("GET", "/health"))[1].get("draining"):
+        assert time.monotonic() < deadline, "the worker never said it drains"
+        await deferLater(reactor, 0.02, lambda: None)
+
+
 @pytest_twisted.ensureDeferred
 async def test_health_answers_while_speaking(reactor: Any, tmp_path: Path) -> None:
     """
@@ -191,7 +207,7 @@ async def test_health_answers_while_speaking(reactor: Any, tmp_path: Path) -> No
     worker = await spawn_worker(reactor, tmp_path, module="chatty_engine", engine="chatty", extra_env=env)
     try:
         speaking = deferred_raw(worker.socket_path, "POST", "/speak", speak_body("one slow segment", stream=False))
-        await deferLater(reactor, 0.5, lambda: None)
+        await loaded(reactor, worker)
         code, health = await worker.json("GET", "/health")
         assert code == 200 and health["model"] == "loaded"
         assert not speaking.called
@@ -235,9 +251,10 @@ async def test_sigterm_drains_refuses_new_and_exits_zero(reactor: Any, tmp_path:
     worker = await spawn_worker(reactor, tmp_path, module="chatty_engine", engine="chatty", extra_env=env)
     try:
         in_flight = deferred_raw(worker.socket_path, "POST", "/speak", speak_body("one more line", stream=False))
-        await deferLater(reactor, 0.3, lambda: None)
+        # In flight once its model loads (the worker logs it), however long that takes here.
+        await loaded(reactor, worker)
         os.kill(worker.pid, signal.SIGTERM)
-        await deferLater(reactor, 0.2, lambda: None)
+        await draining(reactor, worker)
         refused = await deferred_raw(worker.socket_path, "POST", "/speak", speak_body("late"))
         assert refused.status == 429
         assert json.loads(refused.body)["error"]["code"] == "overloaded"
