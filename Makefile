@@ -52,10 +52,12 @@ $(ENGINE_VENVS)/local-tts/.installed:
 	touch $@
 
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
-# Twisted programs do (tests/conftest.py keeps pytest from collecting it).
+# Twisted programs do (tests/conftest.py keeps pytest from collecting it); its working
+# folder is a temporary one, as every test's is, removed after it.
 test: $(STAMP) engines backends browser-deps image-deps cluster-venv
 	$(PY) -m pytest --ignore=tests/cluster
-	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
+	trial_home=$$(mktemp -d) && $(PY) -m twisted.trial --temp-directory=$$trial_home/_trial_temp \
+	  tests/trial/test_rhapsode_testing.py; status=$$?; rm -rf "$$trial_home"; exit $$status
 	$(CLUSTER_PY) -m pytest tests/cluster -p no:cacheprovider
 
 # The cluster tests' virtualenv: the core with its cluster extra (Ray), which the core's

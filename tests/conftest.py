@@ -5,7 +5,19 @@
 # pytest process would also count what every earlier test left on it.
 collect_ignore = ["trial"]
 
+import atexit
+import shutil
+import tempfile
+
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+# Tests write only under temporary folders: Hypothesis keeps its example database and its
+# caches in ./.hypothesis by default, which would be inside the tree; this run's go in a
+# folder of its own, removed when the run ends.
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="rhapsode-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, True)
 
 # No example may fail for taking long: Hypothesis's default deadline (200 ms an example)
 # is a wall-clock bound, which a busy box passes or not by chance.  A timing is a bench
