@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -327,8 +328,16 @@ def test_twistd_finds_the_plugin_in_a_regular_install(tmp_path: Path) -> None:
     there), and twistd finds it from that install.
     """
     wheels = tmp_path / "wheels"
+    # Built from a copy: setuptools writes build/ and an egg-info into the tree it builds.
+    source = tmp_path / "source"
+    junk = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dropin.cache")
+    source.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    for folder in ("src", "twisted"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=junk)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels), str(source)],
         check=True, capture_output=True, timeout=300,
     )
     (wheel,) = wheels.glob("rhapsode-*.whl")
