@@ -39,6 +39,10 @@ LAUNCH_ARGS = [
     "--autoplay-policy=no-user-gesture-required",
 ]
 
+#: Every wait of the page's (Playwright's, in milliseconds) is a hang guard, never a
+#: timing: what an idle box shows in a second or two, one ten times slower shows in 20.
+HANG_GUARD_MS = 120_000
+
 
 def chromium_path() -> str:
     for name in CHROMIUM:
@@ -147,7 +151,7 @@ class Page:
 
     def open(self, base: str, name: str) -> Any:
         self.page.goto(f"{base}/#{name}")
-        self.page.wait_for_selector(f'main[data-ready="{name}"]', timeout=30000)
+        self.page.wait_for_selector(f'main[data-ready="{name}"]', timeout=HANG_GUARD_MS)
         return self.page
 
     def screenshot(self, name: str) -> Path:

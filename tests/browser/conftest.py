@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _browser import LAUNCH_ARGS, TONE_PYTHON, Page, Served, chromium_path, screenshot_folder, serve
+from _browser import HANG_GUARD_MS, LAUNCH_ARGS, TONE_PYTHON, Page, Served, chromium_path, screenshot_folder, serve
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -51,6 +51,8 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def page(browser: Any, shots: Path) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1200, "height": 900})
+    # Any action with no timeout of its own (a click, a fill) waits as long as a hang guard.
+    context.set_default_timeout(HANG_GUARD_MS)
     opened = context.new_page()
     errors: list[str] = []
     opened.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)

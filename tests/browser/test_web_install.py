@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _browser import ROOT, Page, Served, call, serve
+from _browser import HANG_GUARD_MS, ROOT, Page, Served, call, serve
 
 
 @pytest.fixture()
@@ -32,7 +32,7 @@ def test_install_from_the_page_reaches_done(empty: Served, page: Page) -> None:
     p = page.open(empty.web, "engines")
     p.get_by_role("button", name="Install Tone").click()
     card = p.locator("#jobs .card").first
-    card.wait_for(timeout=60000)
+    card.wait_for(timeout=HANG_GUARD_MS)
     state = card.locator("output")
     p.wait_for_function(
         "() => ['succeeded', 'failed'].includes(document.querySelector('#jobs .card output').dataset.state)",
@@ -46,10 +46,10 @@ def test_install_from_the_page_reaches_done(empty: Served, page: Page) -> None:
     _, catalog = call(empty.core, "GET", "/catalog")
     tone = next(e for e in catalog if e["id"] == "tone")
     assert (tone["installed"], tone["managed"]) == ("yes", True)
-    p.get_by_role("button", name="Uninstall tone").wait_for(timeout=60000)
+    p.get_by_role("button", name="Uninstall tone").wait_for(timeout=HANG_GUARD_MS)
     # The job just finished is in the Jobs table, as GET /installs lists it.
     row = p.locator("section[aria-labelledby=jobs-heading] table tr", has_text="succeeded")
-    row.wait_for(timeout=60000)
+    row.wait_for(timeout=HANG_GUARD_MS)
     assert "install" in row.inner_text() and "tone" in row.inner_text()
     page.screenshot("engines-install")
     assert page.errors == []

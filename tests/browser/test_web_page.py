@@ -16,7 +16,7 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from _browser import ROOT, SCREENSHOTS_VARIABLE, Page, Served, call
+from _browser import HANG_GUARD_MS, ROOT, SCREENSHOTS_VARIABLE, Page, Served, call
 
 #: Long enough that its audio (minutes of it) cannot all have arrived before playback
 #: starts: the page reads the stream no faster than it plays.
@@ -53,7 +53,7 @@ def test_speech_plays_before_the_response_ends(served: Served, page: Page) -> No
     p.wait_for_function(
         """() => { const o = document.getElementById('playback');
                    return o.dataset.response === 'streaming' && Number(o.dataset.played) > 0.5; }""",
-        timeout=30000,
+        timeout=HANG_GUARD_MS,
     )
     state = p.evaluate("() => ({...document.getElementById('playback').dataset})")
     assert state["response"] == "streaming", state
@@ -65,10 +65,10 @@ def test_speech_plays_before_the_response_ends(served: Served, page: Page) -> No
 
     p.get_by_label("Text").fill("Hello there. [sigh] That was short.")
     p.get_by_role("button", name="Speak").click()
-    p.wait_for_function("() => document.getElementById('playback').dataset.response === 'ended'", timeout=30000)
+    p.wait_for_function("() => document.getElementById('playback').dataset.response === 'ended'", timeout=HANG_GUARD_MS)
     download = p.locator("#download")
     assert download.is_visible()
-    assert download.get_attribute("href", timeout=10000).startswith("blob:")
+    assert download.get_attribute("href", timeout=HANG_GUARD_MS).startswith("blob:")
     assert page.errors == []
 
 
