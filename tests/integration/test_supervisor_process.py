@@ -53,13 +53,13 @@ def terminate_verb(reactor: Any) -> Callable[[str], "Deferred[bool]"]:
             await response.content()
             return bool(response.code == 202)
 
-        return Deferred.fromCoroutine(ask()).addTimeout(5, reactor)
+        return Deferred.fromCoroutine(ask()).addTimeout(BOUND, reactor)
 
     return terminate
 
 
 async def health(reactor: Any, listen: str) -> dict[str, Any]:
-    response = await http(reactor, listen).get("http://worker/health").addTimeout(5, reactor)
+    response = await http(reactor, listen).get("http://worker/health").addTimeout(BOUND, reactor)
     assert response.code == 200
     return dict(json.loads(await response.content()))
 
