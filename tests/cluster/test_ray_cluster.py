@@ -128,9 +128,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         "workers": {"socketDir": str(home / "sock"), "voiceDir": str(home / "voices"), "healthCheckSeconds": 1},
         "engines": {engine: {"cluster": app} for engine, _ in MODELS},
     }))
-    front = subprocess.Popen([str(Path(sys.executable).parent / "rhapsode"), "serve", "--config", str(config)],
-                             stdout=open(home / "front.log", "wb"), stderr=subprocess.STDOUT,
-                             env={**os.environ, "RHAPSODE_UPDATE_CHECK": "0"})
+    # The child has its own copy of the log's descriptor: the parent's is closed at once
+    # (left open, it is an unclosed-file warning when collected).
+    with (home / "front.log").open("wb") as front_log:
+        front = subprocess.Popen([str(Path(sys.executable).parent / "rhapsode"), "serve", "--config", str(config)],
+                                 stdout=front_log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "RHAPSODE_UPDATE_CHECK": "0"})
     wait_for(lambda: _answers(front_port), START_SECONDS, "the front answering")
     try:
         yield {"cluster": local, "workers": workers, "app": app, "front": front_port, "nodes": nodes}
