@@ -71,6 +71,8 @@ class FakeServer:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait()
+        assert self.process.stdout is not None
+        self.process.stdout.close()
 
 
 @contextmanager
@@ -309,17 +311,19 @@ def raw_stream(port: int, body: dict[str, Any], receive_buffer: int = 4096) -> s
 
 
 def read_all(sock: socket.socket, seconds: float = 60) -> bytes:
-    sock.settimeout(seconds)
-    received = b""
-    while True:
-        try:
-            data = sock.recv(65536)
-        except (ConnectionResetError, socket.timeout):
-            break
-        if not data:
-            break
-        received += data
-    return received
+    """Everything until the end (or a reset, or a silence of C{seconds}); then it closes."""
+    with sock:
+        sock.settimeout(seconds)
+        received = b""
+        while True:
+            try:
+                data = sock.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not data:
+                break
+            received += data
+        return received
 
 
 def chunked_complete(raw: bytes) -> bool:
