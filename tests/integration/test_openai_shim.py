@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -265,9 +266,14 @@ async def test_sdk_retries_a_retryable_refusal(busy_core: Core) -> None:
     from twisted.internet import reactor
 
     host, port = busy_core.address
-    # One long stream holds the only turn for the whole test.
-    holder = deferToThread(_hold_stream, host, port, 5.0)
-    await _sleep(reactor, 0.5)
+    # One long stream (a minute of chatty) holds the only turn until the SDK has given up,
+    # however slow the box; it is known to hold the turn before the SDK asks.
+    release = threading.Event()
+    holder = deferToThread(_hold_stream, host, port, release, 120.0)
+    deadline = time.monotonic() + 60
+    while busy_core.app.relay.turnstile.state("chatty")["speaking"] < 1:
+        assert time.monotonic() < deadline, "the holding stream never got its turn"
+        await _sleep(reactor, 0.02)
     seen = counted(busy_core)
     client = sdk(busy_core)
 
@@ -279,25 +285,35 @@ async def test_sdk_retries_a_retryable_refusal(busy_core: Core) -> None:
             return error
         return None
 
-    error = await in_thread(refused)
+    try:
+        error = await in_thread(refused)
+    finally:
+        release.set()
+        await holder
     assert error is not None and error.code == "overloaded"
     assert error.response.headers["x-should-retry"] == "true"
     assert len(seen) == 3
-    await holder
 
 
-def _hold_stream(host: str, port: int, seconds: float) -> None:
+def _hold_stream(host: str, port: int, release: threading.Event, seconds: float) -> None:
+    """
+    A long stream (200 sentences of chatty's 0.3 s), read until C{release} is set, the
+    stream ends, or C{seconds} pass (a hang guard), then hung up.
+    """
     import socket
 
     body = json.dumps({"engine": "chatty", "text": " ".join(["Word."] * 200), "format": "pcm"}).encode()
     with socket.create_connection((host, port)) as sock:
         sock.sendall(b"POST /speak HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        sock.settimeout(seconds)
+        sock.settimeout(0.1)
         ends = time.monotonic() + seconds
-        while time.monotonic() < ends:
-            if not sock.recv(4096):
-                break
+        while not release.is_set() and time.monotonic() < ends:
+            try:
+                if not sock.recv(4096):
+                    break
+            except socket.timeout:
+                continue
 
 
 async def _sleep(reactor: Any, seconds: float) -> None:
