@@ -191,6 +191,9 @@ class InstallConfig:
     #: The interpreter new virtualenvs are made from: a path, or a version ("3.12")
     #: for uv to find; None for the core's own.
     python: str | None = None
+    #: Which of an engine's install recipes (its catalog record's C{install}) to run:
+    #: C{cuda} or C{cpu}, or C{auto}, C{cuda} where the kernel lists an NVIDIA card.
+    box: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,9 @@ class EngineConfig:
     cluster: str | None = None
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: The torch device its worker is given (C{cpu}, C{mps}, C{cuda}, C{cuda:N}); None
+    #: leaves the choice to the worker (the first card, else the CPU).
+    device: str | None = None
     keep_alive_seconds: int | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
@@ -440,6 +446,26 @@ def _python(value: Any, where: str, base: Path) -> str:
     return str(_path(value, where, base))
 
 
+_DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]{1,3})?", re.ASCII)
+
+
+def _device(value: Any, where: str, base: Path) -> str:
+    # The torch device the worker is given (RHAPSODE_WORKER_DEVICE): the worker checks
+    # that its box has it, the config only that it names one.
+    if not isinstance(value, str) or not _DEVICE.fullmatch(value.strip().lower()):
+        raise _fail(where, 'a device: "cpu", "mps", "cuda" or "cuda:N"', value)
+    return value.strip().lower()
+
+
+_BOXES = ("auto", "cpu", "cuda")
+
+
+def _box(value: Any, where: str, base: Path) -> str:
+    if value not in _BOXES:
+        raise _fail(where, " or ".join(f'"{box}"' for box in _BOXES), value)
+    return str(value)
+
+
 def _snake(key: str) -> str:
     return re.sub(r"[A-Z]", lambda m: "_" + m.group().lower(), key)
 
@@ -470,6 +496,7 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "cluster": _cluster_url,
     "python": _python,
     "env": _env,
+    "device": _device,
     "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
     "maxConcurrent": _integer(1, 10_000),
     "maxQueued": _integer(0, 10_000),
@@ -487,7 +514,7 @@ def _engine(engine_id: str, raw: Any, base: Path) -> EngineConfig:
     if sum(key in values for key in ("module", "url", "cluster")) != 1:
         raise ConfigError(f"{where}: needs exactly one of module, url or cluster")
     if "url" in values or "cluster" in values:
-        for key in ("python", "env"):
+        for key in ("python", "env", "device"):
             if key in values:
                 raise ConfigError(f"{where}.{key}: only an engine with a module takes {key}")
     else:
@@ -566,7 +593,7 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
             "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
         },
     ),
-    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text}),
+    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text, "box": _box}),
     "update": (UpdateConfig, {"check": _flag, "url": _release_url}),
 })
 

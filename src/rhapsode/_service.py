@@ -46,7 +46,7 @@ from ._fleet.catalog import Catalog, read_catalog, read_source
 from ._fleet.cluster import ClusterView
 from ._fleet.registry import EngineHandle, Registry
 from ._fleet.residency import Residency
-from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
+from ._fleet.supervisor import WorkerSupervisor, core_budget_env, device_env, prestart
 from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
@@ -455,6 +455,7 @@ class RhapsodeService(service.Service):
                 venv_dir=lambda: install.venv_dir,
                 source_dir=lambda: install.source_dir,
                 interpreter=lambda: install.python,
+                box=lambda: install.box,
                 runner=Commands(reactor, os.environ),
                 environ=os.environ,
                 core_version=__version__,
@@ -524,7 +525,7 @@ class RhapsodeService(service.Service):
             module=engine.module,
             listen=listen,
             voice_dir=str(workers.voice_dir),
-            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env},
+            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env, **device_env(engine.device)},
             contract=CONTRACT,
             startup_timeout=workers.startup_timeout_seconds,
             drain_grace=workers.drain_grace_ms / 1000,

@@ -149,6 +149,10 @@ def test_config_is_frozen() -> None:
         ({"engines": {"tone": None}}, lambda c: "tone" not in c.engines),
         ({"log": {"level": "trace"}}, lambda c: c.log.level == "trace"),
         ({"server": {"host": "::"}}, lambda c: c.server.host == "::"),
+        ({"engines": {"t": {"module": "m", "device": "CUDA:1 "}}}, lambda c: c.engine("t").device == "cuda:1"),
+        ({"engines": {"t": {"module": "m"}}}, lambda c: c.engine("t").device is None),
+        ({"install": {"box": "cpu"}}, lambda c: c.install.box == "cpu"),
+        ({}, lambda c: c.install.box == "auto"),
     ],
 )
 def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
@@ -267,6 +271,13 @@ def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
             {"engines": {"r": {"url": "http://h:1", "python": "/usr/bin/python3"}}},
             "engines.r.python: only an engine with a module takes python",
         ),
+        ({"engines": {"t": {"module": "m", "device": "gpu"}}}, 'engines.t.device: must be a device: "cpu", "mps"'),
+        ({"engines": {"t": {"module": "m", "device": "cuda:x"}}}, "engines.t.device: must be a device"),
+        (
+            {"engines": {"r": {"url": "http://h:1", "device": "cpu"}}},
+            "engines.r.device: only an engine with a module takes device",
+        ),
+        ({"install": {"box": "gpu"}}, 'install.box: must be "auto" or "cpu" or "cuda"'),
         (
             {"engines": {"r": {"url": "http://h:1", "env": {"A": "1"}}}},
             "engines.r.env: only an engine with a module takes env",

@@ -39,6 +39,7 @@ from rhapsode_protocol.spawn import (
     CONTRACT_VARIABLE,
     CORE_DIR_VARIABLE,
     CORES_VARIABLE,
+    DEVICE_VARIABLE,
     ENGINE_VARIABLE,
     LISTEN_VARIABLE,
     VOICE_DIR_VARIABLE,
@@ -69,6 +70,14 @@ def core_budget_env(cores: int | None, socket_dir: Path) -> dict[str, str]:
     """
     budget = machine_cores() if cores is None else cores
     return {CORES_VARIABLE: str(budget), CORE_DIR_VARIABLE: str(socket_dir / "cores")}
+
+
+def device_env(device: str | None) -> dict[str, str]:
+    """
+    What gives a worker the device the operator chose (C{engines.<id>.device}): the
+    spawn contract's C{RHAPSODE_WORKER_DEVICE}; none, and the worker picks its own.
+    """
+    return {} if device is None else {DEVICE_VARIABLE: device}
 
 
 class _Prestartable(Protocol):
