@@ -273,9 +273,10 @@ def build_core(
         requests=requests,
         router=router,
         openai=OpenAIShim(
-            registry=registry, speech=speech, routes=router, translation=translation, requests=requests, clock=reactor
+            registry=registry, speech=speech, routes=router, translation=translation, requests=requests,
+            clock=reactor, budget=relay.budget,
         ),
-        mcp=McpServer(routes=router, speech=speech, version=version),
+        mcp=McpServer(routes=router, speech=speech, version=version, budget=relay.budget),
         streams=SpeechStreams(speech=speech, translation=translation, registry=registry, clock=reactor),
         manage=manage,
         jobs=jobs,

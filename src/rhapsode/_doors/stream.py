@@ -768,6 +768,9 @@ class _PieceSink:
         self.sent += len(data)
         self.session.send_audio(data)
 
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # every piece streams, paused by the WebSocket
+
     def end(self, duration_ms: int | None) -> None:
         pass  # audio.done says it, once the speech service has returned
 

@@ -6,7 +6,7 @@ L{wire} is one connection and its narrow HTTP/1.1 reader, L{pool} the requests a
 connections kept for them, and L{body} a body read whole within a limit.
 """
 
-from .body import BodyTooLarge, Stalls, Watched, collect, stalled
+from .body import BodyTooLarge, Stalls, Watched, collect, collect_pieces, stalled
 from .pool import BytesProducer, WorkerClient
 from .wire import ProtocolError, WorkerResponse
 
@@ -19,5 +19,6 @@ __all__ = [
     "Watched",
     "WorkerResponse",
     "collect",
+    "collect_pieces",
     "stalled",
 ]
