@@ -187,3 +187,51 @@ def test_a_head_dribbled_a_byte_at_a_time_is_cut_off(tmp_path: Path) -> None:
         sock.close()
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
         assert time.monotonic() - began < 5
+
+
+def post(port: int, path: str, timeout: float) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_helper_that_holds_its_workers_pipes_wedges_nothing(tmp_path: Path) -> None:
+    """
+    On a one-model box, an engine whose adapter starts a helper in a session of its own
+    that keeps the worker's stdout and stderr open: unloading it answers, speaking with
+    it again answers, and speaking with another engine evicts it within
+    evictionWaitSeconds rather than waiting for the helper to die; /health names each
+    helper as a stray and says degraded.  (Each wait is bounded only as a hang guard.)
+    """
+    here = str(Path(__file__).parent)
+    pid_file = tmp_path / "helper.pid"
+    forking = {"module": "forking_engine",
+               "env": {"PYTHONPATH": here, "FORKING_PID_FILE": str(pid_file), "FORKING_NEW_SESSION": "1"}}
+    engines = {"forking": forking, "tone": {"module": "rhapsode_engine_tone"}}
+    helpers: list[int] = []
+    try:
+        with serving(tmp_path, engines, residency={"maxResidentModels": 1, "evictionWaitSeconds": 20},
+                     workers={"drainGraceMs": 2000}) as port:
+            assert speak(port, 60, engine="forking", text="hi", stream=False)[0] == 200
+            helpers.append(int(pid_file.read_text()))
+            status, summary = post(port, "/engines/forking/unload", 30)
+            assert status == 200 and summary["process"] == "down", summary
+            health = get(port, "/health")
+            assert [s["pid"] for s in engine_of(health, "forking")["strays"]] == helpers
+            assert health["status"] == "degraded"
+
+            assert speak(port, 60, engine="forking", text="hi again", stream=False)[0] == 200
+            helpers.append(int(pid_file.read_text()))
+            assert helpers[1] != helpers[0]
+            status, _, body = speak(port, 60, engine="tone", text="Room, please.", stream=False)
+            assert status == 200, body[:300]
+            strays = engine_of(get(port, "/health"), "forking")["strays"]
+            assert sorted(s["pid"] for s in strays) == sorted(helpers)
+            assert all(process_alive(pid) for pid in helpers)
+    finally:
+        for pid in helpers:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -21,7 +21,14 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rhapsode._fleet.supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, WorkerSupervisor
+from rhapsode._fleet.supervisor import (
+    KILL_WAIT_SECONDS,
+    LEADER,
+    PIPE_GRACE_SECONDS,
+    TAIL_CHARACTERS,
+    TAIL_LINES,
+    WorkerSupervisor,
+)
 from rhapsode_protocol.errors import Internal, ModelUnavailable
 
 from _deferreds import failure_of, result_of
@@ -42,6 +49,9 @@ class FakeWorker:
         self.proto = proto
         self.signals: list[int | str] = []
         self.lost = False
+        self.closed: list[int] = []
+        #: The readers of the child's stdout and stderr, as a process transport has them.
+        self.pipes: dict[int, Any] = {}
 
     # IProcessTransport
     def closeStdin(self) -> None:
@@ -54,7 +64,7 @@ class FakeWorker:
         pass
 
     def closeChildFD(self, descriptor: int) -> None:
-        pass
+        self.closed.append(descriptor)
 
     def writeToChild(self, childFD: int, data: bytes) -> None:
         pass
@@ -91,10 +101,16 @@ class FakeWorker:
         self.out(json.dumps(line).encode() + b"\n")
 
     def exit(self, code: int | None = 0, sig: int | None = None) -> None:
+        self.reap(code, sig)
+        self.proto.processEnded(self._reason)
+
+    def reap(self, code: int | None = 0, sig: int | None = None) -> None:
+        """
+        The process is reaped, its pipes left open (something else holds them).
+        """
         self.pid = None
-        reason = Failure(ProcessDone(0) if code == 0 and sig is None else ProcessTerminated(code, sig))
-        self.proto.processExited(reason)
-        self.proto.processEnded(reason)
+        self._reason = Failure(ProcessDone(0) if code == 0 and sig is None else ProcessTerminated(code, sig))
+        self.proto.processExited(self._reason)
 
 
 def process_reactor() -> FakeProcessReactor:
@@ -571,7 +587,7 @@ def test_no_exit_within_the_grace_gets_sigkill() -> None:
     assert h.kills == []
     h.reactor.advance(0.1)
     assert h.kills == [(1000, KILL)]
-    h.reactor.advance(100)
+    h.reactor.advance(KILL_WAIT_SECONDS / 2)
     worker.exit(None, 9)
     result_of(stopped)
     assert h.supervisor.state == "down" and h.supervisor.restarts == 0
@@ -768,3 +784,108 @@ def test_a_hung_report_about_a_worker_already_gone_is_ignored() -> None:
     h = harness()
     h.supervisor.hung("late")
     assert h.supervisor.state == "down" and h.kills == []
+
+
+# -- gone once reaped, however long its pipes stay open -----------------------------------
+
+
+class Reader:
+    """
+    What a process transport reads a child's output from: a real pipe, so it has an inode.
+    """
+
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+
+    def fileno(self) -> int:
+        return self.read
+
+    def close(self) -> None:
+        os.close(self.read)
+        os.close(self.write)
+
+
+def test_a_worker_reaped_with_its_pipes_held_is_gone_after_the_grace_and_the_holder_reported() -> None:
+    """
+    A worker reaped while something outside its group holds its stdout and stderr is
+    gone PIPE_GRACE_SECONDS later, not when its pipes close: the stop answers, the pipes
+    are closed on this side, and what holds them is named in the log and in health()
+    until it exits.
+    """
+    asked: list[list[int]] = []
+    alive = {4321}
+
+    def holders(inodes: list[int]) -> list[int]:
+        asked.append(inodes)
+        return sorted(alive)
+
+    h = harness(holders=holders)
+    worker = up(h)
+    readers = {1: Reader(), 2: Reader()}
+    worker.pipes = readers
+    try:
+        stopped = h.supervisor.stop()
+        h.verbs[0][1].callback(True)
+        with capturedLogs() as events:
+            worker.reap(0)
+            assert not stopped.called and h.kills == [(1000, KILL)]  # the group swept
+            h.reactor.advance(PIPE_GRACE_SECONDS)
+        result_of(stopped)
+        assert h.supervisor.state == "down" and worker.closed == [1, 2]
+        assert asked == [[os.fstat(readers[fd].read).st_ino for fd in (1, 2)]]
+        warned = [e for e in events if e.get("log_level") == LogLevel.warn]
+        assert len(warned) == 1 and warned[0]["strays"] == [4321]
+        assert "outside its process group" in warned[0]["log_format"]
+        monkey_alive = pytest.MonkeyPatch()
+        monkey_alive.setattr("rhapsode._fleet.supervisor._alive", lambda pid: pid in alive)
+        try:
+            assert [stray["pid"] for stray in h.supervisor.health()["strays"]] == [4321]
+            alive.clear()
+            assert "strays" not in h.supervisor.health()
+        finally:
+            monkey_alive.undo()
+        worker.proto.processEnded(Failure(ProcessDone(0)))  # the pipes close at last: told once only
+        assert h.supervisor.state == "down" and h.supervisor.restarts == 0
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def test_a_worker_whose_pipes_close_at_its_exit_is_gone_at_once_with_its_last_words() -> None:
+    """
+    The usual exit: the pipes close as the group goes, and the exit is told then, with
+    the stderr that came before it, and no grace timer is left behind.
+    """
+    h = harness(max_restarts=0)
+    up(h)
+    worker = last_worker(h.reactor)
+    worker.err(b"Traceback: the last words\n")
+    with capturedLogs() as events:
+        worker.exit(1)
+    assert h.supervisor.state == "failed"
+    assert any("the last words" in str(e.get("tail", "")) for e in events)
+    assert h.reactor.getDelayedCalls() == []
+
+
+def test_a_worker_sigkill_does_not_end_is_given_up_on_and_its_late_exit_ignored() -> None:
+    """
+    A worker that SIGKILL does not end (stuck in the kernel) stops being waited for
+    KILL_WAIT_SECONDS after the signal: the stop answers, the engine can start again,
+    and the old process's exit when it comes changes nothing.
+    """
+    h = harness(drain_grace=10.0)
+    old = up(h)
+    stopped = h.supervisor.stop()
+    h.verbs[0][1].callback(True)
+    h.reactor.advance(10.0)
+    assert h.kills == [(1000, KILL)] and not stopped.called
+    with capturedLogs() as events:
+        h.reactor.advance(KILL_WAIT_SECONDS)
+    result_of(stopped)
+    assert h.supervisor.state == "down"
+    assert any("given up on" in e.get("log_format", "") for e in events)
+    started = h.supervisor.start()
+    last_worker(h.reactor).handshake()
+    assert result_of(started) == SOCKET
+    old.exit(None, 9)
+    assert h.supervisor.state == "up" and h.supervisor.restarts == 0

@@ -164,7 +164,9 @@ class CoreApp:
     def _health(self, request: IRequest) -> bytes:
         engines = self.engines()
         residency = self.residency.snapshot()
-        degraded = any(e["process"] == "failed" or h.unresponsive for e, h in zip(engines, self.registry))
+        degraded = any(
+            e["process"] == "failed" or h.unresponsive or e.get("strays") for e, h in zip(engines, self.registry)
+        )
         return json_response(
             request,
             200,
