@@ -276,6 +276,35 @@ def test_exit_before_handshake_fails_start_as_internal_with_stderr_in_the_log() 
     assert h.supervisor.restarts == 1
 
 
+def test_the_configuration_reference_says_what_a_failed_start_answers() -> None:
+    """
+    docs/configuration.md says what the code answers a worker that exits before its
+    handshake (500 internal, not retryable, for an exit status; 503 model_unavailable
+    for a signal) and one that times out (503, retryable), and promises no stderr in
+    the answer: it is in the log.
+    """
+    from pathlib import Path
+
+    reference = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    [row] = [line for line in reference.read_text().splitlines() if line.startswith("| `workers.startupTimeoutSeconds`")]
+    answers = []
+    for how in ("status", "signal", "timeout"):
+        h = harness(max_restarts=0)
+        started = h.supervisor.start()
+        if how == "status":
+            last_worker(h.reactor).exit(1)
+        elif how == "signal":
+            last_worker(h.reactor).exit(None, 9)
+        else:
+            h.reactor.advance(60.0)
+        error = failure_of(started).value
+        answers.append((error.status, error.code, error.retryable))
+        assert f"{error.status} `{error.code}`" in row, (how, row)
+    assert answers == [(500, "internal", False), (503, "model_unavailable", True), (503, "model_unavailable", True)]
+    assert "not retryable" in row and "(retryable)" in row
+    assert "with the end of the worker's stderr" not in row and "stderr is in the server's log" in row
+
+
 def test_a_signal_before_the_handshake_stays_retryable() -> None:
     """
     A worker killed by a signal before its handshake may start next time: retryable.
