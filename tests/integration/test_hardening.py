@@ -285,3 +285,46 @@ def test_after_an_upload_refused_422_the_connection_answers_the_next_request(tmp
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 sock.settimeout(10)
                 assert read_one(sock).startswith(b"HTTP/1.1 200"), attempt
+
+
+def spooled(pid: int) -> list[str]:
+    """
+    The deleted files a process holds open: twisted.web spools a large body into one.
+    """
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith("(deleted)"):
+            held.append(target)
+    return held
+
+
+def test_uploads_aborted_mid_body_release_the_workers_spooled_files(tmp_path: Path) -> None:
+    """
+    Voice uploads whose clients hang up mid-body, through the core and straight to the
+    worker: the worker lets go of the files it spooled their bodies into as soon as the
+    client has gone, not at its idle timeout.
+    """
+    with serving(tmp_path, {"tone": {"module": "rhapsode_engine_tone"}}) as port:
+        get(port, "/engines/tone/capabilities")
+        worker = engine_of(get(port, "/health"), "tone")["pid"]
+        assert spooled(worker) == []
+        part = b"--XyZ\r\nContent-Disposition: form-data; name=\"reference\"; filename=\"a.wav\"\r\n\r\n" + b"x" * 1_000_000
+        for via in ("core", "worker"):
+            for _ in range(2):
+                if via == "core":
+                    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                    target = b"/engines/tone/voices"
+                else:
+                    sock = socket.socket(socket.AF_UNIX)
+                    sock.settimeout(10)
+                    sock.connect(str(tmp_path / "sock" / "tone.sock"))
+                    target = b"/voices"
+                sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=XyZ\r\n"
+                             b"Content-Length: 5000000\r\n\r\n%s" % (target, part))
+                wait_for(lambda: spooled(worker), 10, f"the worker to spool the body sent {via}")
+                sock.close()
+            wait_for(lambda: spooled(worker) == [], 10, f"the worker to let go of the bodies sent {via}")

@@ -269,3 +269,24 @@ def test_an_upload_refused_by_its_worker_leaves_its_connection_reading() -> None
     transport.clear()
     channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert transport.value().startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_goes_mid_upload_takes_the_workers_request_with_it() -> None:
+    """
+    A client that hangs up before its upload's body is in fails the upload, so the
+    worker's request is given up on at once (the worker then lets go of the spooled
+    body), and nothing is answered on the gone connection.
+    """
+    channel, transport, client = connect()
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 1000\r\n\r\n0123456789"
+    )
+    [(_, _, upload)] = client.requests
+    done = upload.startProducing(Consumer())
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert done.called and client.pending[0].called
+    failures: list[Failure] = []
+    done.addErrback(failures.append)
+    client.pending[0].addErrback(lambda _: None)
+    assert failures and transport.value() == b""

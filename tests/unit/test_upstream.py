@@ -412,7 +412,9 @@ def test_streamed_body_goes_chunked_and_the_producer_is_registered() -> None:
 
 def test_failed_upload_fails_the_request() -> None:
     """
-    A body producer that fails fails the request and drops the connection.
+    A body producer that fails fails the request and drops the connection, so the
+    worker gives up the request (and what it spooled of the body) at once rather than
+    waiting for the rest until its idle timeout.
     """
     wire = Wire()
     producer = Streamed()
@@ -420,6 +422,7 @@ def test_failed_upload_fails_the_request() -> None:
     producer.done.errback(ValueError("client went away"))
     with pytest.raises(ValueError):
         result_of(pending)
+    assert wire.transport.disconnecting
 
 
 def test_answer_before_the_upload_ended_closes_after_it() -> None:

@@ -26,7 +26,7 @@ from twisted.web import resource
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_protocol.errors import Forbidden, ModelUnavailable, SpeechError, as_speech_error
+from rhapsode_protocol.errors import BadRequest, Forbidden, ModelUnavailable, SpeechError, as_speech_error
 from rhapsode_protocol.http.site import (
     HEAD_SECONDS,
     IDLE_SECONDS,
@@ -214,6 +214,16 @@ class CoreRequest(EagerRequest):
             self._received = True
             self.upload.input_complete()
         super().requestReceived(command, path, version)
+
+    def connectionLost(self, reason: Any) -> None:
+        super().connectionLost(reason)
+        if self.upload is not None and not self._received:
+            # The client went mid-body: the worker's request is given up on too, so the
+            # worker lets go of what it was spooling the body into at once, not at its
+            # idle timeout.
+            self.upload.fail(BadRequest("the client went before its upload was in", field="body"))
+            if self.upstream is not None and not self.upstream.called:
+                self.upstream.cancel()
 
     def upstream_failed(self, failure: Any) -> Any:
         # Before the body is in, nobody else can answer: refuse now (the route would
