@@ -33,6 +33,7 @@ from twisted.web.iweb import IRequest
 
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import SpeechError, as_speech_error, refusal
+from rhapsode_protocol.validation import TooDeep, check_json_depth
 
 from .._http.sinks import when_delivered, write_pieces
 from .._interfaces import IPublicRoutes, ISpeech, Utterance
@@ -523,6 +524,10 @@ def _read(raw: bytes) -> tuple[str | int | None, str | None, Any]:
 
     @raise _Malformed: not JSON, a batch, or not a JSON-RPC 2.0 message.
     """
+    try:
+        check_json_depth(raw)
+    except TooDeep as error:
+        raise _Malformed(PARSE_ERROR, f"the {error.message}") from None
     try:
         message = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:

@@ -13,7 +13,6 @@ is the site's (L{rhapsode._http.site}); which route is which is the table's
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
 from twisted.logger import Logger
@@ -23,6 +22,7 @@ from zope.interface import implementer
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import Conflict, Forbidden, Internal
 from rhapsode_protocol.http.answers import InFlight, answer, error_response, json_response, read_json
+from rhapsode_protocol.validation import loads_json
 
 from .._fleet.catalog import Catalog
 from .._fleet.registry import EngineHandle, Registry
@@ -37,6 +37,18 @@ from .site import CoreRequest, admitted_of, require_guard
 from .table import JSON_BODY, openapi_document
 
 __all__ = ["CoreApp"]
+
+
+def _worker_json(raw: bytes) -> Any:
+    """
+    A worker's JSON answer, held to the depth every body is.
+
+    @raise Internal: it is not JSON, or nests too deep.
+    """
+    try:
+        return loads_json(raw)
+    except ValueError:
+        raise Internal("the worker's answer is not JSON") from None
 
 
 @implementer(IPublicRoutes)
@@ -269,7 +281,7 @@ class CoreApp:
                 raise Internal("voice uploads need the core's own site (rhapsode._http.site.CoreSite)")
             response = await upstream
             raw = await collect(response, ERROR_LIMIT)
-            return self._voice_answer(request, engine_id, response.code, json.loads(raw))
+            return self._voice_answer(request, engine_id, response.code, _worker_json(raw))
 
         return await self._answer(request, handle)
 

@@ -12,13 +12,13 @@ document shows the value in use and, beside it, the one saved.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rhapsode_protocol.errors import BadRequest, Conflict, UnknownEngine
+from rhapsode_protocol.validation import TooDeep, loads_json
 
 from .._config import ENGINE_SETTINGS, SECTIONS, Config, ConfigError, parse_config
 from .._guard import _forwarded_remote, _loopback_ip, is_loopback, origin_key
@@ -350,6 +350,8 @@ def read_patch(raw: bytes) -> Any:
     A PATCH body as JSON; anything else is bad_request.
     """
     try:
-        return json.loads(raw or b"{}")
+        return loads_json(raw or b"{}")
+    except TooDeep:
+        raise
     except ValueError as error:
         raise BadRequest(f"the body is not JSON: {error}", field="body") from None

@@ -34,6 +34,7 @@ from zope.interface import implementer
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import Internal, SpeechError, refusal
 from rhapsode_protocol.http.answers import DURATION_HEADER
+from rhapsode_protocol.validation import loads_json
 
 from .._fleet.registry import EngineHandle
 from .._fleet.residency import Residency
@@ -336,7 +337,7 @@ class SpeechRelay:
         """
         raw = await collect(response, ERROR_LIMIT, stalls=self.stalls)
         try:
-            envelope = json.loads(raw)
+            envelope = loads_json(raw)
             contract.validate(contract.ERROR, envelope)
         except (ValueError, SpeechError):
             raise Internal(f"worker answered {response.code} without an error envelope") from None

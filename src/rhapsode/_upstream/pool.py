@@ -20,6 +20,7 @@ from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
 from rhapsode_protocol.errors import ModelUnavailable, SpeechError
+from rhapsode_protocol.validation import loads_json
 
 from .._interfaces import IWorkerClient
 from .body import collect
@@ -246,7 +247,7 @@ class WorkerClient:
             headers = {b"Content-Type": [b"application/json"]}
         response = await self.request(method, path, producer, headers)
         raw = await collect(response, _JSON_LIMIT)
-        return response.code, json.loads(raw) if raw else None
+        return response.code, loads_json(raw) if raw else None
 
     def close(self) -> "Deferred[Any]":
         """
