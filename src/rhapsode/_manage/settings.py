@@ -345,6 +345,49 @@ class Settings:
         self._on_change(self.config)
 
 
+def saved_fault(
+    raw: Mapping[str, Any],
+    base: Path,
+    saved: Mapping[str, Any],
+    installed: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str | None:
+    """
+    The saved setting a start cannot apply, where one can be named: the first whose own
+    check refuses it (one saved by an older server, or written into the database by
+    hand), else the first without which the layers parse; None when the fault is not
+    the database's.
+    """
+    for key, value in saved.items():
+        check = _check(key)
+        if check is None:
+            return key
+        try:
+            check(value, key, base)
+        except ConfigError:
+            return key
+    try:
+        parse_config(layer(raw, {}, installed), base)
+    except ConfigError:
+        return None  # the file (or an installed engine) is at fault
+    for key in saved:
+        try:
+            parse_config(layer(raw, {k: v for k, v in saved.items() if k != key}, installed), base)
+        except ConfigError:
+            continue
+        return key
+    return None
+
+
+def unset_hint(key: str) -> str:
+    """
+    How to drop a saved setting, from a stopped server or a running one.
+    """
+    return (
+        f"start with `rhapsode serve --unset {key}` to drop it (the config file's value, or the "
+        f"default, applies again); while a server runs, `rhapsode settings {key} --unset` does the same"
+    )
+
+
 def read_patch(raw: bytes) -> Any:
     """
     A PATCH body as JSON; anything else is bad_request.
