@@ -146,6 +146,9 @@ class Core:
         channel = self.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
         channel.makeConnection(sock)
         sock.protocol = channel
+        if body is None:
+            channel.dataReceived(b"%s %s HTTP/1.1\r\nHost: localhost\r\n\r\n" % (method, path))
+            return sock
         data = json.dumps(body).encode()
         channel.dataReceived(
             b"%s %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
@@ -180,6 +183,7 @@ DIALOGUE = {"turns": [{"speaker": "A", "text": "Hello."}, {"speaker": "B", "text
 ROUTES = {
     "speak": (b"POST", b"/speak", SPEAK),
     "dialogue": (b"POST", b"/engines/tone/dialogue", DIALOGUE),
+    "preview": (b"GET", b"/engines/tone/voices/alto/preview", None),
 }
 
 
