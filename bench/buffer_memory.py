@@ -77,6 +77,20 @@ def read_all(sock: socket.socket) -> bytes:
         pieces.append(piece)
 
 
+def body_of(answer: bytes) -> bytes:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    pieces = []
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        length = int(size, 16)
+        if not length:
+            return b"".join(pieces)
+        pieces.append(body[:length])
+        body = body[length + 2 :]
+
+
 def status_of(answer: bytes) -> str:
     line = answer.split(b"\r\n", 1)[0]
     return line.decode("latin-1", "replace")[9:12] or "none"
@@ -91,7 +105,7 @@ def batch(port: int, idle: float, items: int = 32) -> str:
     items = [{"input": TEXT} for _ in range(items)]
     sock = post(port, "/v1/audio/speech/batch", {"model": "tone", "items": items, "response_format": "wav"})
     answer = read_all(sock)
-    head, _, body = answer.partition(b"\r\n\r\n")
+    body = body_of(answer)
     outcome = f"HTTP {status_of(answer)}, {len(body) / 1e6:.1f} MB of JSON"
     if status_of(answer) == "200":
         document = json.loads(body)
@@ -115,7 +129,7 @@ def speak(port: int, idle: float, items: int = 40) -> str:
     for thread in threads:
         thread.join()
     statuses = Counter(status_of(a) for a in answers)
-    sizes = sorted({len(a.partition(b"\r\n\r\n")[2]) for a in answers if status_of(a) == "200"})
+    sizes = sorted({len(body_of(a)) for a in answers if status_of(a) == "200"})
     return f"statuses {dict(statuses)}, 200 bodies {sizes[:1]} B" if sizes else f"statuses {dict(statuses)}"
 
 
