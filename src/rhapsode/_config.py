@@ -107,6 +107,11 @@ def _default_venv_dir() -> Path:
     return base / "rhapsode" / "venvs"
 
 
+#: What a core is: an ordinary one, or a node of a cluster (docs/cluster.md), which
+#: also serves its engines' worker routes to the cluster's front.
+ROLES = ("core", "node")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     port: int = 8080
@@ -114,6 +119,9 @@ class ServerConfig:
     shutdown_grace_ms: int = 10000
     head_timeout_seconds: float = 10.0
     idle_timeout_seconds: float = 60.0
+    role: str = "core"
+    #: A node's name in its cluster (X-Rhapsode-Node); by default the host's name.
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -200,15 +208,18 @@ class UpdateConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """
-    One engine: a C{module} the core spawns with C{python}, or the C{url} of a worker
-    somebody else runs (exactly one of the two is set).
+    One engine: a C{module} the core spawns with C{python}, the C{url} of a worker
+    somebody else runs, or the C{cluster} whose nodes serve it (exactly one is set).
 
     @ivar keep_alive_seconds: this engine's keep-alive, C{None} for the server's.
+    @ivar cluster: the URL of a Rhapsode cluster's Ray Serve app (docs/cluster.md):
+        its nodes own the engine's models, so this core neither counts nor evicts them.
     """
 
     id: str
     module: str | None = None
     url: str | None = None
+    cluster: str | None = None
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     keep_alive_seconds: int | None = None
@@ -411,6 +422,35 @@ def _url(value: Any, where: str, base: Path) -> str:
     return value
 
 
+def _role(value: Any, where: str, base: Path) -> str:
+    if value not in ROLES:
+        raise _fail(where, "one of " + ", ".join(ROLES), value)
+    return str(value)
+
+
+def _node_name(value: Any, where: str, base: Path) -> str:
+    if not isinstance(value, str) or not _NODE_NAME.fullmatch(value):
+        raise _fail(where, "1 to 64 letters, digits, '.', '_' or '-'", value)
+    return value
+
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _cluster_url(value: Any, where: str, base: Path) -> str:
+    must = "the http or https URL of a Rhapsode cluster's Ray Serve app (http://head:8000/rhapsode)"
+    if not isinstance(value, str):
+        raise _fail(where, must, value)
+    try:
+        parts = urlsplit(value)
+        parts.port
+    except ValueError:
+        raise _fail(where, must, value) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment:
+        raise _fail(where, must, value)
+    return value.rstrip("/")
+
+
 def _release_url(value: Any, where: str, base: Path) -> str:
     must = "an http or https URL answering as GitHub's latest-release API does"
     if not isinstance(value, str):
@@ -467,6 +507,7 @@ def _section(cls: type[Any], checks: Mapping[str, _Check]) -> _Check:
 _ENGINE_KEYS: dict[str, _Check] = {
     "module": _module,
     "url": _url,
+    "cluster": _cluster_url,
     "python": _python,
     "env": _env,
     "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
@@ -483,9 +524,9 @@ def _engine(engine_id: str, raw: Any, base: Path) -> EngineConfig:
             "starting with a letter or digit"
         )
     values = _read(raw, where, _ENGINE_KEYS, base)
-    if ("module" in values) == ("url" in values):
-        raise ConfigError(f"{where}: needs exactly one of module or url")
-    if "url" in values:
+    if sum(key in values for key in ("module", "url", "cluster")) != 1:
+        raise ConfigError(f"{where}: needs exactly one of module, url or cluster")
+    if "url" in values or "cluster" in values:
         for key in ("python", "env"):
             if key in values:
                 raise ConfigError(f"{where}.{key}: only an engine with a module takes {key}")
@@ -524,6 +565,8 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
             "shutdownGraceMs": _integer(0, 600_000),
             "headTimeoutSeconds": _number(0, inclusive=False, maximum=600),
             "idleTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
+            "role": _role,
+            "node": _node_name,
         },
     ),
     "log": (LogConfig, {"level": _level}),

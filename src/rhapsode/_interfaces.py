@@ -292,6 +292,16 @@ class ISpeech(Interface):
         started is raised for the door to answer; one after it aborts the sink.
         """
 
+    def forwarded(
+        sink: IAudioSink, engine_id: str, body: Mapping[str, Any], dialogue: bool, keep_alive: int | None
+    ) -> "Awaitable[None]":
+        """
+        Speak a body another core has already checked and forwarded (a cluster's front,
+        to one of its nodes) into C{sink}: a worker request, its variant named.  Only
+        what the front could not know is checked here: the voices it names, where
+        finding out at the worker would first cost a load.
+        """
+
     def preview(sink: IAudioSink, engine_id: str, voice_id: str) -> "Awaitable[None]":
         """
         A voice's preview, which speaks (so takes a turn and a lease), buffered.

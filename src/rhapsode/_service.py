@@ -12,6 +12,7 @@ stands (L{rhapsode._interfaces}); no other constructor builds a collaborator.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -38,16 +39,18 @@ from rhapsode_protocol.http.site import HEAD_SECONDS, IDLE_SECONDS, Routes
 from . import __version__
 from ._config import RELEASES_URL, Config, ConfigError, ConfigSettings, EngineConfig, config_source, engine_entry
 from ._doors.mcp import McpServer
+from ._doors.node import NodeDoor
 from ._doors.openai import OpenAIShim
 from ._doors.stream import SpeechStreams
 from ._fleet.catalog import Catalog, read_catalog, read_source
+from ._fleet.cluster import ClusterView
 from ._fleet.registry import EngineHandle, Registry
 from ._fleet.residency import Residency
 from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
 from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
-from ._http.table import ROUTES, klein_app
+from ._http.table import klein_app, routes_for
 from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
 from ._manage.installer import Commands, Installer, find_uv
 from ._manage.jobs import JobContext, Jobs
@@ -57,10 +60,10 @@ from ._manage.state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._manage.update import UpdateChecker, checker_for
 from ._speech.limits import BufferBudget, Turnstile
 from ._speech.metrics import Metrics
-from ._speech.relay import SpeechRelay
+from ._speech.relay import MODEL_HEADER, SpeechRelay
 from ._speech.service import SpeechService
 from ._speech.translate import OpenAITranslation
-from ._upstream import Stalls, WorkerClient
+from ._upstream import ClusterClient, Stalls, WorkerClient
 
 _T = TypeVar("_T")
 
@@ -116,6 +119,7 @@ class Core:
         catalog: Catalog,
         site_options: Mapping[str, Any],
         metrics_public: bool,
+        node: NodeDoor | None = None,
     ) -> None:
         self.reactor = reactor
         self.registry = registry
@@ -132,6 +136,7 @@ class Core:
         self.manage = manage
         self.jobs = jobs
         self.catalog = catalog
+        self.node = node
         self._site_options = dict(site_options)
         self._metrics_public = metrics_public
         handlers = {
@@ -140,9 +145,11 @@ class Core:
             **mcp.handlers(),
             **streams.handlers(),
             **manage.handlers(),
+            **(node.handlers() if node is not None else {}),
         }
         self._handlers = handlers
-        self.klein = klein_app(handlers, ROUTES)
+        self.routes = routes_for("node" if node is not None else "core")
+        self.klein = klein_app(handlers, self.routes)
 
     @property
     def installer(self) -> Installer | None:
@@ -164,12 +171,12 @@ class Core:
         The site to listen with: its requests are guarded and stripped at their headers.
         Without C{access_log} no access line is even formatted (a log level above info).
         """
-        routes = Routes(self.klein.url_map, {spec.key: spec.body for spec in ROUTES})
+        routes = Routes(self.klein.url_map, {spec.key: spec.body for spec in self.routes})
         return core_site(
             self.resource(),
             routes,
             self._handlers,
-            specs=ROUTES,
+            specs=self.routes,
             metrics_public=self._metrics_public,
             log=CoreApp.log,
             access_log=access_log,
@@ -207,6 +214,8 @@ def build_core(
     installer: Callable[[Jobs], Installer] | None = None,
     updates: UpdateChecker | None = None,
     version: str = __version__,
+    node: str | None = None,
+    cluster: ClusterView | None = None,
 ) -> Core:
     """
     Build and wire every part of one core over C{registry}.
@@ -229,6 +238,9 @@ def build_core(
         install route answers unsupported.
     @param updates: the update check; by default GitHub's on this reactor, on unless
         the environment turned it off.
+    @param node: this core's name as a cluster's node (server.role "node"): it then
+        serves its engines' worker routes and its state to the cluster (docs/cluster.md).
+    @param cluster: at a cluster's front, what its nodes last said of themselves.
     """
     catalog = catalog if catalog is not None else Catalog((), version)
     # The defaults, built once: a Config works out its default paths when made.
@@ -247,13 +259,14 @@ def build_core(
     requests = InFlight()
     turnstile = Turnstile(reactor, admission)
     relay = SpeechRelay(residency, turnstile, BufferBudget(admission), Stalls(reactor, stall_seconds))
-    metrics = Metrics(reactor, registry, residency, turnstile, requests)
+    metrics = Metrics(reactor, registry, residency, turnstile, requests, cluster)
     residency.observer = metrics
     speech = SpeechService(registry, residency, relay, metrics)
     translation = OpenAITranslation(registry, speech)
     router = CoreApp(
         registry=registry, residency=residency, speech=speech, catalog=catalog, metrics=metrics,
         requests=requests, version=version, contract_version=contract_version, metrics_public=metrics_public,
+        cluster=cluster,
     )
     jobs = Jobs(reactor)
     jobs.on_finished = metrics.job_finished
@@ -289,6 +302,9 @@ def build_core(
             "cors_origins": tuple(cors_origins),
         },
         metrics_public=metrics_public,
+        node=NodeDoor(
+            name=node, registry=registry, residency=residency, speech=speech, routes=router, requests=requests
+        ) if node is not None else None,
     )
 
 
@@ -330,6 +346,8 @@ class RhapsodeService(service.Service):
         self.catalog: Catalog | None = None
         self.app: Core | None = None
         self.watchdog: Watchdog | None = None
+        #: At a cluster's front, what the cluster's nodes last said (docs/cluster.md).
+        self.cluster: ClusterView | None = None
         #: With workers.prestart, each local engine's worker process starting at boot.
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
@@ -462,6 +480,10 @@ class RhapsodeService(service.Service):
                 uv=find_uv(),
             )
 
+        clusters = {engine.cluster for engine in self.config.engines.values() if engine.cluster is not None}
+        self.cluster = ClusterView(
+            reactor, clusters, lambda url: WorkerClient(reactor, url), workers.health_check_seconds
+        ) if clusters else None
         self.app = build_core(
             registry,
             reactor=reactor,
@@ -481,6 +503,8 @@ class RhapsodeService(service.Service):
             # update.check is read on every request, so a PATCH applies at once; the URL
             # and the environment are the start's.
             updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
+            node=(self.config.server.node or socket.gethostname()) if self.config.server.role == "node" else None,
+            cluster=self.cluster,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
@@ -494,6 +518,16 @@ class RhapsodeService(service.Service):
         workers = self.config.workers
         catalog = self.catalog
         assert catalog is not None
+        if engine.cluster is not None:
+            # The cluster's router says which node each request's model goes to, and that
+            # node's core answers it as the engine's worker would (_upstream.cluster).
+            catalog.declare(engine_id, None, None)
+            cluster = ClusterClient(
+                WorkerClient(reactor, engine.cluster), engine_id, MODEL_HEADER, lambda url: WorkerClient(reactor, url),
+                reactor,
+            )
+            self._clients.append(cluster)
+            return EngineHandle(engine_id, cluster, None, elsewhere=True)
         if engine.url is not None:
             catalog.declare(engine_id, None, None)
             client = WorkerClient(reactor, engine.url)
@@ -544,6 +578,8 @@ class RhapsodeService(service.Service):
             self.port = port
             if self.watchdog is not None:
                 self.watchdog.start()
+            if self.cluster is not None:
+                self.cluster.start()
             address = port.getHost()
             self.log.info(
                 "rhapsode listening on {host}:{port} with engines {engines}",
@@ -652,6 +688,8 @@ class RhapsodeService(service.Service):
         async def stop() -> None:
             if self.watchdog is not None:
                 self.watchdog.stop()
+            if self.cluster is not None:
+                await self.cluster.stop()
             if self.port is not None:
                 await self.port.stopListening()
             if self.app is not None:
@@ -712,6 +750,10 @@ class _ServiceHost:
 
     def operator_engines(self) -> set[str]:
         return _operator_engines(self._service._raw)
+
+    def cluster_of(self, engine_id: str) -> str | None:
+        engine = self._service.config.engines.get(engine_id)
+        return engine.cluster if engine is not None else None
 
     def _installed(self) -> dict[str, Mapping[str, Any]]:
         state = self._service.state

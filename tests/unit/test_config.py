@@ -255,10 +255,10 @@ def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
         ({"engines": {"bad id": {"module": "m"}}}, "engines.bad id: an engine id is 1 to 64"),
         ({"engines": {"-tone": {"module": "m"}}}, "engines.-tone: an engine id is"),
         ({"engines": {"x" * 65: {"module": "m"}}}, f"engines.{'x' * 65}: an engine id is"),
-        ({"engines": {"tone": {}}}, "engines.tone: needs exactly one of module or url"),
+        ({"engines": {"tone": {}}}, "engines.tone: needs exactly one of module, url or cluster"),
         (
             {"engines": {"tone": {"module": "m", "url": "http://h:1"}}},
-            "engines.tone: needs exactly one of module or url",
+            "engines.tone: needs exactly one of module, url or cluster",
         ),
         ({"engines": {"tone": "m"}}, 'engines.tone: must be an object, not "m"'),
         ({"engines": {"tone": {"module": "no-dashes"}}}, "engines.tone.module: must be a dotted Python module name"),

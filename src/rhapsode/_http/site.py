@@ -257,7 +257,7 @@ class CoreSite(DirectSite):
     route table, then guarded, stripped and, for a voice upload, streamed as above.
 
     @param management: the (method, rule) of every route the management guard runs for.
-    @param upload: the (method, rule) of the route whose body streams to a worker.
+    @param upload: the (method, rule) of the routes whose body streams to a worker.
     @param origin_checked: the (method, rule) of the routes open to anybody but a
         browser page whose Origin is neither this machine's nor in
         C{management_origins} (C{/mcp}, section 12; the speech WebSocket).
@@ -278,7 +278,7 @@ class CoreSite(DirectSite):
         *,
         routes: Routes | None = None,
         management: Collection[tuple[str, str]] = (),
-        upload: tuple[str, str] | None = None,
+        upload: Collection[tuple[str, str]] = (),
         origin_checked: Collection[tuple[str, str]] = (),
         cors: Collection[tuple[str, str]] = (),
         timeout: float = IDLE_SECONDS,
@@ -292,7 +292,7 @@ class CoreSite(DirectSite):
             resource, direct, access_log, reactor=reactor, routes=routes, timeout=timeout, head_timeout=head_timeout
         )
         self.management = frozenset(management)
-        self.upload = upload
+        self.upload = frozenset(upload)
         self.origin_checked = frozenset(origin_checked)
         self.cors = frozenset(cors)
         self.management_token = management_token
@@ -388,7 +388,7 @@ class CoreSite(DirectSite):
         if origin is not None:
             for name, value in cors_headers(origin):
                 request.responseHeaders.setRawHeaders(name, [value])
-        if (route.method, route.rule) == self.upload and self._start_upload is not None:
+        if (route.method, route.rule) in self.upload and self._start_upload is not None:
             request.upload = Upload(request, length)
             engine_id = str(route.arguments["engine_id"])
             request.upstream = Deferred.fromCoroutine(self._start_upload(engine_id, request))
@@ -419,7 +419,6 @@ def core_site(
         spec.key for spec in specs
         if spec.guard == MANAGED or (spec.guard == METRICS and not metrics_public)
     ]
-    uploads = [spec.key for spec in specs if spec.upload]
     return CoreSite(
         resource,
         {
@@ -429,7 +428,7 @@ def core_site(
         },
         routes=routes,
         management=guarded,
-        upload=uploads[0] if uploads else None,
+        upload=[spec.key for spec in specs if spec.upload],
         origin_checked=[spec.key for spec in specs if spec.origin_checked],
         cors=[spec.key for spec in specs if spec.cors],
         **options,

@@ -31,6 +31,7 @@ __all__ = [
     "CORS_ROUTES",
     "JSON_BODY",
     "MANAGEMENT",
+    "NODE_ROUTES",
     "ORIGIN_CHECKED",
     "ROUTES",
     "UPDATE",
@@ -41,6 +42,7 @@ __all__ = [
     "openapi_document",
     "openapi_path",
     "route",
+    "routes_for",
 ]
 
 #: The most a JSON speech body may be.
@@ -135,6 +137,36 @@ ROUTES: tuple[RouteSpec, ...] = (
 )
 
 
+_WORKER = "/worker/<string:engine_id>"
+_WORKER_VOICES = _WORKER + "/voices"
+
+#: A cluster node's own routes (server.role "node", docs/cluster.md): its state for the
+#: cluster's router, and each engine's worker routes for the cluster's front.  Voice
+#: uploads and deletions, and fetches, are the management guard's here as on the front
+#: (the node is reached from its own machine, by the cluster's replica).
+NODE_ROUTES: tuple[RouteSpec, ...] = (
+    RouteSpec("GET", "/node", "node_state"),
+    RouteSpec("GET", _WORKER + "/capabilities", "node_capabilities"),
+    RouteSpec("GET", _WORKER + "/health", "node_health"),
+    RouteSpec("GET", _WORKER_VOICES, "node_voices"),
+    RouteSpec("POST", _WORKER_VOICES, "node_create_voice", body=UPLOAD_BODY, guard=MANAGED, upload=True),
+    RouteSpec("DELETE", _WORKER_VOICES + "/<string:voice_id>", "node_delete_voice", guard=MANAGED),
+    RouteSpec("GET", _WORKER_VOICES + "/<string:voice_id>/preview", "node_preview"),
+    RouteSpec("POST", _WORKER + "/speak", "node_speak", body=JSON_BODY),
+    RouteSpec("POST", _WORKER + "/dialogue", "node_dialogue", body=JSON_BODY),
+    RouteSpec("POST", _WORKER + "/fetch", "node_fetch", guard=MANAGED),
+    RouteSpec("POST", _WORKER + "/unload", "node_refused"),
+    RouteSpec("POST", _WORKER + "/terminate", "node_refused"),
+)
+
+
+def routes_for(role: str) -> tuple[RouteSpec, ...]:
+    """
+    The routes a core of C{role} answers: every core's, and a node's own beside them.
+    """
+    return ROUTES + NODE_ROUTES if role == "node" else ROUTES
+
+
 def route(name: str, routes: Iterable[RouteSpec] = ROUTES) -> RouteSpec:
     """
     The route whose handler is C{name}.
@@ -175,7 +207,8 @@ def klein_app(handlers: Mapping[str, Handler], routes: Iterable[RouteSpec] = ROU
         raise ValueError(f"routes without a handler: {missing}; handlers without a route: {extra}")
     app = Klein()
     for spec in routes:
-        app.route(spec.rule, methods=[spec.method], endpoint=spec.name)(handlers[spec.name])
+        # The endpoint is the rule's own: one handler (node_refused) may answer two routes.
+        app.route(spec.rule, methods=[spec.method], endpoint=f"{spec.method} {spec.rule}")(handlers[spec.name])
 
     @app.handle_errors(NotFound, MethodNotAllowed)
     def unrouted(request: IRequest, failure: Any) -> bytes:

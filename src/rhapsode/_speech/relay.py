@@ -43,10 +43,27 @@ from .._upstream import BytesProducer, Stalls, Watched, collect, collect_pieces,
 from .limits import BufferBudget, Turnstile
 from .metrics import Measured
 
-__all__ = ["BUFFERED_LIMIT", "ERROR_LIMIT", "FLOOR_BYTES", "SpeechRelay", "StreamRelay", "buffered_limit"]
+__all__ = [
+    "BUFFERED_LIMIT",
+    "ERROR_LIMIT",
+    "FLOOR_BYTES",
+    "KEEP_ALIVE_HEADER",
+    "MODEL_HEADER",
+    "NODE_HEADER",
+    "SpeechRelay",
+    "StreamRelay",
+    "buffered_limit",
+    "remote_server",
+]
 
 #: Under this many bytes a body is not audio, whatever its status said.
 FLOOR_BYTES = 256
+#: What a cluster's node says of every answer it gives (its name), passed on to the client.
+NODE_HEADER = b"X-Rhapsode-Node"
+#: A caller's keep-alive, sent to the node that owns an engine's models (docs/cluster.md).
+KEEP_ALIVE_HEADER = b"X-Rhapsode-Keep-Alive"
+#: The model a request to a cluster is for (engine/variant): Ray Serve's routing key.
+MODEL_HEADER = b"serve_multiplexed_model_id"
 #: No buffered answer is bigger than this, whatever its variant claims.
 BUFFERED_LIMIT = 512 * 1024 * 1024
 #: An error envelope from a worker is a few hundred bytes.
@@ -72,6 +89,16 @@ def _duration_ms(fmt: str, native: Mapping[str, Any], byte_count: int) -> int | 
     if fmt == "wav":
         return round((max(byte_count - 44, 0) // frame) * 1000 / rate)
     return None
+
+
+def remote_server(caps: Mapping[str, Any], variant: str) -> str | None:
+    """
+    Where C{variant}'s model is served, for one served elsewhere (its capability's
+    C{remote.server}); None for a model its worker loads.
+    """
+    remote = caps.get("variants", {}).get(variant, {}).get("remote")
+    server = remote.get("server") if isinstance(remote, Mapping) else None
+    return server if isinstance(server, str) and server else None
 
 
 def buffered_limit(caps: Mapping[str, Any], variant: str, turns: int = 1) -> int:
@@ -216,8 +243,8 @@ class SpeechRelay:
         """
         variant = forward["variant"]
         body = BytesProducer(json.dumps(forward).encode())
-        async with self._speaking(engine.id, variant, keep_alive):
-            response = await self._ask(engine, sink.finished, b"POST", path, body)
+        async with self._speaking(engine, variant, keep_alive, remote_server(caps, variant)):
+            response = await self._ask(engine, sink.finished, b"POST", path, body, _elsewhere(engine, variant, keep_alive))
             if not self._answered(engine, variant, response.code):
                 await self._relay_error(response)
             if forward.get("stream", True):
@@ -235,21 +262,32 @@ class SpeechRelay:
         """
         A voice's preview, which speaks, so takes a turn and a lease as speech does.
         """
-        async with self._speaking(engine.id, variant, None):
-            response = await self._ask(engine, sink.finished, b"GET", f"/voices/{voice_id}/preview", None)
+        async with self._speaking(engine, variant, None, remote_server(caps, variant)):
+            response = await self._ask(
+                engine, sink.finished, b"GET", f"/voices/{voice_id}/preview", None, _elsewhere(engine, variant, None)
+            )
             self._answered(engine, variant, response.code)
             held = await self._hold(sink, response, buffered_limit(caps, variant))
         await held.deliver(sink)
 
     @asynccontextmanager
-    async def _speaking(self, engine: str, variant: str, keep_alive: int | None) -> AsyncIterator[None]:
+    async def _speaking(
+        self, handle: EngineHandle, variant: str, keep_alive: int | None, server: str | None = None
+    ) -> AsyncIterator[None]:
         """
-        A turn on C{engine}, then a lease on its model in C{variant}, both held until the
-        block ends, however it ends.
+        A turn on the engine, then a lease on its model in C{variant} (outside the budget
+        for a model served elsewhere, on C{server}), both held until the block ends,
+        however it ends; neither for an engine whose models are another core's to keep
+        (a cluster's nodes take their own).  The turn is what keeps a remote server from
+        more of this core's requests at once than the engine's limits allow.
         """
+        if handle.elsewhere:
+            yield
+            return
+        engine = handle.id
         turn = await self.turnstile.enter(engine)
         try:
-            lease = await self.residency.acquire(engine, variant, keep_alive)
+            lease = await self.residency.acquire(engine, variant, keep_alive, server)
             try:
                 yield
             finally:
@@ -257,13 +295,22 @@ class SpeechRelay:
         finally:
             turn.leave()
 
-    async def _ask(self, engine: EngineHandle, finished: Any, method: bytes, path: str, body: Any) -> Any:
+    async def _ask(
+        self,
+        engine: EngineHandle,
+        finished: Any,
+        method: bytes,
+        path: str,
+        body: Any,
+        extra: dict[bytes, list[bytes]] | None = None,
+    ) -> Any:
         """
         Send a request to the worker; its response once the head is in.  A client that
         hangs up before then cancels it.
         """
         client = await engine.ready()
-        headers = {b"Content-Type": [b"application/json"]} if body is not None else None
+        headers = {b"Content-Type": [b"application/json"]} if body is not None else {}
+        headers.update(extra or {})
         pending = client.request(method, path, body, headers)
         finished.addErrback(lambda _: pending.cancel())
         return await self._head(pending)
@@ -274,6 +321,8 @@ class SpeechRelay:
         the load cost is asked for once); a server error before it ever answered means
         the load failed and the model is not on the card, whatever was admitted.
         """
+        if engine.elsewhere:
+            return code == 200
         if code == 200:
             self.residency.mark_loaded(engine.id, variant)
             self._measure_once(engine, variant)
@@ -364,7 +413,7 @@ class SpeechRelay:
             raise Internal(f"the worker answered 200 with {size} bytes, which is not audio")
         headers = response.headers
         head: list[tuple[bytes, bytes]] = []
-        for name in (b"Content-Type", DURATION_HEADER):
+        for name in (b"Content-Type", DURATION_HEADER, NODE_HEADER):
             value = headers.getRawHeaders(name)
             if value:
                 head.append((name, value[0]))
@@ -386,9 +435,10 @@ class SpeechRelay:
         measured: Measured | None = None,
     ) -> None:
         head = [(b"Trailer", DURATION_HEADER)]
-        content_type = response.headers.getRawHeaders(b"Content-Type")
-        if content_type:
-            head.insert(0, (b"Content-Type", content_type[0]))
+        for name in (NODE_HEADER, b"Content-Type"):
+            value = response.headers.getRawHeaders(name)
+            if value:
+                head.insert(0, (name, value[0]))
         sink.begin(200, head)
         try:
             stream = await relay(response, sink, self.stalls, measured)
@@ -443,6 +493,20 @@ class _Buffered:
             await sink.room()
             sink.write(pieces.popleft())
         sink.end(self.duration)
+
+
+def _elsewhere(engine: EngineHandle, variant: str, keep_alive: int | None) -> dict[bytes, list[bytes]]:
+    """
+    What a request to a cluster says beyond the worker protocol: the model it is for,
+    which routes it to the node holding it, and the caller's keep-alive, which that node
+    applies.
+    """
+    if not engine.elsewhere:
+        return {}
+    headers = {MODEL_HEADER: [f"{engine.id}/{variant}".encode()]}
+    if keep_alive is not None:
+        headers[KEEP_ALIVE_HEADER] = [b"%d" % keep_alive]
+    return headers
 
 
 def _aborted(measured: Measured | None, error: BaseException | None) -> None:

@@ -18,14 +18,14 @@ from twisted.internet.defer import CancelledError
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import UnknownVoice, as_speech_error
+from rhapsode_protocol.errors import UnknownVoice, Unsupported, as_speech_error
 
 from .._fleet.registry import EngineHandle, Registry
 from .._fleet.residency import Residency
 from .._interfaces import IAudioSink, ISpeech, Prepared, Utterance
 from .metrics import Metrics
 from .preflight import forward_dialogue, forward_speak, voices_to_check
-from .relay import SpeechRelay
+from .relay import SpeechRelay, remote_server
 
 __all__ = ["SpeechService"]
 
@@ -54,7 +54,8 @@ class SpeechService:
         variant = engine.effective_variant(body.get("variant"), self.resident(engine.id))
         forward = forward_dialogue if utterance.dialogue else forward_speak
         forwarded = forward(body, caps, variant)
-        await self._check_voices(engine, forwarded)
+        engine.check_reachable(forwarded["variant"])
+        await self._check_voices(engine, forwarded, caps)
         return Prepared(utterance, caps, variant, forwarded)
 
     async def speak(self, sink: IAudioSink, utterance: Utterance) -> None:
@@ -75,24 +76,53 @@ class SpeechService:
             raise
         measured.end("ok")
 
+    async def forwarded(
+        self, sink: IAudioSink, engine_id: str, body: Mapping[str, Any], dialogue: bool, keep_alive: int | None
+    ) -> None:
+        measured = self._metrics.begin("dialogue" if dialogue else "speak", engine_id)
+        try:
+            engine = self._registry.get(engine_id)
+            contract.validate(contract.DIALOGUE_REQUEST if dialogue else contract.SPEAK_REQUEST, dict(body))
+            caps = await engine.capabilities()
+            forwarded = dict(body)
+            forwarded.setdefault("variant", engine.effective_variant(None, self.resident(engine.id)))
+            if forwarded["variant"] not in caps.get("variants", {}):
+                known = ", ".join(sorted(caps.get("variants", {})))
+                raise Unsupported(f'no variant "{forwarded["variant"]}" (variants: {known})', field="variant")
+            await self._check_voices(engine, forwarded, caps)
+            path = "/dialogue" if dialogue else "/speak"
+            await self._relay.dispatch(sink, engine, path, forwarded, caps, keep_alive, measured)
+        except CancelledError:
+            measured.end("cancelled")
+            raise
+        except Exception as exc:
+            measured.end(as_speech_error(exc).code)
+            raise
+        measured.end("ok")
+
     async def preview(self, sink: IAudioSink, engine_id: str, voice_id: str) -> None:
         contract.check_voice_id(voice_id, "voice")
         engine = self._registry.get(engine_id)
         caps = await engine.capabilities()
         variant = engine.effective_variant(None, self.resident(engine.id))
+        engine.check_reachable(variant)
         # A preview speaks: an unknown voice is refused before it costs a load.
-        await self._check_voices(engine, {"voice": voice_id, "variant": variant})
+        await self._check_voices(engine, {"voice": voice_id, "variant": variant}, caps)
         await self._relay.preview(sink, engine, voice_id, caps, variant)
 
-    async def _check_voices(self, engine: EngineHandle, forward: Mapping[str, Any]) -> None:
+    async def _check_voices(self, engine: EngineHandle, forward: Mapping[str, Any], caps: Mapping[str, Any]) -> None:
         """
         Ask the worker whether the voices a request names exist, when finding out at
         the worker would first cost a load: a model that is already resident in the
-        variant asked for loses nothing, and its worker refuses an unknown voice itself.
+        variant asked for loses nothing, and its worker refuses an unknown voice itself,
+        as does one whose model is served elsewhere (its load costs nothing here).
         """
         wanted = voices_to_check(forward)
         model = self._residency.state(engine.id)
-        if not wanted or (model["resident"] and model["variant"] == forward["variant"]):
+        if not wanted or engine.elsewhere or (model["resident"] and model["variant"] == forward["variant"]):
+            # A cluster's node checks for itself, knowing what its card holds.
+            return
+        if remote_server(caps, forward["variant"]) is not None:
             return
         client = await engine.ready()
         code, voices = await client.json(b"GET", "/voices")
