@@ -290,3 +290,24 @@ def test_a_client_that_goes_mid_upload_takes_the_workers_request_with_it() -> No
     done.addErrback(failures.append)
     client.pending[0].addErrback(lambda _: None)
     assert failures and transport.value() == b""
+
+
+def test_an_upload_answered_with_json_too_deep_to_read_is_the_workers_fault() -> None:
+    """
+    A worker that answers an upload with JSON nested too deep to parse (a remote worker
+    is any server at a URL) gets the caller a 500 internal, not the bad_request that
+    would blame the caller's body.
+    """
+    from _fakes import FakeResponse
+
+    channel, transport, client = connect()
+    body = b"--b\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nv\r\n--b--\r\n"
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    deep = b"[" * 1100 + b"]" * 1100
+    client.pending[0].callback(FakeResponse(201, deep, {b"Content-Type": b"application/json"}))
+    head, _, answer = transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500"), head
+    assert b'"code": "internal"' in answer and b'"retryable": false' in answer

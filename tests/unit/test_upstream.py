@@ -21,7 +21,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 
 from rhapsode._upstream.pool import BytesProducer, WorkerClient
 from rhapsode._upstream.wire import Connection, ProtocolError, encode_request
-from rhapsode_protocol.errors import ModelUnavailable
+from rhapsode_protocol.errors import Internal, ModelUnavailable
 
 
 class Reader(Protocol):
@@ -699,3 +699,19 @@ def test_a_request_leaves_no_reference_cycle_behind() -> None:
 
     assert _cyclic_garbage(answered) == []
     assert not any(name in ("_Attempt", "Deferred", "BytesProducer") for name in _cyclic_garbage(cancelled))
+
+
+@pytest.mark.parametrize("body", [b"[" * 1100 + b"]" * 1100, b"not json"])
+def test_a_workers_json_answer_that_cannot_be_read_is_the_workers_fault(body: bytes) -> None:
+    """
+    A worker (a remote one is any server at a URL) answering a JSON exchange with a
+    body that is not JSON, or JSON nested too deep to parse, fails it as internal
+    (500, not retryable), never as the caller's bad_request nor an unmapped error.
+    """
+    pool = Pool()
+    asked = Deferred.fromCoroutine(pool.client.json(b"GET", "/capabilities"))
+    socket, _ = pool.accept()
+    socket.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    with pytest.raises(Internal) as caught:
+        result_of(asked)
+    assert caught.value.status == 500 and "/capabilities" in str(caught.value)

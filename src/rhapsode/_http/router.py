@@ -22,7 +22,6 @@ from zope.interface import implementer
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import Conflict, Forbidden, Internal, Unsupported
 from rhapsode_protocol.http.answers import InFlight, answer, error_response, json_response, read_json
-from rhapsode_protocol.validation import loads_json
 
 from .._fleet.catalog import Catalog
 from .._fleet.cluster import ClusterView
@@ -32,24 +31,12 @@ from .._interfaces import IPublicRoutes, ISpeech, Utterance
 from .._speech.metrics import CONTENT_TYPE as METRICS_TYPE
 from .._speech.metrics import Metrics
 from .._speech.relay import ERROR_LIMIT, remote_server
-from .._upstream import collect
+from .._upstream import collect, worker_json
 from .sinks import HttpSink
 from .site import CoreRequest, admitted_of, require_guard
 from .table import JSON_BODY, openapi_document
 
 __all__ = ["CoreApp"]
-
-
-def _worker_json(raw: bytes) -> Any:
-    """
-    A worker's JSON answer, held to the depth every body is.
-
-    @raise Internal: it is not JSON, or nests too deep.
-    """
-    try:
-        return loads_json(raw)
-    except ValueError:
-        raise Internal("the worker's answer is not JSON") from None
 
 
 @implementer(IPublicRoutes)
@@ -325,7 +312,7 @@ class CoreApp:
                 raise Internal("voice uploads need the core's own site (rhapsode._http.site.CoreSite)")
             response = await upstream
             raw = await collect(response, ERROR_LIMIT)
-            return self._voice_answer(request, engine_id, response.code, _worker_json(raw))
+            return self._voice_answer(request, engine_id, response.code, worker_json(raw, "the upload"))
 
         return await self._answer(request, handle)
 

@@ -26,7 +26,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from zope.interface import Attribute, Interface, implementer
 
-from rhapsode_protocol.validation import loads_json
+from rhapsode_protocol.validation import TooDeep, loads_json
 
 from .._config import RELEASES_URL
 
@@ -105,7 +105,7 @@ def read_release(code: int, body: bytes) -> Release:
         raise ReleaseError(f"the release source answered {code}")
     try:
         document = loads_json(body)
-    except ValueError:
+    except (TooDeep, ValueError):
         raise ReleaseError("the release source's answer is not JSON") from None
     if not isinstance(document, dict):
         raise ReleaseError("the release source's answer is not a JSON object")

@@ -1,7 +1,7 @@
 """
 A worker's body read whole, within a limit: an error envelope, a small JSON answer, or
-a buffered (C{stream: false}) response; and L{Stall}, which notices a worker that has
-stopped sending.
+a buffered (C{stream: false}) response; L{worker_json}, which reads a worker's JSON as
+the worker's to get right; and L{Stall}, which notices a worker that has stopped sending.
 """
 
 from __future__ import annotations
@@ -16,9 +16,25 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 
-from rhapsode_protocol.errors import ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import Internal, ModelUnavailable, SpeechError
+from rhapsode_protocol.validation import TooDeep, loads_json
 
-__all__ = ["BodyTooLarge", "BufferRelay", "Stalls", "Watched", "collect", "collect_pieces", "stalled"]
+__all__ = ["BodyTooLarge", "BufferRelay", "Stalls", "Watched", "collect", "collect_pieces", "stalled", "worker_json"]
+
+
+def worker_json(raw: bytes, what: str) -> Any:
+    """
+    A worker's JSON answer (C{what} says to which request), its depth held to what every
+    body's is.  A worker may be any server at a URL, so a body it cannot have meant is
+    its fault, never the caller's: not L{TooDeep}'s bad_request, which names the
+    caller's body.
+
+    @raise Internal: not JSON, or nested too deep to parse.
+    """
+    try:
+        return loads_json(raw)
+    except (TooDeep, ValueError):
+        raise Internal(f"the worker answered {what} with a body that is not JSON it can send") from None
 
 
 class BodyTooLarge(ValueError):
