@@ -2,7 +2,8 @@
 The core's budget for buffered answers (limits.bufferedBytes, issue 23 section 1) against
 a real `rhapsode serve` and tone, with clients on real sockets that read nothing: an answer
 stays counted until it has left the core, not only until it was handed to the transport,
-for /speak with stream false, the batch (its base64 and JSON included) and MCP's speak;
+for /speak and a dialogue with stream false, the batch (its base64 and JSON included) and
+MCP's speak;
 past the budget a request is overloaded (429, retryable, Retry-After) and every answer
 that was admitted arrives whole.  The OpenAI shim streams, and so holds none of it.
 
@@ -117,6 +118,24 @@ def test_buffered_speech_held_by_readers_that_do_not_read_refuses_the_next(port:
     are whole, and the budget is free again.
     """
     first, second = speak(port), speak(port)
+    assert first.head()[0] == 200 and second.head()[0] == 200
+    overloaded(speak(port))
+    assert len(whole(first)) == len(whole(second)) > 14_000_000
+    assert len(whole(speak(port))) > 14_000_000
+
+
+def dialogue(port: int) -> Client:
+    turns = [{"speaker": "A", "text": HALF}, {"speaker": "B", "text": HALF}]
+    return Client(port, "/engines/tone/dialogue", {"variant": "classic", "turns": turns, "stream": False})
+
+
+def test_buffered_dialogues_held_by_readers_that_do_not_read_refuse_the_next(port: int) -> None:
+    """
+    A dialogue with stream false is one buffered answer like /speak's: two whose clients
+    read nothing stay counted once written, so a long /speak beside them is overloaded
+    with Retry-After; both dialogues arrive whole once read, and the budget is free again.
+    """
+    first, second = dialogue(port), dialogue(port)
     assert first.head()[0] == 200 and second.head()[0] == 200
     overloaded(speak(port))
     assert len(whole(first)) == len(whole(second)) > 14_000_000
