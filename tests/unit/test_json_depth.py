@@ -16,7 +16,7 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from rhapsode._fleet.registry import EngineHandle, Registry
-from rhapsode._http.table import ROUTES
+from rhapsode._http.table import NODE_ROUTES, ROUTES
 from rhapsode._manage.settings import read_patch
 from rhapsode._service import build_core
 from rhapsode_protocol.errors import BadRequest
@@ -64,10 +64,10 @@ def test_a_settings_patch_nested_too_deep_is_bad_request() -> None:
     assert refused.value.status == 400 and "deeper" in refused.value.message
 
 
-def core_answer(method: str, path: str, body: bytes) -> tuple[int, bytes, bytes]:
+def core_answer(method: str, path: str, body: bytes, node: str | None = None) -> tuple[int, bytes, bytes]:
     client = FakeClient(fallback=lambda method, path: (200, {}))
     handle = EngineHandle("tone", client, FakeSupervisor("up", 1))
-    app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock())
+    app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock(), node=node)
     channel = app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
     transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
     channel.makeConnection(transport)
@@ -82,18 +82,19 @@ def core_answer(method: str, path: str, body: bytes) -> tuple[int, bytes, bytes]
     return int(head.split(b" ")[1]), head, rest
 
 
-BODIED = [spec for spec in ROUTES if spec.method in ("POST", "PATCH", "PUT") and not spec.upload]
+BODIED = [spec for spec in ROUTES + NODE_ROUTES if spec.method in ("POST", "PATCH", "PUT") and not spec.upload]
 
 
 @pytest.mark.parametrize("spec", BODIED, ids=[f"{s.method} {s.rule}" for s in BODIED])
 def test_no_route_answers_a_deep_body_with_a_server_error(spec: Any) -> None:
     """
-    Every route of the public port that takes a body answers a 1,100-deep array in
-    JSON, with a status under 500: a refusal of the body (or of the call), never a
-    traceback.
+    Every route of the public port that takes a body (a cluster node's worker routes
+    included, on a core that is a node) answers a 1,100-deep array in JSON, with a
+    status under 500: a refusal of the body (or of the call), never a traceback.
     """
     path = spec.rule.replace("<string:engine_id>", "tone").replace("<string:job_id>", "j1")
-    status, head, body = core_answer(spec.method, path, DEEP)
+    node = "box-1" if spec in NODE_ROUTES else None
+    status, head, body = core_answer(spec.method, path, DEEP, node)
     assert status < 500, (status, body[:300])
     assert b"Content-Type: application/json" in head
     json.loads(body)
