@@ -447,6 +447,33 @@ def test_stderr_json_lines_are_forwarded_with_the_engine() -> None:
     assert len(forwarded) == 3
 
 
+def test_a_line_nested_too_deep_to_parse_is_plain_text_on_either_pipe() -> None:
+    """
+    A worker writing a line of 1,100 nested brackets (a library printing a deep
+    structure) is read as text: on stdout before the handshake it is "not a handshake",
+    on stderr a plain line, where json.loads' RecursionError escaped the pipe's reader;
+    the lines after it are read as ever.
+    """
+    deep = b"[" * 1100 + b"]" * 1100
+    h = harness()
+    started = h.supervisor.start()
+    with capturedLogs() as events:
+        last_worker(h.reactor).out(deep + b"\n")
+    assert "other than its handshake" in failure_of(started).value.message
+    assert any(e.get("line") == deep.decode()[:200] for e in events)
+    last_worker(h.reactor).exit(None, 9)
+
+    h = harness()
+    h.supervisor.start()
+    worker = last_worker(h.reactor)
+    record = {"time": "t", "level": "warn", "engine": "tone", "namespace": "rhapsode_worker", "message": "after"}
+    with capturedLogs() as events:
+        worker.err(deep + b"\n" + json.dumps(record).encode() + b"\n")
+    forwarded = [e for e in events if e.get("engine") == "tone"]
+    assert [e.get("line") for e in forwarded] == [deep.decode(), None]
+    assert (forwarded[1]["log_level"], forwarded[1]["message"]) == (LogLevel.warn, "after")
+
+
 def test_partial_stderr_line_is_kept_at_exit() -> None:
     """A last stderr line without a newline is still logged and still part of the error."""
     h = harness()

@@ -147,7 +147,9 @@ def _record(line: str) -> dict[str, Any] | None:
     """
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # Past the parser's recursion (a library printing a deep structure) is text too:
+        # an exception here would escape to the reactor, which drops the pipe it read.
         return None
     if isinstance(record, dict) and "message" in record:
         return record
@@ -384,7 +386,7 @@ def _parse_handshake(line: str) -> tuple[int, str] | None:
     """
     try:
         doc = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or doc.get("ready") is not True:
         return None
