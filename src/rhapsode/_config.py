@@ -658,6 +658,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"{where}: cannot be read: {e.strerror}") from e
     except ValueError as e:
         raise ConfigError(f"{where}: is not JSON: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{where}: is not JSON: it nests deeper than can be read") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
     config = parse_config(raw, where.parent)
