@@ -102,6 +102,7 @@ def test_several_servers_from_a_document_or_its_file(tmp_path: Path) -> None:
      "variants.v.license"),
     ({"RHAPSODE_REMOTE_CONFIG": '{"variants": {}}'}, "variants"),
     ({"RHAPSODE_REMOTE_CONFIG": "/no/such/file.json"}, "/no/such/file.json"),
+    ({"RHAPSODE_REMOTE_CONFIG": '{"variants": ' + "[" * 1100 + "]" * 1100 + "}"}, "RHAPSODE_REMOTE_CONFIG: not JSON"),
 ])
 def test_what_cannot_be_used_is_refused_naming_where(environ: dict[str, str], names: str) -> None:
     """
