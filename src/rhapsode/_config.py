@@ -11,10 +11,12 @@ of the file that names them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -327,10 +329,48 @@ def _level(value: Any, where: str, base: Path) -> str:
     return str(value)
 
 
+def _host(value: Any, where: str, base: Path) -> str:
+    """
+    An address this machine can listen on: an IP literal (or localhost) that a socket
+    binds to now, so that a value that would fail the next start is refused when it is
+    written, naming why.
+    """
+    text = _text(value, where, base).strip()
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(text).version == 6 else socket.AF_INET
+    except ValueError:
+        if text != "localhost":
+            raise ConfigError(
+                f"{where}: must be an IP address of this machine (127.0.0.1, 0.0.0.0 or :: for every "
+                f"interface), or localhost, not {json.dumps(value)}"
+            ) from None
+        family = socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((text, 0))
+    except OSError as error:
+        raise ConfigError(
+            f"{where}: {text} is not an address this machine can listen on ({error.strerror or error})"
+        ) from None
+    return text
+
+
+#: What an HTTP header value carries as it is: visible ASCII and the space.
+_HEADER_SAFE = re.compile(r"[ -~]*")
+
+
 def _token(value: Any, where: str, base: Path) -> str:
     if not isinstance(value, str) or len(value) < 16 or value != value.strip():
         raise ConfigError(
             f"{where}: must be a string of at least 16 characters without surrounding spaces"
+        )
+    if not _HEADER_SAFE.fullmatch(value):
+        # A caller sends it as "Authorization: Bearer <token>": a line break, a control
+        # character or a letter outside ASCII cannot travel in that header as it is.
+        raise ConfigError(
+            f"{where}: must be printable ASCII (letters, digits, punctuation, spaces): it travels in "
+            "an Authorization header, which cannot carry a line break, a control character or "
+            "other text"
         )
     return value
 
@@ -548,7 +588,7 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
         ServerConfig,
         {
             "port": _integer(1, 65535),
-            "host": _text,
+            "host": _host,
             "shutdownGraceMs": _integer(0, 600_000),
             "headTimeoutSeconds": _number(0, inclusive=False, maximum=600),
             "idleTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
@@ -645,6 +685,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"{where}: cannot be read: {e.strerror}") from e
     except ValueError as e:
         raise ConfigError(f"{where}: is not JSON: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{where}: is not JSON: it nests deeper than can be read") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
     config = parse_config(raw, where.parent)

@@ -357,6 +357,7 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path: Path) -> 
     "text, message",
     [
         ("{", "is not JSON"),
+        ('{"server": ' + "[" * 1100 + "]" * 1100 + "}", "is not JSON: it nests deeper"),
         ("[]", "must hold a JSON object"),
         ('{"server": {"port": 1, "port": 2}}', 'key "port" appears twice in one object'),
         ('{"server": {"prot": 1}}', "server.prot: unknown key"),
@@ -364,8 +365,9 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path: Path) -> 
 )
 def test_load_config_refuses_a_bad_file(tmp_path: Path, text: str, message: str) -> None:
     """
-    A file that is not JSON, not an object, repeats a key or fails validation is a
-    ConfigError rather than a traceback or a silently dropped setting.
+    A file that is not JSON (nor JSON nested past the parser's recursion), not an
+    object, repeats a key or fails validation is a ConfigError rather than a traceback
+    or a silently dropped setting.
     """
     path = tmp_path / "rhapsode.json"
     path.write_text(text)
