@@ -50,7 +50,7 @@ from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
 from ._http.table import klein_app, routes_for
-from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
+from ._interfaces import IAdmissionSettings, IClientSettings, IResidencySettings, IWorkerClient
 from ._manage.installer import Commands, Installer, find_uv
 from ._manage.jobs import JobContext, Jobs
 from ._manage.routes import ManagementRoutes
@@ -205,6 +205,7 @@ def build_core(
     settings: IResidencySettings | None = None,
     residency: Residency | None = None,
     admission: IAdmissionSettings | None = None,
+    clients: IClientSettings | None = None,
     stall_seconds: float = 120.0,
     head_timeout: float = HEAD_SECONDS,
     idle_timeout: float = IDLE_SECONDS,
@@ -222,6 +223,9 @@ def build_core(
         reading C{settings}, or the defaults.
     @param admission: the limits on speech at once and buffered audio held; without
         them, C{settings} where it answers for admission too, else the defaults.
+    @param clients: the operator's settings for other people's clients (voice aliases,
+        the OpenAI shim's sample rates); without them, C{settings} where it answers for
+        them too, else the defaults.
     @param stall_seconds: how long a worker may send nothing while answering.
     @param head_timeout: how long a request's head may take from its first byte.
     @param idle_timeout: how long a connection may send nothing.
@@ -253,16 +257,20 @@ def build_core(
     if admission is None:
         admission = settings if IAdmissionSettings.providedBy(settings) else defaults
     assert admission is not None
+    if clients is None:
+        clients = settings if IClientSettings.providedBy(settings) else defaults
+    assert clients is not None
     requests = InFlight()
     turnstile = Turnstile(reactor, admission)
     relay = SpeechRelay(residency, turnstile, BufferBudget(admission), Stalls(reactor, stall_seconds))
     metrics = Metrics(reactor, registry, residency, turnstile, requests)
     residency.observer = metrics
-    speech = SpeechService(registry, residency, relay, metrics)
-    translation = OpenAITranslation(registry, speech)
+    speech = SpeechService(registry, residency, relay, metrics, clients)
+    translation = OpenAITranslation(registry, speech, clients.openai_sample_rate)
     router = CoreApp(
         registry=registry, residency=residency, speech=speech, catalog=catalog, metrics=metrics,
         requests=requests, version=version, contract_version=contract_version, metrics_public=metrics_public,
+        clients=clients,
     )
     jobs = Jobs(reactor)
     jobs.on_finished = metrics.job_finished
@@ -282,7 +290,8 @@ def build_core(
         requests=requests,
         router=router,
         openai=OpenAIShim(
-            registry=registry, speech=speech, routes=router, translation=translation, requests=requests, clock=reactor
+            registry=registry, speech=speech, routes=router, translation=translation, requests=requests, clock=reactor,
+            clients=clients,
         ),
         mcp=McpServer(routes=router, speech=speech, version=version),
         streams=SpeechStreams(speech=speech, translation=translation, registry=registry, clock=reactor),
@@ -465,6 +474,7 @@ class RhapsodeService(service.Service):
             metrics_public=self.config.metrics.public,
             residency=residency,
             admission=settings,
+            clients=settings,
             stall_seconds=workers.stall_seconds,
             head_timeout=self.config.server.head_timeout_seconds,
             idle_timeout=self.config.server.idle_timeout_seconds,

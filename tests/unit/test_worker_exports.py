@@ -43,6 +43,7 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "Reference": _engine,
         "SpeakRequest": _engine,
         "SpeechError": errors,
+        "Speed": _engine,
         "Turn": _engine,
         "UnknownEngine": errors,
         "UnknownVoice": errors,

@@ -43,7 +43,10 @@ from .schemas import (
     MAX_SEED,
     MAX_TEXT_CHARACTERS,
     MAX_TURNS,
+    FORMAT_RATES,
+    MAX_SAMPLE_RATE,
     MEDIA_TYPES,
+    MIN_SAMPLE_RATE,
     NATIVE_FORMAT,
     OUTDATED_REINSTALLS,
     PUBLIC_DIALOGUE_REQUEST,
@@ -68,7 +71,14 @@ from .schemas import (
     VOICE_LIST,
     Schema,
 )
-from .validation import check_voice_id, choose_language, parse_json_body, validate
+from .validation import (
+    check_sample_rate,
+    check_voice_id,
+    choose_language,
+    parse_json_body,
+    speed_dial,
+    validate,
+)
 
 __all__ = [
     "LANGUAGE_PATTERN",
@@ -98,7 +108,10 @@ __all__ = [
     "JOB_STEPS",
     "LICENSE",
     "LOAD_REQUEST",
+    "FORMAT_RATES",
+    "MAX_SAMPLE_RATE",
     "MEDIA_TYPES",
+    "MIN_SAMPLE_RATE",
     "NATIVE_FORMAT",
     "OUTDATED_REINSTALLS",
     "PUBLIC_DIALOGUE_REQUEST",
@@ -122,11 +135,13 @@ __all__ = [
     "VOICE_DELETED",
     "VOICE_ID_PATTERN",
     "VOICE_LIST",
+    "check_sample_rate",
     "check_voice_id",
     "choose_language",
     "main",
     "parse_json_body",
     "public_openapi",
+    "speed_dial",
     "validate",
     "worker_openapi",
 ]
