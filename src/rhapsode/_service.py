@@ -42,6 +42,7 @@ from ._doors.mcp import McpServer
 from ._doors.node import NodeDoor
 from ._doors.openai import OpenAIShim
 from ._doors.stream import SpeechStreams
+from ._doors.wyoming import Advertisement, WyomingDoor, WyomingLimits
 from ._fleet.catalog import Catalog, read_catalog, read_source
 from ._fleet.registry import EngineHandle, Registry
 from ._fleet.residency import Residency
@@ -119,6 +120,7 @@ class Core:
         site_options: Mapping[str, Any],
         metrics_public: bool,
         node: NodeDoor | None = None,
+        wyoming: WyomingDoor | None = None,
     ) -> None:
         self.reactor = reactor
         self.registry = registry
@@ -136,6 +138,8 @@ class Core:
         self.jobs = jobs
         self.catalog = catalog
         self.node = node
+        #: The Wyoming door's factory, where the operator turned it on (wyoming.port).
+        self.wyoming = wyoming
         self._site_options = dict(site_options)
         self._metrics_public = metrics_public
         handlers = {
@@ -189,6 +193,8 @@ class Core:
         Shutting down: stop keep-alive timers and any measurement still in flight.
         """
         self.streams.close()
+        if self.wyoming is not None:
+            self.wyoming.close()
         self.relay.close()
         self.residency.close()
 
@@ -215,6 +221,7 @@ def build_core(
     updates: UpdateChecker | None = None,
     version: str = __version__,
     node: str | None = None,
+    wyoming: WyomingLimits | None = None,
 ) -> Core:
     """
     Build and wire every part of one core over C{registry}.
@@ -242,6 +249,8 @@ def build_core(
         the environment turned it off.
     @param node: this core's name as a cluster's node (server.role "node"): it then
         serves its engines' worker routes and its state to the cluster (docs/cluster.md).
+    @param wyoming: the bounds of the Wyoming door, which is built only with them
+        (wyoming.port set); the service listens with it.
     """
     catalog = catalog if catalog is not None else Catalog((), version)
     # The defaults, built once: a Config works out its default paths when made.
@@ -309,6 +318,10 @@ def build_core(
         node=NodeDoor(
             name=node, registry=registry, residency=residency, speech=speech, routes=router, requests=requests
         ) if node is not None else None,
+        wyoming=WyomingDoor(
+            speech=speech, routes=router, registry=registry, clock=reactor, limits=wyoming, clients=clients,
+            version=version,
+        ) if wyoming is not None else None,
     )
 
 
@@ -348,6 +361,10 @@ class RhapsodeService(service.Service):
         #: With workers.prestart, each local engine's worker process starting at boot.
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
+        #: The Wyoming door's port, once it listens (wyoming.port), and its zeroconf
+        #: advertisement (wyoming.zeroconf).
+        self.wyoming_port: Any = None
+        self.advertisement: Advertisement | None = None
         self._clients: list[IWorkerClient] = []
         #: Why the service could not start (a folder, its port), once that has happened.
         self.failed_to_start: Any = None
@@ -485,6 +502,11 @@ class RhapsodeService(service.Service):
             # and the environment are the start's.
             updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
             node=(self.config.server.node or socket.gethostname()) if self.config.server.role == "node" else None,
+            wyoming=WyomingLimits(
+                idle_seconds=self.config.wyoming.idle_seconds,
+                max_events=self.config.wyoming.max_events,
+                max_connections=self.config.wyoming.max_connections,
+            ) if self.config.wyoming.port is not None else None,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
@@ -582,7 +604,47 @@ class RhapsodeService(service.Service):
                 return
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
-        endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
+        listened = endpoint.listen(app.site(access_log=access_log))
+        if app.wyoming is not None:
+            # Both ports or neither: a core whose Wyoming port is taken has not started.
+            listened.addCallback(lambda port: self._listen_wyoming(app, port))
+        listened.addCallbacks(listening, failed)
+
+    def _listen_wyoming(self, app: Core, http_port: Any) -> "Deferred[Any]":
+        from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+
+        wyoming = self.config.wyoming
+        assert app.wyoming is not None and wyoming.port is not None
+        endpoint_type = TCP6ServerEndpoint if ":" in wyoming.host else TCP4ServerEndpoint
+        endpoint = endpoint_type(self.reactor, wyoming.port, backlog=BACKLOG, interface=wyoming.host)
+
+        def listening(port: Any) -> Any:
+            self.wyoming_port = port
+            address = port.getHost()
+            self.log.info("the Wyoming door listens on {host}:{port}", host=address.host, port=address.port)
+            if wyoming.zeroconf:
+                from twisted.internet.threads import deferToThreadPool
+
+                reactor = self.reactor
+                self.advertisement = Advertisement(
+                    port=address.port,
+                    name=wyoming.zeroconf_name or f"rhapsode-{socket.gethostname()}",
+                    host=wyoming.host,
+                    blocking=lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
+                )
+                # A network that cannot be advertised on does not stop the door.
+                self.advertisement.start().addErrback(
+                    lambda failure: self.log.failure("advertising the Wyoming door", failure)
+                )
+            return http_port
+
+        def unbound(failure: Failure) -> "Deferred[Any]":
+            # The public port is open already: closed again, and the start fails.
+            closing = http_port.stopListening()
+            closing.addBoth(lambda _: failure)
+            return closing
+
+        return endpoint.listen(app.wyoming).addCallbacks(listening, unbound)
 
     def _cannot_start(self, failure: Any) -> None:
         """
@@ -651,6 +713,13 @@ class RhapsodeService(service.Service):
                 self.watchdog.stop()
             if self.port is not None:
                 await self.port.stopListening()
+            if self.wyoming_port is not None:
+                await self.wyoming_port.stopListening()
+            if self.advertisement is not None:
+                try:
+                    await self.advertisement.stop()
+                except Exception:
+                    self.log.failure("withdrawing the Wyoming door's advertisement")
             if self.app is not None:
                 self.app.close()
                 # A job running now is stopped (its process group killed) and marked
