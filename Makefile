@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps image image-gpu image-deps container
+.PHONY: test unit integration venv engines clients serve bench openapi clean browser-deps image image-gpu image-deps container
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -41,7 +41,7 @@ engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it).
-test: $(STAMP) engines browser-deps image-deps
+test: $(STAMP) engines clients browser-deps image-deps
 	$(PY) -m pytest
 	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
 
@@ -74,6 +74,25 @@ image-gpu: image-deps
 # The image's tests alone (they build the image first, from this checkout).
 container: $(STAMP) image-deps
 	$(PY) -m pytest -m container tests/container
+
+# Other people's clients, which tests/integration/test_clients.py drives against a core:
+# LiveKit's and Pipecat's OpenAI TTS and wyoming-bench in one virtualenv of their own
+# (their pins allow it), the openai Node SDK in a node project of its own (npm ci, from
+# the committed lock file).
+CLIENTS_VENV := $(ENGINE_VENVS)/clients
+NODE_CLIENTS := tests/clients/node
+
+$(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet -r tests/clients/requirements.txt
+	touch $@
+
+$(NODE_CLIENTS)/node_modules/.installed: $(NODE_CLIENTS)/package.json $(NODE_CLIENTS)/package-lock.json
+	cd $(NODE_CLIENTS) && npm ci --no-audit --no-fund --silent
+	touch $@
+
+clients: $(CLIENTS_VENV)/.installed $(NODE_CLIENTS)/node_modules/.installed
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
@@ -116,4 +135,4 @@ openapi: $(STAMP)
 	$(PY) -m rhapsode_protocol.contract > docs/openapi.worker.yaml
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENVS) $(RUN) build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENVS) $(RUN) build .pytest_cache .hypothesis $(NODE_CLIENTS)/node_modules

@@ -174,6 +174,23 @@ def test_a_bare_voice_name_finds_its_engine_and_a_language_its_voice() -> None:
     assert h.engines["other"].spoken[1]["language"] == "de-DE"
 
 
+def test_an_event_is_read_whatever_reads_it_arrives_in() -> None:
+    """
+    A header, its data and its payload arriving a byte at a time, or several events in
+    one read, are the same events.
+    """
+    h = Harness()
+    peer = h.connect()
+    assert peer.transport is not None
+    raw = encode_event("ping", {"text": "one"}, b"\x00\x01") + encode_event("ping", {"text": "two"})
+    for at in range(len(raw)):
+        peer.transport.write(raw[at : at + 1])
+        h.flush()
+    peer.transport.write(raw)
+    h.flush()
+    assert [data["text"] for _, data, _ in peer.events] == ["one", "two", "one", "two"]
+
+
 def test_the_streaming_form_speaks_each_sentence_as_it_is_whole() -> None:
     """
     synthesize-start, chunks, synthesize-stop: each sentence is spoken once the next word

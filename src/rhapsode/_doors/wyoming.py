@@ -399,6 +399,7 @@ class WyomingConnection(Protocol):
                 header = self._parse_header(line)
                 if header is None:
                     return
+                header["size"] = len(line)
                 self._header = header
             header = self._header
             data_length, payload_length = header["data_length"], header["payload_length"]
@@ -418,7 +419,7 @@ class WyomingConnection(Protocol):
                     self._refuse("an event's data is not a JSON object")
                     return
                 merged.update(extra)
-            self._take(_Event(header["type"], merged, len(line) + data_length))
+            self._take(_Event(header["type"], merged, header["size"] + data_length))
 
     def _parse_header(self, line: bytes) -> dict[str, Any] | None:
         try:
