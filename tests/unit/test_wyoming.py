@@ -146,17 +146,18 @@ def test_describe_answers_one_tts_program_per_engine() -> None:
 def test_synthesize_answers_audio_start_chunks_and_stop() -> None:
     """
     synthesize: audio-start with the pcm's rate, width and channels, the worker's audio
-    as audio-chunks as it comes, then audio-stop; the whole text is one /speak in pcm
-    with the voice the name picks.
+    as audio-chunks as it comes, then audio-stop; the first sentence is one /speak (for
+    the first audio), the rest another, in pcm with the voice the name picks.
     """
     h = Harness()
     peer = h.connect()
-    h.say(peer, "synthesize", {"text": "Hello there. How are you?", "voice": {"name": "fake:alto"}})
-    assert peer.kinds() == ["audio-start", "audio-chunk", "audio-chunk", "audio-stop"]
+    h.say(peer, "synthesize", {"text": "Hello there. How are you? I am fine.", "voice": {"name": "fake:alto"}})
+    assert peer.kinds() == ["audio-start"] + ["audio-chunk"] * 4 + ["audio-stop"]
     assert peer.events[0][1] == {"rate": 24000, "width": 2, "channels": 1}
-    assert b"".join(payload for _, _, payload in peer.events[1:3]) == PIECE + PIECE
-    [spoken] = h.engines["fake"].spoken
-    assert (spoken["text"], spoken["format"], spoken["voice"]) == ("Hello there. How are you?", "pcm", "alto")
+    assert b"".join(payload for _, _, payload in peer.events[1:5]) == PIECE * 4
+    first, rest = h.engines["fake"].spoken
+    assert (first["text"], first["format"], first["voice"]) == ("Hello there.", "pcm", "alto")
+    assert rest["text"] == "How are you? I am fine."
 
 
 def test_a_bare_voice_name_finds_its_engine_and_a_language_its_voice() -> None:
@@ -333,17 +334,21 @@ def test_text_waiting_past_the_bound_closes() -> None:
 
 def test_a_long_synthesize_is_cut_at_sentences_within_the_ceiling() -> None:
     """
-    A text over the variant's ceiling is spoken in pieces of whole sentences within it,
-    all in one audio cycle.
+    After the first sentence, the rest is spoken in pieces of whole sentences within the
+    variant's ceiling, all in one audio cycle.
     """
     caps = default_capabilities()
     caps["variants"]["default"]["maxCharacters"] = 40
     h = Harness(fake=FakeEngine(capabilities=caps, audio=[PIECE]))
     peer = h.connect()
-    h.say(peer, "synthesize", {"text": "One short sentence. Another short one. And a third one here."})
+    h.say(peer, "synthesize", {"text": "One. Two. Three. Four."})
+    assert [s["text"] for s in h.engines["fake"].spoken] == ["One.", "Two. Three. Four."]
+    h.engines["fake"].spoken.clear()
+    peer = h.connect()
+    h.say(peer, "synthesize", {"text": "One short sentence. Another short one. And a third one, longer."})
     assert [s["text"] for s in h.engines["fake"].spoken] == [
-        "One short sentence. Another short one.", "And a third one here."]
-    assert peer.kinds() == ["audio-start", "audio-chunk", "audio-chunk", "audio-stop"]
+        "One short sentence.", "Another short one.", "And a third one, longer."]
+    assert peer.kinds() == ["audio-start", "audio-chunk", "audio-chunk", "audio-chunk", "audio-stop"]
 
 
 def test_the_advertisement_registers_and_withdraws_the_service() -> None:

@@ -527,10 +527,13 @@ class WyomingConnection(Protocol):
         text = self._text(data)
         target = await self._door.target(self._voice(data), self._selected)
         ceiling = await self._door.ceiling(target.engine)
-        # One utterance, whole where it fits: the SDK cuts its short first segment, so
-        # the first audio comes as soon as it would sentence by sentence, and the rest
-        # is one request rather than one per sentence.
-        pieces = [text.strip()] if len(text) <= ceiling else _grouped(TextCutter("sentence"), text, ceiling)
+        # The first sentence alone (within it the SDK cuts its short first segment), so
+        # the first audio comes as soon as a sentence-by-sentence server's would, or
+        # sooner; then the rest in as few requests as the ceiling allows, each spoken
+        # by the SDK segment after segment without a request's gap between sentences.
+        cutter = TextCutter("sentence")
+        sentences = [sentence for sentence in cutter.feed(text) + cutter.flush() if sentence]
+        pieces = _grouped_sentences(sentences[:1], ceiling) + _grouped_sentences(sentences[1:], ceiling)
         pieces = [piece for piece in pieces if is_speakable(piece)]
         if not pieces:
             raise BadRequest("text has nothing to speak", field="text")
@@ -701,14 +704,14 @@ class WyomingConnection(Protocol):
             timer.cancel()
 
 
-def _grouped(cutter: TextCutter, text: str, ceiling: int) -> list[str]:
+def _grouped_sentences(sentences: list[str], ceiling: int) -> list[str]:
     """
-    A text over the ceiling as pieces at most the ceiling long: whole sentences together
-    while they fit (one longer than the ceiling is cut at its clauses, then its words).
+    Sentences as pieces at most the ceiling long: whole sentences together while they
+    fit (one longer than the ceiling is cut at its clauses, then its words).
     """
     pieces: list[str] = []
     current = ""
-    for sentence in cutter.feed(text) + cutter.flush():
+    for sentence in sentences:
         for part in _fitting(sentence, ceiling):
             if current and len(current) + 1 + len(part) > ceiling:
                 pieces.append(current)
