@@ -31,12 +31,14 @@ from .schemas import (
     FETCH_REQUEST,
     FETCH_RESPONSE,
     HEALTH,
+    INSTRUCTION_KINDS,
     INSTALL_JOB,
     INSTALL_JOB_LIST,
     JOB_STEPS,
     LANGUAGE_PATTERN,
     LICENSE,
     LOAD_REQUEST,
+    MAX_INSTRUCTION_CHARACTERS,
     MAX_KEEP_ALIVE_SECONDS,
     MAX_NAME_CHARACTERS,
     MAX_PARAMS,
@@ -72,6 +74,7 @@ from .schemas import (
     Schema,
 )
 from .validation import (
+    check_instructions,
     check_sample_rate,
     check_voice_id,
     choose_language,
@@ -81,7 +84,9 @@ from .validation import (
 )
 
 __all__ = [
+    "INSTRUCTION_KINDS",
     "LANGUAGE_PATTERN",
+    "MAX_INSTRUCTION_CHARACTERS",
     "MAX_KEEP_ALIVE_SECONDS",
     "MAX_NAME_CHARACTERS",
     "MAX_PARAMS",
@@ -135,6 +140,7 @@ __all__ = [
     "VOICE_DELETED",
     "VOICE_ID_PATTERN",
     "VOICE_LIST",
+    "check_instructions",
     "check_sample_rate",
     "check_voice_id",
     "choose_language",

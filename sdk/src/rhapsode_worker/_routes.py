@@ -40,7 +40,7 @@ from rhapsode_protocol.http.answers import (
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
 from rhapsode_protocol.text import split_text
-from rhapsode_protocol.validation import check_sample_rate, choose_language
+from rhapsode_protocol.validation import check_instructions, check_sample_rate, choose_language
 from rhapsode_protocol.vocab import clean_text, is_speakable
 
 from . import _memory
@@ -119,6 +119,16 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     speed = variant.speed
     if isinstance(speed, Speed):
         doc["speed"] = {"dial": speed.dial, "scale": speed.scale}
+    if variant.instructions is not None:
+        doc["instructions"] = {
+            "kind": variant.instructions.kind,
+            "maxCharacters": variant.instructions.max_characters,
+            "required": variant.instructions.required,
+        }
+    if variant.remote is not None:
+        doc["remote"] = {"server": variant.remote.server}
+        if variant.remote.model:
+            doc["remote"]["model"] = variant.remote.model
     return doc
 
 
@@ -376,6 +386,9 @@ class WorkerApp:
         vram = _memory.vram_in_use()
         if vram:
             doc["vramBytes"] = vram
+        unreachable = {name: why for name, why in self.engine.unreachable().items() if name in self.variants}
+        if unreachable:
+            doc["unreachable"] = unreachable
         return doc
 
     def capabilities(self) -> dict[str, Any]:
@@ -672,6 +685,8 @@ class WorkerApp:
             ceiling = self._ceiling(variant)
             if len(text) > ceiling:
                 raise BadRequest(f"text is {len(text)} characters; the most is {ceiling}", field="text")
+            declared = variant_capabilities(self.engine, v).get("instructions")
+            instructions = check_instructions(body.get("instructions"), declared, variant)
             voice = body.get("voice")
             if voice is not None:
                 await self._check_voice(voice, "voice")
@@ -683,6 +698,7 @@ class WorkerApp:
                 delivery=delivery,
                 params=params,
                 seed=body.get("seed"),
+                instructions=instructions,
             )
             return await self._respond(
                 request, variant, self._segments(speak), fmt, body.get("stream", True), body.get("sampleRate")

@@ -32,7 +32,7 @@ from .._fleet.residency import Residency
 from .._interfaces import IAudioSink, IClientSettings, ISpeech, Prepared, Utterance
 from .metrics import Metrics
 from .preflight import forward_dialogue, forward_speak, voices_to_check
-from .relay import SpeechRelay
+from .relay import SpeechRelay, remote_server
 
 __all__ = ["SpeechService", "aliases_of"]
 
@@ -90,12 +90,16 @@ class SpeechService:
     async def _unknown_voice(self, engine: EngineHandle, refused: SpeechError, asked: Mapping[str, Any]) -> SpeechError:
         """
         An unknown voice's refusal, naming the voices the engine has and its aliases;
-        C{refused} itself where they cannot be read.
+        C{refused} itself where the request named no voice or they cannot be read.
         """
         field = refused.field or "voice"
         name = asked.get("voice") if field == "voice" else None
         if name is None and field.startswith("voices."):
             name = (asked.get("voices") or {}).get(field[len("voices."):])
+        if not isinstance(name, str):
+            # The request named no voice here (a default the engine lacks, or a field
+            # the worker named that the request did not send): the worker's own words.
+            return refused
         try:
             client = await engine.ready()
             code, voices = await client.json(b"GET", "/voices")
@@ -110,7 +114,7 @@ class SpeechService:
         if aliases:
             message += "; aliases: " + ", ".join(f"{a} ({v})" for a, v in sorted(aliases.items())[:_LISTED])
         message += ")"
-        elsewhere = self._clients.voice_aliases().get(str(name)) if self._clients is not None else None
+        elsewhere = self._clients.voice_aliases().get(name) if self._clients is not None else None
         if elsewhere is not None and elsewhere[0] != engine.id:
             message += f'; "{name}" is an alias of {elsewhere[0]}:{elsewhere[1]}, asked for with engine (model) "{elsewhere[0]}"'
         return UnknownVoice(message, field=field)
@@ -128,7 +132,8 @@ class SpeechService:
         variant = engine.effective_variant(body.get("variant"), self.resident(engine.id))
         forward = forward_dialogue if utterance.dialogue else forward_speak
         forwarded = forward(body, caps, variant)
-        await self._check_voices(engine, forwarded)
+        engine.check_reachable(forwarded["variant"])
+        await self._check_voices(engine, forwarded, caps)
         return Prepared(utterance, caps, variant, forwarded)
 
     async def speak(self, sink: IAudioSink, utterance: Utterance) -> None:
@@ -167,7 +172,7 @@ class SpeechService:
             if forwarded["variant"] not in caps.get("variants", {}):
                 known = ", ".join(sorted(caps.get("variants", {})))
                 raise Unsupported(f'no variant "{forwarded["variant"]}" (variants: {known})', field="variant")
-            await self._check_voices(engine, forwarded)
+            await self._check_voices(engine, forwarded, caps)
             path = "/dialogue" if dialogue else "/speak"
             await self._relay.dispatch(sink, engine, path, forwarded, caps, keep_alive, measured)
         except CancelledError:
@@ -183,20 +188,24 @@ class SpeechService:
         engine = self._registry.get(engine_id)
         caps = await engine.capabilities()
         variant = engine.effective_variant(None, self.resident(engine.id))
+        engine.check_reachable(variant)
         # A preview speaks: an unknown voice is refused before it costs a load.
-        await self._check_voices(engine, {"voice": voice_id, "variant": variant})
+        await self._check_voices(engine, {"voice": voice_id, "variant": variant}, caps)
         await self._relay.preview(sink, engine, voice_id, caps, variant)
 
-    async def _check_voices(self, engine: EngineHandle, forward: Mapping[str, Any]) -> None:
+    async def _check_voices(self, engine: EngineHandle, forward: Mapping[str, Any], caps: Mapping[str, Any]) -> None:
         """
         Ask the worker whether the voices a request names exist, when finding out at
         the worker would first cost a load: a model that is already resident in the
-        variant asked for loses nothing, and its worker refuses an unknown voice itself.
+        variant asked for loses nothing, and its worker refuses an unknown voice itself,
+        as does one whose model is served elsewhere (its load costs nothing here).
         """
         wanted = voices_to_check(forward)
         model = self._residency.state(engine.id)
         if not wanted or engine.elsewhere or (model["resident"] and model["variant"] == forward["variant"]):
             # A cluster's node checks for itself, knowing what its card holds.
+            return
+        if remote_server(caps, forward["variant"]) is not None:
             return
         client = await engine.ready()
         code, voices = await client.json(b"GET", "/voices")

@@ -72,14 +72,15 @@ class OpenAITranslation:
         additions docs/openai.md lists: a speed any variant that names its rate dial
         takes, and a C{sample_rate}, by default the operator's for the engine).
 
-        @raise Unsupported: non-empty instructions.
+        Non-empty C{instructions} are passed on as the native field, which the preflight
+        refuses (unsupported) for a variant that declares none; OpenAI's empty string is
+        its default, nothing asked.
         """
         engine_id, variant = self.resolve_model(body["model"])
         fmt = body.get("response_format", "mp3")
-        if body.get("instructions"):
-            raise Unsupported("instructions are not supported: no engine here takes a spoken direction in prose",
-                              field="instructions")
         native: dict[str, Any] = {"engine": engine_id, "text": body["input"], "format": fmt, "stream": stream}
+        if body.get("instructions"):
+            native["instructions"] = body["instructions"]
         if variant is not None:
             native["variant"] = variant
         voice = _voice(body.get("voice"))
