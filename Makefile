@@ -121,7 +121,10 @@ $(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
 	$(CLIENTS_VENV)/bin/python -m pip install --quiet -r tests/clients/requirements.txt
 	touch $@
 
+# Node and npm from Debian's packages where the machine has none (CI's fresh machine may not).
 $(NODE_CLIENTS)/node_modules/.installed: $(NODE_CLIENTS)/package.json $(NODE_CLIENTS)/package-lock.json
+	@command -v npm >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null; }
 	cd $(NODE_CLIENTS) && npm ci --no-audit --no-fund --silent
 	touch $@
 
