@@ -386,3 +386,42 @@ def test_the_advertisement_registers_and_withdraws_the_service() -> None:
     assert info.parsed_addresses() == ["192.0.2.7"]
     advert.stop()
     assert [c[0] for c in calls] == ["register", "unregister", "close"] and len(ran) == 2
+
+
+def test_a_door_stopped_while_registering_still_withdraws() -> None:
+    """
+    A stop that comes while the registration still runs off the reactor waits for it,
+    then withdraws and closes, rather than leaving the service announced.
+    """
+    from zeroconf import ServiceInfo
+
+    calls: list[str] = []
+
+    class Zeroconf:
+        def register_service(self, info: Any) -> None:
+            calls.append("register")
+
+        def unregister_service(self, info: Any) -> None:
+            calls.append("unregister")
+
+        def close(self) -> None:
+            calls.append("close")
+
+    waiting: list[tuple[Any, "Deferred[Any]"]] = []
+
+    def blocking(f: Any) -> "Deferred[Any]":
+        d: Deferred[Any] = Deferred()
+        waiting.append((f, d))
+        return d
+
+    advert = Advertisement(port=10200, name="rhapsode-box", host="192.0.2.7", blocking=blocking,
+                           zeroconf=Zeroconf, service_info=ServiceInfo)
+    started = advert.start()
+    stopped = advert.stop()
+    assert calls == [] and len(waiting) == 1 and not stopped.called
+    f, d = waiting.pop()
+    d.callback(f())
+    assert started.called and calls == ["register"] and not stopped.called
+    f, d = waiting.pop()
+    d.callback(f())
+    assert calls == ["register", "unregister", "close"] and stopped.called

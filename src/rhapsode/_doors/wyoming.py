@@ -853,6 +853,9 @@ class Advertisement:
         self._info_factory = service_info
         self._zeroconf: Any = None
         self.info: Any = None
+        #: While the registration runs (off the reactor): the stop waits for it, so a
+        #: door that stops at once does not leave a registration running unwithdrawn.
+        self._registering: Deferred[None] | None = None
 
     def _factories(self) -> tuple[Any, Any]:
         if self._zeroconf_factory is not None and self._info_factory is not None:
@@ -907,13 +910,27 @@ class Advertisement:
                           name=f"{self.name}.{SERVICE_TYPE}", address=address, port=self.port)
 
         started: Deferred[None] = self._blocking(register)
+        registering: Deferred[None] = Deferred()
+        self._registering = registering
+
+        def settled(result: object) -> object:
+            self._registering = None
+            registering.callback(None)
+            return result
+
+        started.addBoth(settled)
         started.addCallback(announced)
         return started
 
     def stop(self) -> "Deferred[None]":
         """
-        Withdraw the service and close zeroconf's thread.
+        Withdraw the service and close zeroconf's thread, once a registration still
+        running has finished.
         """
+        if self._registering is not None:
+            after: Deferred[None] = Deferred()
+            self._registering.addCallback(lambda _: self.stop().chainDeferred(after))
+            return after
         running, self._zeroconf = self._zeroconf, None
         if running is None:
             return succeed(None)
