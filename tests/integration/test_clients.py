@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -224,3 +225,88 @@ def test_wyoming_bench_runs_against_the_door(core: dict[str, Any], tmp_path: Pat
                "--warmup", "0", "--programs", "piper", "--config", '{"voice": "piper:joe"}',
                "--texts", "Benchmarking the door. Two sentences long."], tmp_path)
     assert "[non_streaming] ok=1 fail=0" in out and "[streaming] ok=1 fail=0" in out, out[-2000:]
+
+
+def _browse(seconds: float, name: str) -> tuple[Any, Any, list[str]]:
+    """
+    Browse for C{_wyoming._tcp} as Home Assistant's zeroconf discovery does (the same
+    python-zeroconf); return the browser's zeroconf, the info of the service C{name}
+    (None if it was not heard within C{seconds}), and the names heard removed since.
+    """
+    import threading
+
+    from zeroconf import ServiceBrowser, ServiceListener, Zeroconf
+
+    heard, removed = threading.Event(), []
+
+    class Listener(ServiceListener):
+        def add_service(self, zc: Zeroconf, type_: str, found: str) -> None:
+            if found == name:
+                heard.set()
+
+        def update_service(self, zc: Zeroconf, type_: str, found: str) -> None:
+            self.add_service(zc, type_, found)
+
+        def remove_service(self, zc: Zeroconf, type_: str, found: str) -> None:
+            removed.append(found)
+
+    zc = Zeroconf()
+    ServiceBrowser(zc, "_wyoming._tcp.local.", Listener())
+    info = zc.get_service_info("_wyoming._tcp.local.", name, timeout=3000) if heard.wait(seconds) else None
+    return zc, info, removed
+
+
+def _can_multicast() -> bool:
+    """Whether this machine hears its own multicast DNS at all (a bare round trip)."""
+    import socket
+
+    from zeroconf import ServiceInfo, Zeroconf
+
+    name = f"rhapsode-probe-{os.getpid()}._wyoming._tcp.local."
+    own = Zeroconf()
+    try:
+        own.register_service(ServiceInfo("_wyoming._tcp.local.", name, addresses=[socket.inet_aton("127.0.0.1")],
+                                         port=9))
+        zc, info, _ = _browse(10, name)
+        zc.close()
+        return info is not None
+    except OSError:
+        return False
+    finally:
+        own.close()
+
+
+def test_home_assistant_discovers_the_door_over_zeroconf(tmp_path: Path) -> None:
+    """
+    With wyoming.zeroconf a core is heard on the local network as <name>._wyoming._tcp,
+    as Home Assistant's discovery browses for it, at the door's address and port; the
+    wyoming client describes the door found there; a core that stops withdraws it.
+    """
+    name = f"rhapsode-test-{os.getpid()}"
+    wyoming = free_port()
+    engines = {"tone": {"module": "rhapsode_engine_tone"}}
+    with serving_core(tmp_path, engines, wyoming={"port": wyoming, "host": "127.0.0.1", "zeroconf": True,
+                                                   "zeroconfName": name}) as (process, _):
+        zc, info, removed = _browse(30, f"{name}._wyoming._tcp.local.")
+        try:
+            if info is None and not _can_multicast():
+                pytest.skip("this machine hears no multicast DNS, not even its own")
+            assert info is not None, (tmp_path / "core.log").read_text()[-3000:]
+            assert info.port == wyoming and info.parsed_addresses() == ["127.0.0.1"]
+
+            async def describe(client: Any) -> Any:
+                from wyoming.info import Describe, Info
+
+                await client.write_event(Describe().event())
+                return Info.from_event(await client.read_event())
+
+            assert [program.name for program in _wyoming(info.port, describe).tts] == ["tone"]
+            process.terminate()
+            process.wait(LIMIT)
+            for _ in range(100):
+                if removed:
+                    break
+                time.sleep(0.1)
+            assert removed == [f"{name}._wyoming._tcp.local."]
+        finally:
+            zc.close()
