@@ -310,3 +310,37 @@ def test_home_assistant_discovers_the_door_over_zeroconf(tmp_path: Path) -> None
             assert removed == [f"{name}._wyoming._tcp.local."]
         finally:
             zc.close()
+
+
+def _counts(base: str) -> dict[tuple[str, str], float]:
+    """rhapsode_requests_total by (route, code) for piper, as a Prometheus scrape reads it."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {(s.labels["route"], s.labels["code"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "rhapsode_requests_total" and s.labels.get("engine") == "piper"}
+
+
+def test_the_wyoming_door_speaks_through_the_shared_speech_path(core: dict[str, Any]) -> None:
+    """
+    A Wyoming synthesize is counted in /metrics under the route wyoming, as /speak is
+    under its own: one ok for speech, one unknown_voice for a refusal.
+    """
+    from wyoming.tts import Synthesize, SynthesizeVoice
+
+    async def work(client: Any) -> Any:
+        await client.write_event(Synthesize("Counted once.", voice=SynthesizeVoice(name="piper:joe")).event())
+        await _audio(client, "audio-stop")
+        await client.write_event(Synthesize("Refused once.", voice=SynthesizeVoice(name="piper:nobody")).event())
+        return await client.read_event()
+
+    before = _counts(core["base"])
+    refused = _wyoming(core["wyoming"], work)
+    after = _counts(core["base"])
+    assert refused.type == "error"
+    grew = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+    assert grew == {("wyoming", "ok"): 1, ("wyoming", "unknown_voice"): 1}
