@@ -10,8 +10,9 @@ bytes of binary payload.  This door answers:
   - C{describe}: C{info}, one TTS program per engine, each voice of it with its languages
     (the default variant's), and the engine's licences and attribution;
   - C{synthesize}: C{audio-start}, C{audio-chunk}s as the worker's audio arrives, and
-    C{audio-stop}; the whole text is one utterance (cut at sentences only where it is
-    over the variant's ceiling), so the SDK's short first segment gives the first audio;
+    C{audio-stop}; the first sentence is spoken on its own, so its first audio comes
+    as soon as the SDK's short first segment is ready, then the rest in as few
+    utterances as the variant's ceiling allows;
   - the streaming form, C{synthesize-start}, C{synthesize-chunk}s and C{synthesize-stop}:
     the text is cut as it arrives (L{TextCutter}, as the WebSocket stream does), each
     sentence spoken as soon as it is whole, in its own C{audio-start}..C{audio-stop}
