@@ -783,6 +783,9 @@ class _PieceSink:
             self.sent += whole
             self._connection.audio_chunk(self._rate, self._channels, data[:whole])
 
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # always streamed ("stream": true), paused by the peer's socket
+
     def registerProducer(self, producer: IPushProducer) -> None:
         self._producer = producer
         self._connection.attach(producer)
