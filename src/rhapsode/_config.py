@@ -29,10 +29,10 @@ from urllib.parse import unquote, urlparse, urlsplit
 
 from zope.interface import implementer
 
-from rhapsode_protocol.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
+from rhapsode_protocol.contract import MAX_KEEP_ALIVE_SECONDS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, VOICE_ID_PATTERN
 
 from ._guard import origin_key
-from ._interfaces import IAdmissionSettings, IResidencySettings
+from ._interfaces import IAdmissionSettings, IClientSettings, IResidencySettings
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
@@ -209,6 +209,41 @@ class UpdateConfig:
 
 
 @dataclass(frozen=True)
+class VoicesConfig:
+    #: Names other people's clients send (OpenAI's alloy, which Pipecat insists on and
+    #: the AI SDK sends when told nothing), each to the engine and voice it means.  A
+    #: request to that engine naming the alias speaks that voice; the alias is listed
+    #: as one, and a name that is neither a voice nor an alias is still refused.
+    aliases: Mapping[str, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))
+
+
+#: The most aliases one core takes: each is listed with every voice list.
+MAX_ALIASES = 256
+
+
+@dataclass(frozen=True)
+class WyomingConfig:
+    """
+    The Wyoming door (docs/wyoming.md): Home Assistant's voice pipeline speaking to the
+    core directly over TCP, off until a port is set.
+    """
+
+    port: int | None = None
+    host: str = "0.0.0.0"
+    #: Advertise the door on the local network as _wyoming._tcp (zeroconf), so Home
+    #: Assistant finds it, as wyoming-piper does with --zeroconf.
+    zeroconf: bool = False
+    #: The service's name in that advertisement; by default "rhapsode-<host name>".
+    zeroconf_name: str | None = None
+    #: How long a connection may send nothing while nothing is being spoken.
+    idle_seconds: float = 60.0
+    #: How many events one connection may send before it is closed.
+    max_events: int = 10_000
+    #: How many connections may be open at once.
+    max_connections: int = 64
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """
     One engine: a C{module} the core spawns with C{python}, the C{url} of a worker
@@ -231,6 +266,9 @@ class EngineConfig:
     keep_alive_seconds: int | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
+    #: The sample rate the OpenAI shim asks this engine for when a request names none,
+    #: for clients that assume one (LiveKit and Pipecat play pcm as 24 kHz).
+    openai_sample_rate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -245,6 +283,8 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     install: InstallConfig = field(default_factory=InstallConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    voices: VoicesConfig = field(default_factory=VoicesConfig)
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def engine(self, engine_id: str) -> EngineConfig:
@@ -486,6 +526,23 @@ def _python(value: Any, where: str, base: Path) -> str:
     return str(_path(value, where, base))
 
 
+def _aliases(value: Any, where: str, base: Path) -> Mapping[str, tuple[str, str]]:
+    must = 'an object of aliases, each "engine:voice" (e.g. {"alloy": "piper:joe"})'
+    if not isinstance(value, Mapping):
+        raise _fail(where, must, value)
+    if len(value) > MAX_ALIASES:
+        raise ConfigError(f"{where}: at most {MAX_ALIASES} aliases")
+    aliases: dict[str, tuple[str, str]] = {}
+    for name, target in value.items():
+        if not isinstance(name, str) or not _ENGINE_ID.search(name):
+            raise ConfigError(f"{where}.{str(name)[:64]}: an alias is a voice id: 1 to 64 letters, digits, _ or -")
+        engine, _, voice = target.rpartition(":") if isinstance(target, str) else ("", "", "")
+        if not _ENGINE_ID.search(engine) or not _ENGINE_ID.search(voice):
+            raise _fail(f"{where}.{name}", '"engine:voice", an engine id and a voice id', target)
+        aliases[name] = (engine, voice)
+    return MappingProxyType(aliases)
+
+
 _DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]{1,3})?", re.ASCII)
 
 
@@ -540,6 +597,7 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
     "maxConcurrent": _integer(1, 10_000),
     "maxQueued": _integer(0, 10_000),
+    "openaiSampleRate": _integer(MIN_SAMPLE_RATE, MAX_SAMPLE_RATE),
 }
 
 
@@ -635,12 +693,25 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
     ),
     "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text, "box": _box}),
     "update": (UpdateConfig, {"check": _flag, "url": _release_url}),
+    "voices": (VoicesConfig, {"aliases": _aliases}),
+    "wyoming": (
+        WyomingConfig,
+        {
+            "port": _integer(1, 65535),
+            "host": _text,
+            "zeroconf": _flag,
+            "zeroconfName": _node_name,
+            "idleSeconds": _number(0, inclusive=False, maximum=3600),
+            "maxEvents": _integer(1, 1_000_000),
+            "maxConnections": _integer(1, 10_000),
+        },
+    ),
 })
 
 #: The keys of an engine's entry that tune it rather than say what it is: the settings
 #: API writes these per engine; the rest of an entry is the operator's or an install's.
 ENGINE_SETTINGS: Mapping[str, _Check] = MappingProxyType(
-    {key: _ENGINE_KEYS[key] for key in ("keepAliveSeconds", "maxConcurrent", "maxQueued")}
+    {key: _ENGINE_KEYS[key] for key in ("keepAliveSeconds", "maxConcurrent", "maxQueued", "openaiSampleRate")}
 )
 
 _TOP: dict[str, _Check] = {
@@ -715,11 +786,11 @@ def config_source(config: Config) -> ConfigSource | None:
     return source if isinstance(source, ConfigSource) else None
 
 
-@implementer(IResidencySettings, IAdmissionSettings)
+@implementer(IResidencySettings, IAdmissionSettings, IClientSettings)
 class ConfigSettings:
     """
-    Residency and admission settings read from whatever config C{current} answers at
-    the time.
+    Residency, admission and client settings read from whatever config C{current}
+    answers at the time.
     """
 
     def __init__(self, current: Callable[[], Config]) -> None:
@@ -755,3 +826,12 @@ class ConfigSettings:
 
     def buffered_bytes(self) -> int:
         return self._current().limits.buffered_bytes
+
+    # What the operator set for other people's clients (IClientSettings).
+
+    def voice_aliases(self) -> Mapping[str, tuple[str, str]]:
+        return self._current().voices.aliases
+
+    def openai_sample_rate(self, engine: str) -> int | None:
+        own = self._current().engines.get(engine)
+        return None if own is None else own.openai_sample_rate

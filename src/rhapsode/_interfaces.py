@@ -22,6 +22,7 @@ from rhapsode_protocol.errors import SpeechError
 __all__ = [
     "IAdmissionSettings",
     "IAudioSink",
+    "IClientSettings",
     "IPublicRoutes",
     "IResidencyObserver",
     "IResidencySettings",
@@ -175,6 +176,25 @@ class IAdmissionSettings(Interface):
     def buffered_bytes() -> int:
         """
         How much buffered audio the core may hold for all answers together.
+        """
+
+
+class IClientSettings(Interface):
+    """
+    What the operator set for other people's clients, asked for each time it is used (a
+    settings API may change it live).  Every method answers at once.
+    """
+
+    def voice_aliases() -> Mapping[str, tuple[str, str]]:
+        """
+        Each voice alias (C{voices.aliases}): the name a client may send, to the engine
+        and the voice id it means.
+        """
+
+    def openai_sample_rate(engine: str) -> int | None:
+        """
+        The sample rate the OpenAI shim asks C{engine} for when a request names none
+        (C{engines.<id>.openaiSampleRate}); None for the engine's own.
         """
 
 

@@ -42,6 +42,7 @@ from ._doors.mcp import McpServer
 from ._doors.node import NodeDoor
 from ._doors.openai import OpenAIShim
 from ._doors.stream import SpeechStreams
+from ._doors.wyoming import Advertisement, WyomingDoor, WyomingLimits
 from ._fleet.catalog import Catalog, read_catalog, read_source
 from ._fleet.cluster import ClusterView
 from ._fleet.registry import EngineHandle, Registry
@@ -51,7 +52,7 @@ from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
 from ._http.table import klein_app, routes_for
-from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
+from ._interfaces import IAdmissionSettings, IClientSettings, IResidencySettings, IWorkerClient
 from ._manage.installer import Commands, Installer, find_uv
 from ._manage.jobs import JobContext, Jobs
 from ._manage.routes import ManagementRoutes
@@ -120,6 +121,7 @@ class Core:
         site_options: Mapping[str, Any],
         metrics_public: bool,
         node: NodeDoor | None = None,
+        wyoming: WyomingDoor | None = None,
     ) -> None:
         self.reactor = reactor
         self.registry = registry
@@ -137,6 +139,8 @@ class Core:
         self.jobs = jobs
         self.catalog = catalog
         self.node = node
+        #: The Wyoming door's factory, where the operator turned it on (wyoming.port).
+        self.wyoming = wyoming
         self._site_options = dict(site_options)
         self._metrics_public = metrics_public
         handlers = {
@@ -190,6 +194,8 @@ class Core:
         Shutting down: stop keep-alive timers and any measurement still in flight.
         """
         self.streams.close()
+        if self.wyoming is not None:
+            self.wyoming.close()
         self.relay.close()
         self.residency.close()
 
@@ -206,6 +212,7 @@ def build_core(
     settings: IResidencySettings | None = None,
     residency: Residency | None = None,
     admission: IAdmissionSettings | None = None,
+    clients: IClientSettings | None = None,
     stall_seconds: float = 120.0,
     head_timeout: float = HEAD_SECONDS,
     idle_timeout: float = IDLE_SECONDS,
@@ -215,6 +222,7 @@ def build_core(
     updates: UpdateChecker | None = None,
     version: str = __version__,
     node: str | None = None,
+    wyoming: WyomingLimits | None = None,
     cluster: ClusterView | None = None,
 ) -> Core:
     """
@@ -224,6 +232,9 @@ def build_core(
         reading C{settings}, or the defaults.
     @param admission: the limits on speech at once and buffered audio held; without
         them, C{settings} where it answers for admission too, else the defaults.
+    @param clients: the operator's settings for other people's clients (voice aliases,
+        the OpenAI shim's sample rates); without them, C{settings} where it answers for
+        them too, else the defaults.
     @param stall_seconds: how long a worker may send nothing while answering.
     @param head_timeout: how long a request's head may take from its first byte.
     @param idle_timeout: how long a connection may send nothing.
@@ -240,6 +251,8 @@ def build_core(
         the environment turned it off.
     @param node: this core's name as a cluster's node (server.role "node"): it then
         serves its engines' worker routes and its state to the cluster (docs/cluster.md).
+    @param wyoming: the bounds of the Wyoming door, which is built only with them
+        (wyoming.port set); the service listens with it.
     @param cluster: at a cluster's front, what its nodes last said of themselves.
     """
     catalog = catalog if catalog is not None else Catalog((), version)
@@ -256,16 +269,20 @@ def build_core(
     if admission is None:
         admission = settings if IAdmissionSettings.providedBy(settings) else defaults
     assert admission is not None
+    if clients is None:
+        clients = settings if IClientSettings.providedBy(settings) else defaults
+    assert clients is not None
     requests = InFlight()
     turnstile = Turnstile(reactor, admission)
     relay = SpeechRelay(residency, turnstile, BufferBudget(admission), Stalls(reactor, stall_seconds))
     metrics = Metrics(reactor, registry, residency, turnstile, requests, cluster)
     residency.observer = metrics
-    speech = SpeechService(registry, residency, relay, metrics)
-    translation = OpenAITranslation(registry, speech)
+    speech = SpeechService(registry, residency, relay, metrics, clients)
+    translation = OpenAITranslation(registry, speech, clients.openai_sample_rate)
     router = CoreApp(
         registry=registry, residency=residency, speech=speech, catalog=catalog, metrics=metrics,
         requests=requests, version=version, contract_version=contract_version, metrics_public=metrics_public,
+        clients=clients,
         cluster=cluster,
     )
     jobs = Jobs(reactor)
@@ -287,7 +304,7 @@ def build_core(
         router=router,
         openai=OpenAIShim(
             registry=registry, speech=speech, routes=router, translation=translation, requests=requests,
-            clock=reactor, budget=relay.budget,
+            clock=reactor, budget=relay.budget, clients=clients,
         ),
         mcp=McpServer(routes=router, speech=speech, version=version, budget=relay.budget),
         streams=SpeechStreams(speech=speech, translation=translation, registry=registry, clock=reactor),
@@ -305,6 +322,10 @@ def build_core(
         node=NodeDoor(
             name=node, registry=registry, residency=residency, speech=speech, routes=router, requests=requests
         ) if node is not None else None,
+        wyoming=WyomingDoor(
+            speech=speech, routes=router, registry=registry, clock=reactor, limits=wyoming, clients=clients,
+            version=version,
+        ) if wyoming is not None else None,
     )
 
 
@@ -351,6 +372,10 @@ class RhapsodeService(service.Service):
         #: With workers.prestart, each local engine's worker process starting at boot.
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
+        #: The Wyoming door's port, once it listens (wyoming.port), and its zeroconf
+        #: advertisement (wyoming.zeroconf).
+        self.wyoming_port: Any = None
+        self.advertisement: Advertisement | None = None
         self._clients: list[IWorkerClient] = []
         #: Why the service could not start (a folder, its port), once that has happened.
         self.failed_to_start: Any = None
@@ -495,6 +520,7 @@ class RhapsodeService(service.Service):
             metrics_public=self.config.metrics.public,
             residency=residency,
             admission=settings,
+            clients=settings,
             stall_seconds=workers.stall_seconds,
             head_timeout=self.config.server.head_timeout_seconds,
             idle_timeout=self.config.server.idle_timeout_seconds,
@@ -505,6 +531,11 @@ class RhapsodeService(service.Service):
             # and the environment are the start's.
             updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
             node=(self.config.server.node or socket.gethostname()) if self.config.server.role == "node" else None,
+            wyoming=WyomingLimits(
+                idle_seconds=self.config.wyoming.idle_seconds,
+                max_events=self.config.wyoming.max_events,
+                max_connections=self.config.wyoming.max_connections,
+            ) if self.config.wyoming.port is not None else None,
             cluster=self.cluster,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
@@ -606,7 +637,47 @@ class RhapsodeService(service.Service):
                 return
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
-        endpoint.listen(app.site(access_log=access_log)).addErrback(self._saved_address).addCallbacks(listening, failed)
+        listened = endpoint.listen(app.site(access_log=access_log)).addErrback(self._saved_address)
+        if app.wyoming is not None:
+            # Both ports or neither: a core whose Wyoming port is taken has not started.
+            listened.addCallback(lambda port: self._listen_wyoming(app, port))
+        listened.addCallbacks(listening, failed)
+
+    def _listen_wyoming(self, app: Core, http_port: Any) -> "Deferred[Any]":
+        from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+
+        wyoming = self.config.wyoming
+        assert app.wyoming is not None and wyoming.port is not None
+        endpoint_type = TCP6ServerEndpoint if ":" in wyoming.host else TCP4ServerEndpoint
+        endpoint = endpoint_type(self.reactor, wyoming.port, backlog=BACKLOG, interface=wyoming.host)
+
+        def listening(port: Any) -> Any:
+            self.wyoming_port = port
+            address = port.getHost()
+            self.log.info("the Wyoming door listens on {host}:{port}", host=address.host, port=address.port)
+            if wyoming.zeroconf:
+                from twisted.internet.threads import deferToThreadPool
+
+                reactor = self.reactor
+                self.advertisement = Advertisement(
+                    port=address.port,
+                    name=wyoming.zeroconf_name or f"rhapsode-{socket.gethostname()}",
+                    host=wyoming.host,
+                    blocking=lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
+                )
+                # A network that cannot be advertised on does not stop the door.
+                self.advertisement.start().addErrback(
+                    lambda failure: self.log.failure("advertising the Wyoming door", failure)
+                )
+            return http_port
+
+        def unbound(failure: Failure) -> "Deferred[Any]":
+            # The public port is open already: closed again, and the start fails.
+            closing = http_port.stopListening()
+            closing.addBoth(lambda _: failure)
+            return closing
+
+        return endpoint.listen(app.wyoming).addCallbacks(listening, unbound)
 
     def _saved_address(self, failure: Failure) -> Failure:
         """
@@ -693,6 +764,13 @@ class RhapsodeService(service.Service):
                 await self.cluster.stop()
             if self.port is not None:
                 await self.port.stopListening()
+            if self.wyoming_port is not None:
+                await self.wyoming_port.stopListening()
+            if self.advertisement is not None:
+                try:
+                    await self.advertisement.stop()
+                except Exception:
+                    self.log.failure("withdrawing the Wyoming door's advertisement")
             if self.app is not None:
                 self.app.close()
                 # A job running now is stopped (its process group killed) and marked

@@ -105,8 +105,8 @@ def test_the_document_shows_each_layer_and_never_the_token(h: Harness) -> None:
     assert values["residency"] == {"maxResidentModels": 1, "evictionWaitSeconds": 30.0, "keepAliveSeconds": 120}
     assert values["management"] == {"tokenSet": True, "origins": ["https://page.example"]}
     assert values["engines"] == {
-        "tone": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None},
-        "far": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None},
+        "tone": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None, "openaiSampleRate": None},
+        "far": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None, "openaiSampleRate": None},
     }
     assert TOKEN not in json.dumps(document)
     fields = {f["key"]: f for f in document["fields"]}

@@ -18,7 +18,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import BadRequest, Unsupported
-from .schemas import _COMPONENTS, _REF_PREFIX, VOICE_ID_PATTERN, Schema
+from .schemas import _COMPONENTS, _REF_PREFIX, FORMAT_RATES, VOICE_ID_PATTERN, Schema
 
 # Validation.
 
@@ -397,6 +397,54 @@ def choose_language(requested: str | None, languages: Sequence[str], variant: st
         f'language "{requested[:35]}" is not spoken by variant "{variant}" ({", ".join(languages)})',
         field="language",
     )
+
+
+def check_sample_rate(fmt: str, rate: int, field: str = "sampleRate") -> int:
+    """
+    Return C{rate} if C{fmt} can carry it (L{FORMAT_RATES}; the schema holds it within
+    the contract's bounds), else refuse it naming the rates the format takes.
+
+    @raise Unsupported: naming C{field}.
+    """
+    rates = FORMAT_RATES.get(fmt)
+    if rates is not None and rate not in rates:
+        listed = ", ".join(str(r) for r in rates)
+        raise Unsupported(f"{fmt} carries {listed} Hz, not {rate}", field=field)
+    return rate
+
+
+def speed_dial(performs: Mapping[str, Any], speed: float, variant: str, field: str = "speed") -> tuple[str, float]:
+    """
+    The dial and the value a request's C{speed} sets on a variant (the capability
+    document's C{variants.<name>}): the dial its C{speed} names, at its default times
+    the speed (C{proportional}) or divided by it (C{inverse}).  A variant of an older
+    worker that declares no C{speed} but has a dial named C{speed} has it set
+    proportionally, as the shim always did.
+
+    @raise Unsupported: the variant names no dial for speed (C{field}).
+    @raise BadRequest: the value falls outside the dial's range, naming the speeds
+        that fit (C{field}).
+    """
+    dials: Mapping[str, Mapping[str, float]] = performs.get("dials") or {}
+    declared = performs.get("speed")
+    if not isinstance(declared, Mapping) and "speed" in dials:
+        declared = {"dial": "speed", "scale": "proportional"}
+    dial = dials.get(declared.get("dial", "")) if isinstance(declared, Mapping) else None
+    if dial is None or not isinstance(declared, Mapping):
+        known = ", ".join(dials) or "none"
+        raise Unsupported(f'variant "{variant}" has no dial that speed sets (dials: {known})', field=field)
+    name = str(declared["dial"])
+    default, low, high = float(dial["default"]), float(dial["min"]), float(dial["max"])
+    inverse = declared.get("scale") == "inverse"
+    value = default / speed if inverse else default * speed
+    if not (math.isfinite(value) and low <= value <= high):
+        slowest, fastest = (default / high, default / low) if inverse else (low / default, high / default)
+        raise BadRequest(
+            f'speed {speed:g} sets {name} to {value:g}, outside [{low:g}, {high:g}]: variant '
+            f'"{variant}" speaks from {slowest:.3g} to {fastest:.3g} times its own rate',
+            field=field,
+        )
+    return name, value
 
 
 def check_instructions(given: str | None, declared: Mapping[str, Any] | None, variant: str) -> str | None:

@@ -10,9 +10,11 @@ parse only OpenAI's, so every refusal here is that shape, with the taxonomy's st
 and code, and an C{x-should-retry} header that makes the official SDKs retry exactly
 what the taxonomy calls retryable.
 
-Two additions to section 11, because the clients people run send them: C{voice} may be
-C{{"id": ...}} (the current SDK types it so), and C{stream_format: "sse"} is served for
-pcm and wav as OpenAI defines it (LiveKit asks for it on every model but tts-1).
+Additions to section 11, because the clients people run send them: C{voice} may be
+C{{"id": ...}} (the current SDK types it so), and C{stream_format: "sse"} is served in
+every format as OpenAI's is, each delta the base64 of the encoded bytes as they come
+(LiveKit asks for it on every model but tts-1, in mp3 by default); C{sample_rate}, as
+vLLM-Omni has it, asks the worker's encoder to resample.
 
 The discovery routes (C{/v1/models}, C{/v1/models/{id}}, C{/v1/audio/models},
 C{/v1/audio/voices}) go beyond section 11, which waited for a client that needs them:
@@ -46,12 +48,13 @@ from rhapsode_protocol.validation import parse_json_body
 from .._fleet.registry import Registry
 from .._http.envelopes import openai_envelope, render_error
 from .._http.sinks import HttpSink, SseSink, when_delivered, write_pieces
-from .._interfaces import IAudioSink, IPublicRoutes, ISpeech, Utterance
+from .._interfaces import IAudioSink, IClientSettings, IPublicRoutes, ISpeech, Utterance
 from .._speech.inprocess import MemorySink, base64_pieces, base64_size
 from .._speech.limits import BufferBudget, BufferFull, Hold
+from .._speech.service import aliases_of
 from .._speech.translate import OpenAITranslation
 
-__all__ = ["SSE_FORMATS", "OpenAIShim"]
+__all__ = ["OpenAIShim"]
 
 
 def _dumps(value: Any) -> bytes:
@@ -62,9 +65,6 @@ def _draining(pieces: "deque[bytes]") -> Iterator[bytes]:
     # Each piece is let go of as it is written: the socket then holds the only copy.
     while pieces:
         yield pieces.popleft()
-
-#: The formats an SSE stream carries: base64 of raw PCM or of a WAV, as OpenAI's does.
-SSE_FORMATS = ("pcm", "wav")
 
 
 class OpenAIShim:
@@ -85,8 +85,14 @@ class OpenAIShim:
         requests: InFlight,
         clock: IReactorTime,
         budget: BufferBudget,
+        clients: IClientSettings | None = None,
     ) -> None:
+        """
+        @param clients: the operator's voice aliases, which the voice list shows as
+            aliases beside each engine's voices.
+        """
         self.registry = registry
+        self.clients = clients
         self.speech = speech
         self.routes = routes
         self.translation = translation
@@ -119,13 +125,10 @@ class OpenAIShim:
 
         async def handle() -> None:
             body = self._read(request, OPENAI_SPEECH_REQUEST)
-            sse = body.get("stream_format") == "sse"
             native = await self.translation.native(body, stream=True)
-            if sse and native["format"] not in SSE_FORMATS:
-                raise Unsupported(
-                    f'stream_format "sse" carries pcm or wav, not "{native["format"]}"', field="stream_format"
-                )
-            sink: IAudioSink = events if sse else raw
+            # Any format: a delta is the base64 of whatever encoded bytes came, as
+            # OpenAI's own are (an mp3 or aac stream is cut between frames or inside one).
+            sink: IAudioSink = events if body.get("stream_format") == "sse" else raw
             await self.speech.speak(sink, Utterance(native["engine"], native, route="openai"))
 
         return await self._answer(request, handle)
@@ -263,6 +266,16 @@ class OpenAIShim:
         return await self._answer(request, handle)
 
     async def voices(self, request: IRequest) -> Any:
+        """
+        C{GET /v1/audio/voices}: every engine's voices, or those of the engine
+        C{?model=} names, and the operator's aliases, each marked as one.
+
+        Open WebUI (0.12.4) asks with no model and puts C{voices} in one list, so where
+        more than one engine is listed each name says its engine: a voice picked for
+        the wrong model is then a refusal that names the model's voices, and the list
+        said so first.
+        """
+
         async def handle() -> bytes:
             wanted = request.args.get(b"model")
             if wanted:
@@ -285,13 +298,21 @@ class OpenAIShim:
                     # One engine that cannot list its voices does not hide the others'.
                     self.log.warn("listing {engine}'s voices: HTTP {code}", engine=engine_id, code=code)
                     continue
+                named = len(engines) > 1
                 listed = []
                 for voice in voices:
-                    entry = {"id": voice["id"], "name": voice.get("label", voice["id"])}
+                    label = voice.get("label", voice["id"])
+                    entry = {"id": voice["id"], "name": f"{label} ({engine_id})" if named else label}
                     listed.append(entry)
                     if voice["id"] not in seen:
                         seen.add(voice["id"])
                         flat.append({**entry, "engine": engine_id, "tags": voice.get("tags", [])})
+                for alias, voice_id in sorted(aliases_of(self.clients, engine_id).items()):
+                    entry = {"id": alias, "name": f"{alias}: alias of {engine_id}:{voice_id}", "alias_of": voice_id}
+                    listed.append(entry)
+                    if alias not in seen:
+                        seen.add(alias)
+                        flat.append({**entry, "engine": engine_id, "tags": ["alias"]})
                 grouped.append({"model": engine_id, "voices": listed})
             return json_response(request, 200, {"object": "list", "voices": flat, "data": grouped})
 

@@ -27,10 +27,11 @@ from .._fleet.catalog import Catalog
 from .._fleet.cluster import ClusterView
 from .._fleet.registry import EngineHandle, Registry
 from .._fleet.residency import Residency, served_elsewhere_refusal
-from .._interfaces import IPublicRoutes, ISpeech, Utterance
+from .._interfaces import IClientSettings, IPublicRoutes, ISpeech, Utterance
 from .._speech.metrics import CONTENT_TYPE as METRICS_TYPE
 from .._speech.metrics import Metrics
 from .._speech.relay import ERROR_LIMIT, remote_server
+from .._speech.service import aliases_of
 from .._upstream import collect, worker_json
 from .sinks import HttpSink
 from .site import CoreRequest, admitted_of, require_guard
@@ -65,9 +66,15 @@ class CoreApp:
         version: str,
         contract_version: int,
         metrics_public: bool = False,
+        clients: IClientSettings | None = None,
         cluster: ClusterView | None = None,
     ) -> None:
+        """
+        @param clients: the operator's voice aliases, which an engine's capability
+            document lists.
+        """
         self.registry = registry
+        self.clients = clients
         #: At a cluster's front, what the cluster's nodes last said of themselves.
         self.cluster = cluster
         self.residency = residency
@@ -158,7 +165,12 @@ class CoreApp:
         engine = self.registry.get(engine_id)
         await engine.capabilities()
         client = await engine.ready()
-        return await client.json(b"GET", "/capabilities")
+        code, document = await client.json(b"GET", "/capabilities")
+        aliases = aliases_of(self.clients, engine_id)
+        if code == 200 and isinstance(document, dict) and aliases:
+            # The operator's, not the worker's: listed as what they are, never as voices.
+            document["aliases"] = aliases
+        return code, document
 
     async def voices(self, engine_id: str) -> tuple[int, Any]:
         engine = self.registry.get(engine_id)

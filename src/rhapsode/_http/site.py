@@ -436,7 +436,7 @@ def core_site(
 
 
 #: What a page's script may read of an answer beyond the CORS-safelisted headers.
-_EXPOSED = b"Content-Length, X-Rhapsode-Duration-Ms, Retry-After, x-should-retry"
+_EXPOSED = b"Content-Length, X-Rhapsode-Duration-Ms, Retry-After, x-should-retry, x-request-id"
 
 
 def cors_headers(origin: bytes) -> list[tuple[bytes, bytes]]:

@@ -35,6 +35,7 @@ LIVE = frozenset({
     "limits.queueWaitSeconds",
     "limits.bufferedBytes",
     "update.check",
+    "voices.aliases",
 })
 #: Every per-engine setting is read when used, and so is live.
 LIVE_PER_ENGINE = frozenset(ENGINE_SETTINGS)
@@ -61,6 +62,9 @@ def _json(value: Any) -> Any:
         return str(value)
     if isinstance(value, tuple):
         return list(value)
+    if isinstance(value, Mapping):
+        # voices.aliases: each alias as the file writes it, "engine:voice".
+        return {key: ":".join(item) if isinstance(item, tuple) else _json(item) for key, item in value.items()}
     return value
 
 

@@ -37,7 +37,7 @@ __all__ = ["CONTENT_TYPE", "Measured", "Metrics", "ROUTES"]
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 #: The speech routes a request is counted under.
-ROUTES = frozenset({"speak", "dialogue", "preview", "openai", "stream", "mcp", "batch"})
+ROUTES = frozenset({"speak", "dialogue", "preview", "openai", "stream", "mcp", "batch", "wyoming"})
 #: An engine the registry does not have (the request was refused as unknown_engine).
 UNKNOWN = "-"
 _OUTCOMES = frozenset(ERROR_TABLE) | {"ok", "aborted", "cancelled"}
