@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-heavy unit integration venv engines backends serve bench openapi clean browser-deps screenshots image image-gpu image-deps container cluster-venv
+.PHONY: test test-heavy unit integration venv engines backends clients serve bench openapi clean browser-deps screenshots image image-gpu image-deps container cluster-venv
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -54,7 +54,7 @@ $(ENGINE_VENVS)/local-tts/.installed:
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it); its working
 # folder is a temporary one, as every test's is, removed after it.
-test: $(STAMP) engines backends browser-deps image-deps cluster-venv
+test: $(STAMP) engines backends clients browser-deps image-deps cluster-venv
 	$(PY) -m pytest --ignore=tests/cluster
 	trial_home=$$(mktemp -d) && $(PY) -m twisted.trial --temp-directory=$$trial_home/_trial_temp \
 	  tests/trial/test_rhapsode_testing.py; status=$$?; rm -rf "$$trial_home"; exit $$status
@@ -115,6 +115,28 @@ image-gpu: image-deps
 container: $(STAMP) image-deps
 	$(PY) -m pytest -m container tests/container
 
+# Other people's clients, which tests/integration/test_clients.py drives against a core:
+# LiveKit's and Pipecat's OpenAI TTS and wyoming-bench in one virtualenv of their own
+# (their pins allow it), the openai Node SDK in a node project of its own (npm ci, from
+# the committed lock file).
+CLIENTS_VENV := $(ENGINE_VENVS)/clients
+NODE_CLIENTS := tests/clients/node
+
+$(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet -r tests/clients/requirements.txt
+	touch $@
+
+# Node and npm from Debian's packages where the machine has none (CI's fresh machine may not).
+$(NODE_CLIENTS)/node_modules/.installed: $(NODE_CLIENTS)/package.json $(NODE_CLIENTS)/package-lock.json
+	@command -v npm >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null; }
+	cd $(NODE_CLIENTS) && npm ci --no-audit --no-fund --silent
+	touch $@
+
+clients: $(CLIENTS_VENV)/.installed $(NODE_CLIENTS)/node_modules/.installed
+
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
@@ -160,4 +182,4 @@ openapi: $(STAMP)
 	$(PY) -m rhapsode_protocol.contract > docs/openapi.worker.yaml
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENVS) $(RUN) build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENVS) $(RUN) build .pytest_cache .hypothesis $(NODE_CLIENTS)/node_modules

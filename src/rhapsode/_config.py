@@ -11,10 +11,12 @@ of the file that names them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,10 +29,10 @@ from urllib.parse import unquote, urlparse, urlsplit
 
 from zope.interface import implementer
 
-from rhapsode_protocol.contract import MAX_KEEP_ALIVE_SECONDS, VOICE_ID_PATTERN
+from rhapsode_protocol.contract import MAX_KEEP_ALIVE_SECONDS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, VOICE_ID_PATTERN
 
 from ._guard import origin_key
-from ._interfaces import IAdmissionSettings, IResidencySettings
+from ._interfaces import IAdmissionSettings, IClientSettings, IResidencySettings
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
@@ -191,6 +193,9 @@ class InstallConfig:
     #: The interpreter new virtualenvs are made from: a path, or a version ("3.12")
     #: for uv to find; None for the core's own.
     python: str | None = None
+    #: Which of an engine's install recipes (its catalog record's C{install}) to run:
+    #: C{cuda} or C{cpu}, or C{auto}, C{cuda} where the kernel lists an NVIDIA card.
+    box: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,41 @@ class UpdateConfig:
     check: bool = True
     #: What it asks: GitHub's API for the repository's latest release.
     url: str = RELEASES_URL
+
+
+@dataclass(frozen=True)
+class VoicesConfig:
+    #: Names other people's clients send (OpenAI's alloy, which Pipecat insists on and
+    #: the AI SDK sends when told nothing), each to the engine and voice it means.  A
+    #: request to that engine naming the alias speaks that voice; the alias is listed
+    #: as one, and a name that is neither a voice nor an alias is still refused.
+    aliases: Mapping[str, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))
+
+
+#: The most aliases one core takes: each is listed with every voice list.
+MAX_ALIASES = 256
+
+
+@dataclass(frozen=True)
+class WyomingConfig:
+    """
+    The Wyoming door (docs/wyoming.md): Home Assistant's voice pipeline speaking to the
+    core directly over TCP, off until a port is set.
+    """
+
+    port: int | None = None
+    host: str = "0.0.0.0"
+    #: Advertise the door on the local network as _wyoming._tcp (zeroconf), so Home
+    #: Assistant finds it, as wyoming-piper does with --zeroconf.
+    zeroconf: bool = False
+    #: The service's name in that advertisement; by default "rhapsode-<host name>".
+    zeroconf_name: str | None = None
+    #: How long a connection may send nothing while nothing is being spoken.
+    idle_seconds: float = 60.0
+    #: How many events one connection may send before it is closed.
+    max_events: int = 10_000
+    #: How many connections may be open at once.
+    max_connections: int = 64
 
 
 @dataclass(frozen=True)
@@ -220,9 +260,15 @@ class EngineConfig:
     cluster: str | None = None
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: The torch device its worker is given (C{cpu}, C{mps}, C{cuda}, C{cuda:N}); None
+    #: leaves the choice to the worker (the first card, else the CPU).
+    device: str | None = None
     keep_alive_seconds: int | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
+    #: The sample rate the OpenAI shim asks this engine for when a request names none,
+    #: for clients that assume one (LiveKit and Pipecat play pcm as 24 kHz).
+    openai_sample_rate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -237,6 +283,8 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     install: InstallConfig = field(default_factory=InstallConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    voices: VoicesConfig = field(default_factory=VoicesConfig)
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     engines: Mapping[str, EngineConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def engine(self, engine_id: str) -> EngineConfig:
@@ -321,10 +369,48 @@ def _level(value: Any, where: str, base: Path) -> str:
     return str(value)
 
 
+def _host(value: Any, where: str, base: Path) -> str:
+    """
+    An address this machine can listen on: an IP literal (or localhost) that a socket
+    binds to now, so that a value that would fail the next start is refused when it is
+    written, naming why.
+    """
+    text = _text(value, where, base).strip()
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(text).version == 6 else socket.AF_INET
+    except ValueError:
+        if text != "localhost":
+            raise ConfigError(
+                f"{where}: must be an IP address of this machine (127.0.0.1, 0.0.0.0 or :: for every "
+                f"interface), or localhost, not {json.dumps(value)}"
+            ) from None
+        family = socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((text, 0))
+    except OSError as error:
+        raise ConfigError(
+            f"{where}: {text} is not an address this machine can listen on ({error.strerror or error})"
+        ) from None
+    return text
+
+
+#: What an HTTP header value carries as it is: visible ASCII and the space.
+_HEADER_SAFE = re.compile(r"[ -~]*")
+
+
 def _token(value: Any, where: str, base: Path) -> str:
     if not isinstance(value, str) or len(value) < 16 or value != value.strip():
         raise ConfigError(
             f"{where}: must be a string of at least 16 characters without surrounding spaces"
+        )
+    if not _HEADER_SAFE.fullmatch(value):
+        # A caller sends it as "Authorization: Bearer <token>": a line break, a control
+        # character or a letter outside ASCII cannot travel in that header as it is.
+        raise ConfigError(
+            f"{where}: must be printable ASCII (letters, digits, punctuation, spaces): it travels in "
+            "an Authorization header, which cannot carry a line break, a control character or "
+            "other text"
         )
     return value
 
@@ -440,6 +526,43 @@ def _python(value: Any, where: str, base: Path) -> str:
     return str(_path(value, where, base))
 
 
+def _aliases(value: Any, where: str, base: Path) -> Mapping[str, tuple[str, str]]:
+    must = 'an object of aliases, each "engine:voice" (e.g. {"alloy": "piper:joe"})'
+    if not isinstance(value, Mapping):
+        raise _fail(where, must, value)
+    if len(value) > MAX_ALIASES:
+        raise ConfigError(f"{where}: at most {MAX_ALIASES} aliases")
+    aliases: dict[str, tuple[str, str]] = {}
+    for name, target in value.items():
+        if not isinstance(name, str) or not _ENGINE_ID.search(name):
+            raise ConfigError(f"{where}.{str(name)[:64]}: an alias is a voice id: 1 to 64 letters, digits, _ or -")
+        engine, _, voice = target.rpartition(":") if isinstance(target, str) else ("", "", "")
+        if not _ENGINE_ID.search(engine) or not _ENGINE_ID.search(voice):
+            raise _fail(f"{where}.{name}", '"engine:voice", an engine id and a voice id', target)
+        aliases[name] = (engine, voice)
+    return MappingProxyType(aliases)
+
+
+_DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]{1,3})?", re.ASCII)
+
+
+def _device(value: Any, where: str, base: Path) -> str:
+    # The torch device the worker is given (RHAPSODE_WORKER_DEVICE): the worker checks
+    # that its box has it, the config only that it names one.
+    if not isinstance(value, str) or not _DEVICE.fullmatch(value.strip().lower()):
+        raise _fail(where, 'a device: "cpu", "mps", "cuda" or "cuda:N"', value)
+    return value.strip().lower()
+
+
+_BOXES = ("auto", "cpu", "cuda")
+
+
+def _box(value: Any, where: str, base: Path) -> str:
+    if value not in _BOXES:
+        raise _fail(where, " or ".join(f'"{box}"' for box in _BOXES), value)
+    return str(value)
+
+
 def _snake(key: str) -> str:
     return re.sub(r"[A-Z]", lambda m: "_" + m.group().lower(), key)
 
@@ -470,9 +593,11 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "cluster": _cluster_url,
     "python": _python,
     "env": _env,
+    "device": _device,
     "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
     "maxConcurrent": _integer(1, 10_000),
     "maxQueued": _integer(0, 10_000),
+    "openaiSampleRate": _integer(MIN_SAMPLE_RATE, MAX_SAMPLE_RATE),
 }
 
 
@@ -487,7 +612,7 @@ def _engine(engine_id: str, raw: Any, base: Path) -> EngineConfig:
     if sum(key in values for key in ("module", "url", "cluster")) != 1:
         raise ConfigError(f"{where}: needs exactly one of module, url or cluster")
     if "url" in values or "cluster" in values:
-        for key in ("python", "env"):
+        for key in ("python", "env", "device"):
             if key in values:
                 raise ConfigError(f"{where}.{key}: only an engine with a module takes {key}")
     else:
@@ -521,7 +646,7 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
         ServerConfig,
         {
             "port": _integer(1, 65535),
-            "host": _text,
+            "host": _host,
             "shutdownGraceMs": _integer(0, 600_000),
             "headTimeoutSeconds": _number(0, inclusive=False, maximum=600),
             "idleTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
@@ -566,14 +691,27 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
             "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
         },
     ),
-    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text}),
+    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text, "box": _box}),
     "update": (UpdateConfig, {"check": _flag, "url": _release_url}),
+    "voices": (VoicesConfig, {"aliases": _aliases}),
+    "wyoming": (
+        WyomingConfig,
+        {
+            "port": _integer(1, 65535),
+            "host": _text,
+            "zeroconf": _flag,
+            "zeroconfName": _node_name,
+            "idleSeconds": _number(0, inclusive=False, maximum=3600),
+            "maxEvents": _integer(1, 1_000_000),
+            "maxConnections": _integer(1, 10_000),
+        },
+    ),
 })
 
 #: The keys of an engine's entry that tune it rather than say what it is: the settings
 #: API writes these per engine; the rest of an entry is the operator's or an install's.
 ENGINE_SETTINGS: Mapping[str, _Check] = MappingProxyType(
-    {key: _ENGINE_KEYS[key] for key in ("keepAliveSeconds", "maxConcurrent", "maxQueued")}
+    {key: _ENGINE_KEYS[key] for key in ("keepAliveSeconds", "maxConcurrent", "maxQueued", "openaiSampleRate")}
 )
 
 _TOP: dict[str, _Check] = {
@@ -618,6 +756,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"{where}: cannot be read: {e.strerror}") from e
     except ValueError as e:
         raise ConfigError(f"{where}: is not JSON: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{where}: is not JSON: it nests deeper than can be read") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
     config = parse_config(raw, where.parent)
@@ -646,11 +786,11 @@ def config_source(config: Config) -> ConfigSource | None:
     return source if isinstance(source, ConfigSource) else None
 
 
-@implementer(IResidencySettings, IAdmissionSettings)
+@implementer(IResidencySettings, IAdmissionSettings, IClientSettings)
 class ConfigSettings:
     """
-    Residency and admission settings read from whatever config C{current} answers at
-    the time.
+    Residency, admission and client settings read from whatever config C{current}
+    answers at the time.
     """
 
     def __init__(self, current: Callable[[], Config]) -> None:
@@ -686,3 +826,12 @@ class ConfigSettings:
 
     def buffered_bytes(self) -> int:
         return self._current().limits.buffered_bytes
+
+    # What the operator set for other people's clients (IClientSettings).
+
+    def voice_aliases(self) -> Mapping[str, tuple[str, str]]:
+        return self._current().voices.aliases
+
+    def openai_sample_rate(self, engine: str) -> int | None:
+        own = self._current().engines.get(engine)
+        return None if own is None else own.openai_sample_rate

@@ -22,6 +22,7 @@ from rhapsode_protocol.errors import SpeechError
 __all__ = [
     "IAdmissionSettings",
     "IAudioSink",
+    "IClientSettings",
     "IPublicRoutes",
     "IResidencyObserver",
     "IResidencySettings",
@@ -178,6 +179,25 @@ class IAdmissionSettings(Interface):
         """
 
 
+class IClientSettings(Interface):
+    """
+    What the operator set for other people's clients, asked for each time it is used (a
+    settings API may change it live).  Every method answers at once.
+    """
+
+    def voice_aliases() -> Mapping[str, tuple[str, str]]:
+        """
+        Each voice alias (C{voices.aliases}): the name a client may send, to the engine
+        and the voice id it means.
+        """
+
+    def openai_sample_rate(engine: str) -> int | None:
+        """
+        The sample rate the OpenAI shim asks C{engine} for when a request names none
+        (C{engines.<id>.openaiSampleRate}); None for the engine's own.
+        """
+
+
 class IAudioSink(Interface):
     """
     Where one utterance's answer goes, whichever door it came in by: an HTTP response,
@@ -206,6 +226,14 @@ class IAudioSink(Interface):
     def write(data: bytes) -> None:
         """
         The next bytes of audio.
+        """
+
+    def room() -> "Deferred[None]":
+        """
+        Fires once the sink's reader has taken what was written so far, so that more
+        may be written without the core holding it twice: a buffered answer is written
+        a piece at a time on it (what a socket holds unsent is a second copy).  At once
+        for a sink that holds nothing of its own; it never fails.
         """
 
     def registerProducer(producer: IPushProducer) -> None:

@@ -44,20 +44,21 @@ from ._doors.mcp import McpServer
 from ._doors.node import NodeDoor
 from ._doors.openai import OpenAIShim
 from ._doors.stream import SpeechStreams
+from ._doors.wyoming import Advertisement, WyomingDoor, WyomingLimits
 from ._fleet.catalog import Catalog, read_catalog, read_source
 from ._fleet.cluster import ClusterView
 from ._fleet.registry import EngineHandle, Registry
 from ._fleet.residency import Residency
-from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
+from ._fleet.supervisor import WorkerSupervisor, core_budget_env, device_env, prestart
 from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
 from ._http.table import klein_app, routes_for
-from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
+from ._interfaces import IAdmissionSettings, IClientSettings, IResidencySettings, IWorkerClient
 from ._manage.installer import Commands, Installer, find_uv
 from ._manage.jobs import JobContext, Jobs
 from ._manage.routes import ManagementRoutes
-from ._manage.settings import Settings
+from ._manage.settings import Settings, saved_fault, unset_hint
 from ._manage.state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._manage.update import UpdateChecker, checker_for
 from ._ports import listener_of
@@ -123,6 +124,7 @@ class Core:
         site_options: Mapping[str, Any],
         metrics_public: bool,
         node: NodeDoor | None = None,
+        wyoming: WyomingDoor | None = None,
     ) -> None:
         self.reactor = reactor
         self.registry = registry
@@ -140,6 +142,8 @@ class Core:
         self.jobs = jobs
         self.catalog = catalog
         self.node = node
+        #: The Wyoming door's factory, where the operator turned it on (wyoming.port).
+        self.wyoming = wyoming
         self._site_options = dict(site_options)
         self._metrics_public = metrics_public
         handlers = {
@@ -193,6 +197,8 @@ class Core:
         Shutting down: stop keep-alive timers and any measurement still in flight.
         """
         self.streams.close()
+        if self.wyoming is not None:
+            self.wyoming.close()
         self.relay.close()
         self.residency.close()
 
@@ -209,6 +215,7 @@ def build_core(
     settings: IResidencySettings | None = None,
     residency: Residency | None = None,
     admission: IAdmissionSettings | None = None,
+    clients: IClientSettings | None = None,
     stall_seconds: float = 120.0,
     head_timeout: float = HEAD_SECONDS,
     idle_timeout: float = IDLE_SECONDS,
@@ -218,6 +225,7 @@ def build_core(
     updates: UpdateChecker | None = None,
     version: str = __version__,
     node: str | None = None,
+    wyoming: WyomingLimits | None = None,
     cluster: ClusterView | None = None,
 ) -> Core:
     """
@@ -227,6 +235,9 @@ def build_core(
         reading C{settings}, or the defaults.
     @param admission: the limits on speech at once and buffered audio held; without
         them, C{settings} where it answers for admission too, else the defaults.
+    @param clients: the operator's settings for other people's clients (voice aliases,
+        the OpenAI shim's sample rates); without them, C{settings} where it answers for
+        them too, else the defaults.
     @param stall_seconds: how long a worker may send nothing while answering.
     @param head_timeout: how long a request's head may take from its first byte.
     @param idle_timeout: how long a connection may send nothing.
@@ -243,6 +254,8 @@ def build_core(
         the environment turned it off.
     @param node: this core's name as a cluster's node (server.role "node"): it then
         serves its engines' worker routes and its state to the cluster (docs/cluster.md).
+    @param wyoming: the bounds of the Wyoming door, which is built only with them
+        (wyoming.port set); the service listens with it.
     @param cluster: at a cluster's front, what its nodes last said of themselves.
     """
     catalog = catalog if catalog is not None else Catalog((), version)
@@ -259,16 +272,20 @@ def build_core(
     if admission is None:
         admission = settings if IAdmissionSettings.providedBy(settings) else defaults
     assert admission is not None
+    if clients is None:
+        clients = settings if IClientSettings.providedBy(settings) else defaults
+    assert clients is not None
     requests = InFlight()
     turnstile = Turnstile(reactor, admission)
     relay = SpeechRelay(residency, turnstile, BufferBudget(admission), Stalls(reactor, stall_seconds))
     metrics = Metrics(reactor, registry, residency, turnstile, requests, cluster)
     residency.observer = metrics
-    speech = SpeechService(registry, residency, relay, metrics)
-    translation = OpenAITranslation(registry, speech)
+    speech = SpeechService(registry, residency, relay, metrics, clients)
+    translation = OpenAITranslation(registry, speech, clients.openai_sample_rate)
     router = CoreApp(
         registry=registry, residency=residency, speech=speech, catalog=catalog, metrics=metrics,
         requests=requests, version=version, contract_version=contract_version, metrics_public=metrics_public,
+        clients=clients,
         cluster=cluster,
     )
     jobs = Jobs(reactor)
@@ -289,9 +306,10 @@ def build_core(
         requests=requests,
         router=router,
         openai=OpenAIShim(
-            registry=registry, speech=speech, routes=router, translation=translation, requests=requests, clock=reactor
+            registry=registry, speech=speech, routes=router, translation=translation, requests=requests,
+            clock=reactor, budget=relay.budget, clients=clients,
         ),
-        mcp=McpServer(routes=router, speech=speech, version=version),
+        mcp=McpServer(routes=router, speech=speech, version=version, budget=relay.budget),
         streams=SpeechStreams(speech=speech, translation=translation, registry=registry, clock=reactor),
         manage=manage,
         jobs=jobs,
@@ -307,6 +325,10 @@ def build_core(
         node=NodeDoor(
             name=node, registry=registry, residency=residency, speech=speech, routes=router, requests=requests
         ) if node is not None else None,
+        wyoming=WyomingDoor(
+            speech=speech, routes=router, registry=registry, clock=reactor, limits=wyoming, clients=clients,
+            version=version,
+        ) if wyoming is not None else None,
     )
 
 
@@ -324,6 +346,7 @@ class RhapsodeService(service.Service):
         *,
         stop_reactor_if_unable: bool = False,
         config_path: str | os.PathLike[str] | None = None,
+        unset: Sequence[str] = (),
     ) -> None:
         """
         @param config_path: the config file C{config} was read from; the state database
@@ -335,10 +358,14 @@ class RhapsodeService(service.Service):
             (a folder it needs cannot be made, its port cannot be bound), which is what
             C{twistd rhapsode} wants; a program embedding the core leaves it off and
             learns of the failure from L{when_listening}.
+        @param unset: settings saved in the state database to drop before the start
+            reads them (C{rhapsode serve --unset KEY}): the way out of a saved value a
+            start cannot apply, with no server running to PATCH.
         """
         self.config = config
         self._reactor_given = reactor
         self._stop_reactor_if_unable = stop_reactor_if_unable
+        self._unset = tuple(unset)
         self.registry: Registry | None = None
         self.catalog: Catalog | None = None
         self.app: Core | None = None
@@ -348,6 +375,10 @@ class RhapsodeService(service.Service):
         #: With workers.prestart, each local engine's worker process starting at boot.
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
+        #: The Wyoming door's port, once it listens (wyoming.port), and its zeroconf
+        #: advertisement (wyoming.zeroconf).
+        self.wyoming_port: Any = None
+        self.advertisement: Advertisement | None = None
         self._clients: list[IWorkerClient] = []
         self._connections = _Connections()
         #: Why the service could not start (a folder, its port), once that has happened.
@@ -400,6 +431,14 @@ class RhapsodeService(service.Service):
             self._state_error = Failure(ServiceStartError(str(error)))
             return
         installed = {engine.id: engine.entry for engine in store.engines().values()}
+        dropped = [key for key in self._unset if key in store.settings()]
+        if dropped:
+            store.write_settings({key: None for key in dropped})
+            for key in dropped:
+                self.log.warn("dropped the setting {key} saved in {path} (--unset)", key=key, path=str(path))
+        for key in set(self._unset) - set(dropped):
+            self.log.info("--unset {key}: no such setting is saved in {path}", key=key, path=str(path))
+        self._unset = ()
         state = StateDatabase(store, self.reactor)
         try:
             settings = Settings(
@@ -411,8 +450,13 @@ class RhapsodeService(service.Service):
                 installed=installed,
             )
         except ConfigError as error:
+            fault = saved_fault(self._raw, self._config_path.parent, state.settings(), installed)
             state.close()
-            self._state_error = Failure(ServiceStartError(f"state database {path}: {error}"))
+            if fault is None:
+                why = f"state database {path}: {error}"
+            else:
+                why = f"the setting {fault} saved in {path} cannot apply: {error}; {unset_hint(fault)}"
+            self._state_error = Failure(ServiceStartError(why))
             return
         self.state, self.settings = state, settings
         self.config = settings.config
@@ -459,6 +503,7 @@ class RhapsodeService(service.Service):
                 venv_dir=lambda: install.venv_dir,
                 source_dir=lambda: install.source_dir,
                 interpreter=lambda: install.python,
+                box=lambda: install.box,
                 runner=Commands(reactor, os.environ),
                 environ=os.environ,
                 core_version=__version__,
@@ -479,6 +524,7 @@ class RhapsodeService(service.Service):
             metrics_public=self.config.metrics.public,
             residency=residency,
             admission=settings,
+            clients=settings,
             stall_seconds=workers.stall_seconds,
             head_timeout=self.config.server.head_timeout_seconds,
             idle_timeout=self.config.server.idle_timeout_seconds,
@@ -489,6 +535,11 @@ class RhapsodeService(service.Service):
             # and the environment are the start's.
             updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
             node=(self.config.server.node or socket.gethostname()) if self.config.server.role == "node" else None,
+            wyoming=WyomingLimits(
+                idle_seconds=self.config.wyoming.idle_seconds,
+                max_events=self.config.wyoming.max_events,
+                max_connections=self.config.wyoming.max_connections,
+            ) if self.config.wyoming.port is not None else None,
             cluster=self.cluster,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
@@ -528,7 +579,7 @@ class RhapsodeService(service.Service):
             module=engine.module,
             listen=listen,
             voice_dir=str(workers.voice_dir),
-            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env},
+            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env, **device_env(engine.device)},
             contract=CONTRACT,
             startup_timeout=workers.startup_timeout_seconds,
             drain_grace=workers.drain_grace_ms / 1000,
@@ -593,9 +644,72 @@ class RhapsodeService(service.Service):
         site = app.site(access_log=access_log)
         # Every connection of the public port, so that a stop can cut off what outlasts its grace.
         site.connections = self._connections
-        endpoint.listen(site).addCallbacks(
-            listening, lambda failure: failed(self._port_taken(failure))
-        )
+        listened = endpoint.listen(site).addErrback(self._refused_listen)
+        if app.wyoming is not None:
+            # Both ports or neither: a core whose Wyoming port is taken has not started.
+            listened.addCallback(lambda port: self._listen_wyoming(app, port))
+        listened.addCallbacks(listening, failed)
+
+    def _refused_listen(self, failure: Failure) -> Failure:
+        """
+        Why the public port could not listen: a port in use as L{PortTaken} (by whom,
+        and where it is set); else, where the state database holds the address, as
+        that saved setting's fault with how to drop it.
+        """
+        taken = self._port_taken(failure)
+        return taken if taken.check(PortTaken) else self._saved_address(taken)
+
+    def _listen_wyoming(self, app: Core, http_port: Any) -> "Deferred[Any]":
+        from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+
+        wyoming = self.config.wyoming
+        assert app.wyoming is not None and wyoming.port is not None
+        endpoint_type = TCP6ServerEndpoint if ":" in wyoming.host else TCP4ServerEndpoint
+        endpoint = endpoint_type(self.reactor, wyoming.port, backlog=BACKLOG, interface=wyoming.host)
+
+        def listening(port: Any) -> Any:
+            self.wyoming_port = port
+            address = port.getHost()
+            self.log.info("the Wyoming door listens on {host}:{port}", host=address.host, port=address.port)
+            if wyoming.zeroconf:
+                from twisted.internet.threads import deferToThreadPool
+
+                reactor = self.reactor
+                self.advertisement = Advertisement(
+                    port=address.port,
+                    name=wyoming.zeroconf_name or f"rhapsode-{socket.gethostname()}",
+                    host=wyoming.host,
+                    blocking=lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
+                )
+                # A network that cannot be advertised on does not stop the door.
+                self.advertisement.start().addErrback(
+                    lambda failure: self.log.failure("advertising the Wyoming door", failure)
+                )
+            return http_port
+
+        def unbound(failure: Failure) -> "Deferred[Any]":
+            # The public port is open already: closed again, and the start fails.
+            closing = http_port.stopListening()
+            closing.addBoth(lambda _: failure)
+            return closing
+
+        return endpoint.listen(app.wyoming).addCallbacks(listening, unbound)
+
+    def _saved_address(self, failure: Failure) -> Failure:
+        """
+        A port that cannot be bound at an address or port the state database holds:
+        said as that saved setting's fault, with how to drop it.
+        """
+        saved = self.state.settings() if self.state is not None else {}
+        keys = [key for key in ("server.host", "server.port") if key in saved]
+        if not keys or failure.check(ServiceStartError):
+            return failure
+        server = self.config.server
+        why = failure.getErrorMessage()
+        return Failure(ServiceStartError(
+            f"cannot listen on {server.host}:{server.port} ({why}), which the state database holds "
+            f"as {' and '.join(keys)}: {unset_hint(keys[0])}"
+        ))
 
     def _port_taken(self, failure: Failure) -> Failure:
         """
@@ -611,10 +725,18 @@ class RhapsodeService(service.Service):
         server = self.config.server
         holder = listener_of(server.port)
         by = f" by {holder}" if holder else ""
-        where = f"server.port in {self._config_path}" if self._config_path is not None else "server.port in the config file"
-        return Failure(PortTaken(
-            error.interface, error.port, cause, f"port {server.port} on {server.host} is taken{by}: stop it, or set {where}"
-        ))
+        saved = self.state.settings() if self.state is not None else {}
+        if "server.port" in saved:
+            # The database wins over the file: editing the file would change nothing.
+            why = getattr(cause, "strerror", None) or os.strerror(errno.EADDRINUSE)
+            message = (
+                f"cannot listen on {server.host}:{server.port} ({why}): the port is taken{by}, and the state "
+                f"database holds it as server.port: stop that process, or {unset_hint('server.port')}"
+            )
+        else:
+            where = f"server.port in {self._config_path}" if self._config_path is not None else "server.port in the config file"
+            message = f"port {server.port} on {server.host} is taken{by}: stop it, or set {where}"
+        return Failure(PortTaken(error.interface, error.port, cause, message))
 
     def _cannot_start(self, failure: Any) -> None:
         """
@@ -685,6 +807,13 @@ class RhapsodeService(service.Service):
                 await self.cluster.stop()
             if self.port is not None:
                 await self.port.stopListening()
+            if self.wyoming_port is not None:
+                await self.wyoming_port.stopListening()
+            if self.advertisement is not None:
+                try:
+                    await self.advertisement.stop()
+                except Exception:
+                    self.log.failure("withdrawing the Wyoming door's advertisement")
             if self.app is not None:
                 self.app.close()
                 # A job running now is stopped (its process group killed) and marked

@@ -130,6 +130,34 @@ def test_a_live_setting_changes_from_the_page(served: Served, page: Page) -> Non
     assert page.errors == []
 
 
+def test_voice_aliases_are_edited_as_json_on_settings(served: Served, page: Page) -> None:
+    """
+    On Settings, voices.aliases (an object) is edited as JSON: text that is not JSON is
+    refused on the page, naming the field; an object saved makes GET /settings report it
+    and /v1/audio/voices list the alias at once (it applies live).
+    """
+    p = page.open(served.web, "settings")
+    aliases = p.locator('input[name="voices.aliases"]')
+    assert aliases.input_value() == "{}"
+    aliases.fill('{"alloy": tone:alto}')
+    p.get_by_role("button", name="Save changes").click()
+    p.wait_for_function("() => document.getElementById('status').textContent.includes('not JSON')")
+    assert p.locator("#status").inner_text() == "voices.aliases: not JSON"
+    aliases.fill('{"alloy": "tone:alto"}')
+    p.get_by_role("button", name="Save changes").click()
+    p.wait_for_function("() => document.getElementById('status').textContent.startsWith('Saved')")
+    assert p.locator("#status").inner_text() == "Saved: 1 applied now, 0 wait for a restart"
+    code, document = call(served.core, "GET", "/settings")
+    assert code == 200
+    assert document["values"]["voices"]["aliases"] == {"alloy": "tone:alto"}
+    code, listed = call(served.core, "GET", "/v1/audio/voices?model=tone")
+    assert code == 200
+    alias = next(v for v in listed["voices"] if v["id"] == "alloy")
+    assert (alias["alias_of"], alias["engine"]) == ("alto", "tone")
+    assert call(served.core, "PATCH", "/settings", {"voices": {"aliases": {}}})[0] == 200
+    assert page.errors == []
+
+
 def test_the_api_reference_is_the_cores_document(served: Served, page: Page) -> None:
     """
     On API: every operation of GET /openapi.json is listed, and the filter narrows it.

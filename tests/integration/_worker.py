@@ -311,6 +311,25 @@ def decode_pcm(data: bytes, fmt: str, rate: int) -> bytes:
     return result.stdout
 
 
+def probed_rate(data: bytes) -> int:
+    """
+    Blocking: the sample rate ffmpeg reads from an encoded file's own headers.
+    """
+    import re
+    import subprocess
+
+    from rhapsode_worker._encode import find_ffmpeg
+
+    ffmpeg = find_ffmpeg()
+    assert ffmpeg is not None
+    result = subprocess.run(
+        [ffmpeg, "-hide_banner", "-i", "pipe:0", "-f", "null", "-"], input=data, capture_output=True
+    )
+    found = re.search(rb"Audio: [^\n]*?(\d+) Hz", result.stderr)
+    assert found is not None, result.stderr[-500:]
+    return int(found.group(1))
+
+
 def rms(pcm: bytes) -> float:
     from array import array
 

@@ -60,7 +60,7 @@ def leaves_nothing_behind(reactor: Any) -> Iterator[None]:
 def ffmpeg() -> str:
     found = find_ffmpeg()
     assert found is not None, "imageio-ffmpeg is a dependency: there is always an ffmpeg"
-    assert set(available_formats(found)) == {"wav", "mp3", "opus", "flac", "pcm"}
+    assert set(available_formats(found)) == {"wav", "mp3", "opus", "flac", "pcm", "aac"}
     return found
 
 
@@ -231,7 +231,60 @@ async def test_round_trip_duration(reactor: Any, ffmpeg: str, fmt: str, rate: in
         assert decoded == pcm
 
 
-@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac"])
+@pytest.mark.parametrize("fmt", ["aac"])
+@pytest_twisted.ensureDeferred
+async def test_aac_round_trip_duration(reactor: Any, ffmpeg: str, fmt: str) -> None:
+    """aac is ADTS frames: decoded back, a second of sine is a second long plus at most the
+    encoder's priming and the last frame's padding (two frames of 1024 samples), and loud."""
+    native = NativeFormat(sample_rate=22050)
+    pcm = sine(native, 1.0)
+    sink = CollectingSink()
+    encoder = make_encoder(fmt, native, sink, reactor=reactor, ffmpeg=ffmpeg, streaming=True)
+    source = PcmSource(reactor, encoder, pcm, chunk=native.bytes_per_second // 10)
+    await source.done
+    await encoder.finish()
+    body = b"".join(sink.chunks)
+    assert body[0] == 0xFF and body[1] & 0xF0 == 0xF0  # an ADTS sync word
+    decoded = decode(ffmpeg, fmt, body, native)
+    extra = len(decoded) // 2 - len(pcm) // 2
+    assert 0 <= extra <= 2 * 1024
+    samples = array("h")
+    samples.frombytes(decoded)
+    assert max(samples) > 8000
+
+
+@pytest.mark.parametrize(("fmt", "streaming"), [("pcm", True), ("wav", True), ("wav", False), ("mp3", True)])
+@pytest_twisted.ensureDeferred
+async def test_a_rate_asked_for_is_resampled(reactor: Any, ffmpeg: str, fmt: str, streaming: bool) -> None:
+    """22.05 kHz PCM asked for at 24 kHz (what LiveKit and Pipecat assume): pcm comes out
+    24000 samples a second through ffmpeg's resampler, a wav's header says 24000 (with its
+    sizes filled in when buffered), an mp3's frames are at 24 kHz; the tone is still 440 Hz
+    at half scale, not silence or noise."""
+    native = NativeFormat(sample_rate=22050)
+    pcm = sine(native, 1.0)
+    sink = CollectingSink()
+    encoder = make_encoder(fmt, native, sink, reactor=reactor, ffmpeg=ffmpeg, streaming=streaming, rate=24000)
+    source = PcmSource(reactor, encoder, pcm, chunk=native.bytes_per_second // 10)
+    await source.done
+    await encoder.finish()
+    chunks = encoder.finalize(sink.chunks) if not streaming else sink.chunks
+    body = b"".join(chunks)
+    target = NativeFormat(sample_rate=24000)
+    if fmt == "wav":
+        assert body[:4] == b"RIFF" and int.from_bytes(body[24:28], "little") == 24000
+        size = int.from_bytes(body[40:44], "little")
+        assert size == (0xFFFFFFFF if streaming else len(body) - 44)
+    decoded = decode(ffmpeg, fmt, body, target)
+    seconds = len(decoded) / target.bytes_per_second
+    assert abs(seconds - (1.0 + (MP3_PRIMING_SAMPLES / 24000 if fmt == "mp3" else 0.0))) <= TOLERANCE_S
+    samples = array("h")
+    samples.frombytes(decoded)
+    middle = samples[6000:18000]
+    crossings = sum(1 for a, b in zip(middle, middle[1:]) if a < 0 <= b)
+    assert 14000 < max(middle) < 17000 and abs(crossings - 220) <= 3  # 440 Hz over half a second
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac", "aac"])
 @pytest_twisted.ensureDeferred
 async def test_output_streams_before_finish(reactor: Any, ffmpeg: str, fmt: str) -> None:
     """Fed 10 s of PCM in 100 ms writes with the reactor turning between them, ffmpeg's output

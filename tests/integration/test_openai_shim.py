@@ -24,7 +24,7 @@ from test_core_proxy import Core, call, chatty_env
 from test_core_proxy import start_core as start
 from twisted.internet.threads import deferToThread
 
-from _worker import decode_pcm, rms
+from _worker import decode_pcm, probed_rate, rms
 
 RATE = 24000
 
@@ -181,17 +181,32 @@ async def test_sdk_sse_stream_carries_the_audio_as_delta_events(core: Core) -> N
     assert len(audio) == len(raw) and rms(audio) > 1000
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac", "aac"])
 @pytest_twisted.ensureDeferred
-async def test_sse_for_a_compressed_format_is_unsupported(core: Core) -> None:
+async def test_sse_carries_every_format_as_base64_of_the_encoded_bytes(core: Core, fmt: str) -> None:
     """
-    SSE carries pcm or wav; mp3 over SSE is refused as unsupported naming stream_format,
-    before anything is spoken.
+    SSE in a compressed format (LiveKit's default is mp3 over SSE): the deltas' bytes,
+    joined, are one file in that format, which decodes to audio as long as pcm's.
     """
-    answer = await call(core, "POST", "/v1/audio/speech",
-                        {"model": "tone", "input": "Hi there.", "stream_format": "sse", "response_format": "mp3"})
-    error = json.loads(answer.body)["error"]
-    assert answer.status == 422 and error["code"] == "unsupported" and error["param"] == "stream_format"
-    assert answer.headers["x-should-retry"] == "false"
+    client = sdk(core)
+
+    def both() -> tuple[bytes, bytes]:
+        sse = client.audio.speech.create(
+            model="tone", input="Hello there, events.", voice="alto", response_format=fmt,  # type: ignore[arg-type]
+            stream_format="sse",
+        )
+        raw = client.audio.speech.create(model="tone", input="Hello there, events.", voice="alto", response_format="pcm")
+        return sse.content, raw.content
+
+    body, raw = await in_thread(both)
+    found = events(body)
+    assert found[-1][0] == "speech.audio.done" and len(found) > 1
+    encoded = b"".join(base64.b64decode(data["audio"]) for name, data in found[:-1])
+    assert {"mp3": encoded[:3] in (b"ID3",) or encoded[0] == 0xFF, "opus": encoded[:4] == b"OggS",
+            "flac": encoded[:4] == b"fLaC", "aac": encoded[0] == 0xFF and encoded[1] & 0xF0 == 0xF0}[fmt]
+    audio = await deferToThread(decode_pcm, encoded, fmt, RATE)
+    # A lossy codec's priming and padding: at most two frames (2 x 1152 samples).
+    assert abs(len(audio) - len(raw)) <= 2 * 2 * 1152 + 2 * RATE // 50 and rms(audio) > 1000
 
 
 @pytest.mark.parametrize(
@@ -200,7 +215,9 @@ async def test_sse_for_a_compressed_format_is_unsupported(core: Core) -> None:
         ({"model": "tts-1", "input": "Hi."}, 404, "unknown_engine", "model"),
         ({"model": "tone", "input": "Hi.", "voice": "alloy"}, 404, "unknown_voice", "voice"),
         ({"model": "tone", "input": "Hi.", "instructions": "Whisper it."}, 422, "unsupported", "instructions"),
-        ({"model": "tone", "input": "Hi.", "response_format": "aac"}, 422, "unsupported", "response_format"),
+        ({"model": "tone", "input": "Hi.", "response_format": "wma"}, 422, "unsupported", "response_format"),
+        ({"model": "tone", "input": "Hi.", "response_format": "opus", "sample_rate": 22050}, 422, "unsupported",
+         "sample_rate"),
         ({"model": "tone", "input": "Hi.", "speed": 1.5}, 422, "unsupported", "speed"),
         ({"model": "tone", "input": "Hi.", "seed": 3}, 400, "bad_request", "seed"),
         ({"model": "tone", "input": ""}, 400, "bad_request", "input"),
@@ -441,3 +458,57 @@ async def test_batch_answers_each_item_and_refuses_past_the_cap(core: Core) -> N
     assert core.app.budget.held == 0
     over = await call(core, "POST", "/v1/audio/speech/batch", {"model": "tone", "items": [{"input": "x"}] * 33})
     assert over.status == 400 and json.loads(over.body)["error"]["param"] == "items"
+
+
+@pytest_twisted.ensureDeferred
+async def test_speed_sets_the_variants_rate_dial(core: Core) -> None:
+    """
+    speed on tone:classic sets its rate dial (which its capability document names):
+    twice as fast is about half as long, half as fast twice; speed 1 is the dial's
+    default; the expressive variant, which has no rate dial, refuses a speed.
+    """
+    client = sdk(core)
+    text = "A sentence long enough to time, read at three speeds."
+
+    def three() -> list[int]:
+        return [len(client.audio.speech.create(model="tone:classic", input=text, voice="alto", response_format="pcm",
+                                               speed=speed).content) for speed in (1.0, 2.0, 0.5)]
+
+    plain, fast, slow = await in_thread(three)
+    assert 0.4 < fast / plain < 0.6 and 1.7 < slow / plain < 2.3
+    answer = await call(core, "GET", "/engines/tone/capabilities")
+    assert json.loads(answer.body)["variants"]["classic"]["speed"] == {"dial": "rate", "scale": "proportional"}
+    refused = await call(core, "POST", "/v1/audio/speech", {"model": "tone:expressive", "input": "Hi.", "speed": 2})
+    error = json.loads(refused.body)["error"]
+    assert refused.status == 422 and error["param"] == "speed" and "expressive" in error["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_sample_rate_resamples_in_every_format(core: Core) -> None:
+    """
+    sample_rate (vLLM-Omni's field) asks the worker's encoder to resample: pcm's
+    Content-Type says the rate and its length follows it, a wav's header and an mp3's
+    frames carry it, and the audio is not silent; the native /speak takes sampleRate.
+    """
+    client = sdk(core)
+    text = "Resampled, and still speech."
+
+    def speak() -> tuple[Any, bytes, bytes, bytes]:
+        pcm = client.audio.speech.create(model="tone:classic", input=text, voice="alto", response_format="pcm",
+                                         extra_body={"sample_rate": 16000})
+        native = client.audio.speech.create(model="tone:classic", input=text, voice="alto", response_format="pcm")
+        wav = client.audio.speech.create(model="tone:classic", input=text, voice="alto", response_format="wav",
+                                         extra_body={"sample_rate": 22050})
+        mp3 = client.audio.speech.create(model="tone:classic", input=text, voice="alto", response_format="mp3",
+                                         extra_body={"sample_rate": 44100})
+        return pcm, native.content, wav.content, mp3.content
+
+    pcm, native, wav, mp3 = await in_thread(speak)
+    assert pcm.response.headers["content-type"] == "audio/L16; rate=16000; channels=1"
+    assert abs(len(pcm.content) / len(native) - 16000 / RATE) < 0.01 and rms(pcm.content) > 1000
+    assert await deferToThread(probed_rate, wav) == 22050 and int.from_bytes(wav[24:28], "little") == 22050
+    assert await deferToThread(probed_rate, mp3) == 44100
+    assert rms(await deferToThread(decode_pcm, mp3, "mp3", 44100)) > 1000
+    answer = await call(core, "POST", "/speak",
+                        {"engine": "tone", "variant": "classic", "text": text, "format": "pcm", "sampleRate": 8000})
+    assert answer.status == 200 and answer.headers["content-type"] == "audio/L16; rate=8000; channels=1"

@@ -696,7 +696,7 @@ def test_worker_document_routes_use_the_shapes() -> None:
     for path in ("/speak", "/dialogue"):
         ok = paths[path]["post"]["responses"]["200"]
         assert set(ok["content"]) == {
-            "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/L16",
+            "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/L16", "audio/aac",
         }
         assert "X-Rhapsode-Duration-Ms" in ok["headers"]
         assert "trailer" in ok["headers"]["X-Rhapsode-Duration-Ms"]["description"]
@@ -741,14 +741,15 @@ def test_worker_document_holds_no_public_shapes() -> None:
 
 def test_public_requests_extend_the_worker_ones() -> None:
     """
-    The public shapes are the worker's plus engine and keepAliveSeconds, in one copy.
+    The public shapes are the worker's plus engine, keepAliveSeconds and speed (the
+    dial it sets is what the worker is sent), in one copy.
     """
     assert list(PUBLIC_SPEAK_REQUEST["properties"])[: len(SPEAK_REQUEST["properties"])] == list(
         SPEAK_REQUEST["properties"]
     )
     assert PUBLIC_SPEAK_REQUEST["required"] == ["text", "engine"]
     assert set(PUBLIC_DIALOGUE_REQUEST["properties"]) == set(DIALOGUE_REQUEST["properties"]) | {
-        "keepAliveSeconds"
+        "keepAliveSeconds", "speed"
     }
     assert PUBLIC_DIALOGUE_REQUEST["additionalProperties"] is False
 

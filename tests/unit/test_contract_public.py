@@ -212,7 +212,7 @@ def test_audio_routes_document_formats_and_duration() -> None:
     for path in ("/speak", "/engines/{engine}/dialogue"):
         ok = paths[path]["post"]["responses"]["200"]
         assert set(ok["content"]) == {
-            "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/L16",
+            "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/aac", "audio/L16",
         }
         assert "trailer" in ok["headers"]["X-Rhapsode-Duration-Ms"]["description"]
     preview = paths["/engines/{engine}/voices/{voice}/preview"]["get"]["responses"]["200"]

@@ -95,8 +95,9 @@ def test_content_types() -> None:
     assert content_type("opus", MONO_24K) == "audio/opus"
     assert content_type("flac", MONO_24K) == "audio/flac"
     assert content_type("pcm", STEREO_22K) == "audio/L16; rate=22050; channels=2"
+    assert content_type("aac", MONO_24K) == "audio/aac"
     with pytest.raises(ValueError):
-        content_type("aac", MONO_24K)
+        content_type("wma", MONO_24K)
 
 
 def test_wav_streams_header_then_pcm_and_finalize_fixes_sizes() -> None:
@@ -204,8 +205,8 @@ def test_available_formats_reads_the_encoder_list(tmp_path: Path) -> None:
     once per binary path."""
     counter = tmp_path / "runs"
     ffmpeg = fake_ffmpeg(tmp_path, f'echo run >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n')
-    assert available_formats(ffmpeg) == ("wav", "mp3", "flac", "pcm")
-    assert available_formats(ffmpeg) == ("wav", "mp3", "flac", "pcm")
+    assert available_formats(ffmpeg) == ("wav", "mp3", "flac", "pcm", "aac")
+    assert available_formats(ffmpeg) == ("wav", "mp3", "flac", "pcm", "aac")
     assert counter.read_text() == "run\n"
 
 

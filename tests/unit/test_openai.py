@@ -79,31 +79,35 @@ def test_tts_1_is_not_an_engine() -> None:
 def test_the_fields_become_a_native_request() -> None:
     """
     input is text, mp3 when no format is asked for, the voice (a string or the SDK's
-    object), a variant from the model, the stream flag; a speed of 1 sends nothing.
+    object), a variant from the model, the stream flag; a speed of 1 sends nothing, and
+    another is the native speed (preflight maps it onto the variant's rate dial);
+    sample_rate is sampleRate.
     """
     target = shim("tone")
     assert native(target, model="tone", input="Hi.") == {"engine": "tone", "text": "Hi.", "format": "mp3", "stream": True}
     assert native(target, model="tone:fast", input="Hi.", voice={"id": "alto"}, response_format="wav", speed=1) == {
         "engine": "tone", "text": "Hi.", "format": "wav", "stream": True, "variant": "fast", "voice": "alto"}
-    assert native(target, model="tone:fast", input="Hi.", voice="alto", speed=1.5)["params"] == {"speed": 1.5}
+    assert native(target, model="tone:fast", input="Hi.", voice="alto", speed=1.5)["speed"] == 1.5
+    assert native(target, model="tone", input="Hi.", sample_rate=24000)["sampleRate"] == 24000
     assert "instructions" not in native(target, model="tone", input="Hi.", instructions="")
     # Passed on as the native field: the preflight refuses it for a variant that takes none.
     assert native(target, model="tone", input="Hi.", instructions="Slowly.")["instructions"] == "Slowly."
 
 
 @pytest.mark.parametrize("body, kind, field", [
-    ({"response_format": "aac"}, Unsupported, "response_format"),
-    ({"speed": 1.5}, Unsupported, "speed"),
+    ({"speed": 5}, BadRequest, "speed"),
+    ({"sample_rate": 96000}, BadRequest, "sample_rate"),
     ({"voice": {"id": "alto", "name": "x"}}, BadRequest, "voice.name"),
     ({"voice": {"id": ""}}, BadRequest, "voice.id"),
 ])
 def test_what_has_no_equivalent_is_refused_not_dropped(body: dict[str, Any], kind: type[SpeechError], field: str) -> None:
     """
-    aac, a speed on a variant with no speed dial (the default variant here has none),
-    and a malformed voice object are refused naming the field.
+    A speed or a sample rate outside OpenAI's and the contract's bounds, and a
+    malformed voice object are refused naming the field (instructions pass on as the
+    native field, refused by the preflight where the variant takes none).
     """
     error = refused(shim("tone"), kind, model="tone", input="Hi.", **body)
-    assert error.field == field
+    assert openai_envelope(error)["error"]["param"] == field
 
 
 @pytest.mark.parametrize("error, status, kind, retry", [

@@ -81,7 +81,7 @@ def test_unknown_engine_lists_the_engines() -> None:
     ("body", "field"),
     [
         ({"engine": "tone"}, "text"),
-        ({"engine": "tone", "text": "hi", "speed": 2}, "speed"),
+        ({"engine": "tone", "text": "hi", "speed": 9}, "speed"),
         ({"engine": "tone", "text": "hi", "keepAliveSeconds": "soon"}, "keepAliveSeconds"),
     ],
 )

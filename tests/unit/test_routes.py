@@ -506,7 +506,7 @@ def heard_app(monkeypatch: pytest.MonkeyPatch) -> tuple[HeardEngine, StubTreq]:
     engine = HeardEngine()
     app, stub = make_app(engine)
 
-    async def respond(request: Any, variant: str, steps: list[Any], fmt: str, stream: bool) -> bytes:
+    async def respond(request: Any, variant: str, steps: list[Any], fmt: str, stream: bool, rate: Any = None) -> bytes:
         for step in steps:
             list(step())
         request.setResponseCode(200)

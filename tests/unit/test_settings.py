@@ -105,8 +105,8 @@ def test_the_document_shows_each_layer_and_never_the_token(h: Harness) -> None:
     assert values["residency"] == {"maxResidentModels": 1, "evictionWaitSeconds": 30.0, "keepAliveSeconds": 120}
     assert values["management"] == {"tokenSet": True, "origins": ["https://page.example"]}
     assert values["engines"] == {
-        "tone": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None},
-        "far": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None},
+        "tone": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None, "openaiSampleRate": None},
+        "far": {"keepAliveSeconds": None, "maxConcurrent": None, "maxQueued": None, "openaiSampleRate": None},
     }
     assert TOKEN not in json.dumps(document)
     fields = {f["key"]: f for f in document["fields"]}
@@ -202,12 +202,21 @@ def test_a_key_the_document_does_not_have_is_refused_by_name(h: Harness, body: A
         ("log.level", "loud"),
         ("management.origins", ["https://page.example/path"]),
         ("residency.maxResidentModels", True),
+        ("server.host", "not an address"),
+        ("server.host", "8.8.8.8"),
+        ("server.host", "203.0.113.7"),
+        ("management.token", "a-long-enough-token\r\nX-Injected: yes"),
+        ("management.token", "a-long-enough-token\nmore"),
+        ("management.token", "a-long-enough-\x00token"),
+        ("management.token", "a-long-enough-t\u00f6ken"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_setting_and_changes_nothing(h: Harness, key: str, value: Any) -> None:
     """
-    A value out of range is bad_request naming the setting; the patch is one
-    transaction, so the good keys beside it are not written either.
+    A value out of range is bad_request naming the setting (a host this machine cannot
+    listen on, a token that cannot travel in an Authorization header included: each
+    would have failed the next start or every call); the patch is one transaction, so
+    the good keys beside it are not written either.
     """
     section, name = key.split(".")
     body: dict[str, Any] = {"residency": {"keepAliveSeconds": 11}}
@@ -455,3 +464,11 @@ def test_the_served_document_carries_the_patch_schema() -> None:
     from rhapsode._manage.patch import settings_patch_schema
 
     assert openapi_document("0.1.0")["components"]["schemas"]["SettingsPatch"] == settings_patch_schema()
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost", " 127.0.0.1 "])
+def test_a_host_this_machine_can_listen_on_is_taken(h: Harness, host: str) -> None:
+    """
+    server.host takes what a socket can bind here (loopback, every interface, the name
+    localhost), as it will be used at the next start.
+    """
+    h.patch({"server": {"host": host}})
+    assert h.database.settings()["server.host"] == host.strip()

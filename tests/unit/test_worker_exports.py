@@ -45,6 +45,7 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "Remote": _engine,
         "SpeakRequest": _engine,
         "SpeechError": errors,
+        "Speed": _engine,
         "Turn": _engine,
         "UnknownEngine": errors,
         "UnknownVoice": errors,

@@ -45,7 +45,10 @@ from .schemas import (
     MAX_SEED,
     MAX_TEXT_CHARACTERS,
     MAX_TURNS,
+    FORMAT_RATES,
+    MAX_SAMPLE_RATE,
     MEDIA_TYPES,
+    MIN_SAMPLE_RATE,
     NATIVE_FORMAT,
     OUTDATED_REINSTALLS,
     PUBLIC_DIALOGUE_REQUEST,
@@ -70,7 +73,15 @@ from .schemas import (
     VOICE_LIST,
     Schema,
 )
-from .validation import check_instructions, check_voice_id, choose_language, parse_json_body, validate
+from .validation import (
+    check_instructions,
+    check_sample_rate,
+    check_voice_id,
+    choose_language,
+    parse_json_body,
+    speed_dial,
+    validate,
+)
 
 __all__ = [
     "INSTRUCTION_KINDS",
@@ -102,7 +113,10 @@ __all__ = [
     "JOB_STEPS",
     "LICENSE",
     "LOAD_REQUEST",
+    "FORMAT_RATES",
+    "MAX_SAMPLE_RATE",
     "MEDIA_TYPES",
+    "MIN_SAMPLE_RATE",
     "NATIVE_FORMAT",
     "OUTDATED_REINSTALLS",
     "PUBLIC_DIALOGUE_REQUEST",
@@ -127,11 +141,13 @@ __all__ = [
     "VOICE_ID_PATTERN",
     "VOICE_LIST",
     "check_instructions",
+    "check_sample_rate",
     "check_voice_id",
     "choose_language",
     "main",
     "parse_json_body",
     "public_openapi",
+    "speed_dial",
     "validate",
     "worker_openapi",
 ]

@@ -27,7 +27,29 @@ MEDIA_TYPES: dict[str, str] = {
     "opus": "audio/opus",
     "flac": "audio/flac",
     "pcm": "audio/L16",
+    # AAC in ADTS frames, which stream and which OpenAI's aac is.
+    "aac": "audio/aac",
 }
+
+#: The sample rates a request may ask for (C{sampleRate}), and those each format can
+#: carry where it cannot carry every one: MPEG's for mp3 and AAC's own table (both
+#: within the bounds), libopus's five.  pcm, wav and flac carry any rate in the bounds.
+MIN_SAMPLE_RATE = 8000
+MAX_SAMPLE_RATE = 48000
+_MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+FORMAT_RATES: dict[str, tuple[int, ...]] = {
+    "mp3": _MPEG_RATES,
+    "aac": _MPEG_RATES,
+    "opus": (8000, 12000, 16000, 24000, 48000),
+}
+
+#: How OpenAI's C{speed} reaches a variant's dial (a variant's C{speed}): the dial's
+#: default times the speed (a rate: words a minute, a multiplier), or divided by it
+#: (a length: Piper's lengthScale).
+SPEED_SCALES = ("proportional", "inverse")
+#: The speeds a request may ask for: OpenAI's range.
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
 
 #: A voice id (protocol.md section 7): letters, digits, - and _, starting with a letter
 #: or digit, at most 64 characters.  Anything else could name a path or a pattern.
@@ -151,10 +173,10 @@ def _variant_field() -> Schema:
 
 
 def _format_field() -> Schema:
-    # A string rather than an enum: a format outside the five is unsupported (422),
+    # A string rather than an enum: a format outside the six is unsupported (422),
     # as one the engine does not produce is, not a malformed request (400).
     return _string(
-        "One of capabilities.formats (wav, mp3, opus, flac, pcm); any other is "
+        "One of capabilities.formats (wav, mp3, opus, flac, pcm, aac); any other is "
         "unsupported. The response's Content-Type is authoritative.",
         minLength=1,
         maxLength=16,
@@ -167,6 +189,27 @@ def _language_field() -> Schema:
         "absent means the first it lists. A variant with one language ignores it.",
         pattern=LANGUAGE_PATTERN,
         maxLength=35,
+    )
+
+
+def _sample_rate_field() -> Schema:
+    return _integer(
+        "The sample rate to answer in, resampled from the engine's own by the worker's "
+        "encoder; absent is the engine's native rate. mp3 and aac carry 8000, 11025, "
+        "12000, 16000, 22050, 24000, 32000, 44100 or 48000 Hz, opus 8000, 12000, 16000, "
+        "24000 or 48000; any other rate for them is unsupported.",
+        minimum=MIN_SAMPLE_RATE,
+        maximum=MAX_SAMPLE_RATE,
+    )
+
+
+def _speed_field() -> Schema:
+    return _number(
+        "Speaking rate, 1 the voice's own: mapped onto the dial the effective variant's "
+        "speed names (its default times the speed, or divided by it); unsupported on a "
+        "variant that names none. Not with params setting that same dial.",
+        minimum=MIN_SPEED,
+        maximum=MAX_SPEED,
     )
 
 
@@ -235,6 +278,7 @@ SPEAK_REQUEST: Schema = _object(
             maxLength=MAX_INSTRUCTION_CHARACTERS,
         ),
         "stream": _stream_field(),
+        "sampleRate": _sample_rate_field(),
     },
     required=["text"],
     closed=True,
@@ -243,7 +287,11 @@ SPEAK_REQUEST: Schema = _object(
 
 PUBLIC_SPEAK_REQUEST: Schema = _extend(
     SPEAK_REQUEST,
-    {"engine": _string("Engine id, from GET /engines."), "keepAliveSeconds": _keep_alive_field()},
+    {
+        "engine": _string("Engine id, from GET /engines."),
+        "keepAliveSeconds": _keep_alive_field(),
+        "speed": _speed_field(),
+    },
     required=["engine"],
     description="POST /speak on the public API.",
 )
@@ -280,6 +328,7 @@ DIALOGUE_REQUEST: Schema = _object(
         "params": _params_field(),
         "seed": _seed_field(),
         "stream": _stream_field(),
+        "sampleRate": _sample_rate_field(),
     },
     required=["turns"],
     closed=True,
@@ -289,7 +338,7 @@ DIALOGUE_REQUEST: Schema = _object(
 
 PUBLIC_DIALOGUE_REQUEST: Schema = _extend(
     DIALOGUE_REQUEST,
-    {"keepAliveSeconds": _keep_alive_field()},
+    {"keepAliveSeconds": _keep_alive_field(), "speed": _speed_field()},
     description="POST /engines/{engine}/dialogue on the public API.",
 )
 
@@ -367,6 +416,19 @@ VARIANT_CAPS: Schema = _object(
         "cues": _array(_enum(ALL_CUES), "The cues this variant performs; the rest are stripped."),
         "deliveries": _array(_enum(ALL_DELIVERIES)),
         "dials": _map(_ref("Dial"), "Numbers this variant really varies, by name."),
+        "speed": _object(
+            {
+                "dial": _string("The dial that is the speaking rate: one of dials."),
+                "scale": _enum(
+                    SPEED_SCALES,
+                    "proportional: the dial's default times the speed (a rate); inverse: "
+                    "divided by it (a length).",
+                ),
+            },
+            required=["dial", "scale"],
+            description="Which dial a request's speed sets, and how. Absent: nothing "
+            "maps speed on this variant, and a speed other than 1 is unsupported.",
+        ),
         "languages": _array(_string(), "The first is the default.", minItems=1),
         "maxCharacters": _integer("The most text one request may carry.", minimum=1),
         "segmentation": _object(
@@ -500,6 +562,12 @@ CAPABILITIES: Schema = _object(
         ),
         "formats": _array(_enum(tuple(MEDIA_TYPES))),
         "nativeFormat": _ref("NativeFormat"),
+        "aliases": _map(
+            _string(pattern=VOICE_ID_PATTERN),
+            "Public API only: the operator's voice aliases for this engine (voices.aliases), "
+            "each to the voice id it means. A request naming one speaks that voice; they "
+            "are not voices, and GET /voices does not list them.",
+        ),
     },
     required=[
         "contract",
@@ -584,6 +652,19 @@ ENGINE_STATE: Schema = _object(
             "Names no path on the box; the worker's own words are in the server's log."
         ),
         "remote": _boolean("A worker at a URL: this server does not run its process."),
+        "strays": _array(
+            _object(
+                {
+                    "pid": _integer("The stray process's id.", minimum=1),
+                    "since": _string("When it was found, ISO 8601 in UTC."),
+                },
+                required=["pid", "since"],
+            ),
+            "Processes that outlived a worker of this engine and its process group while "
+            "holding its stdout or stderr (a helper its adapter started in a session of its "
+            "own): left running for an operator to end, listed until they exit. The server "
+            "counts as degraded meanwhile.",
+        ),
         "unreachable": _map(
             _string(),
             "Variants whose model is served elsewhere by a server the worker cannot reach "
@@ -992,8 +1073,10 @@ _OPENAI_FIELDS: dict[str, Any] = {
     "input": {"type": "string", "maxLength": MAX_TEXT_CHARACTERS, "description": "What to say. " + NOTHING_TO_SPEAK},
     "voice": {"type": ["string", "object"]},
     "response_format": {"type": "string", "minLength": 1, "maxLength": 16},
-    "speed": {"type": "number", "minimum": 0, "maximum": 100},
+    "speed": {"type": "number", "minimum": MIN_SPEED, "maximum": MAX_SPEED},
     "instructions": {"type": "string", "maxLength": MAX_TEXT_CHARACTERS},
+    # vLLM-Omni's: the rate to answer in, resampled by the worker's encoder.
+    "sample_rate": {"type": "integer", "minimum": MIN_SAMPLE_RATE, "maximum": MAX_SAMPLE_RATE},
     "stream_format": {"type": "string", "enum": ["audio", "sse"]},
 }
 _OPENAI_MODEL = {"type": "string", "minLength": 1, "maxLength": 2 * MAX_NAME_CHARACTERS + 1}

@@ -18,7 +18,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import BadRequest, Unsupported
-from .schemas import _COMPONENTS, _REF_PREFIX, VOICE_ID_PATTERN, Schema
+from .schemas import _COMPONENTS, _REF_PREFIX, FORMAT_RATES, VOICE_ID_PATTERN, Schema
 
 # Validation.
 
@@ -284,14 +284,67 @@ def _refuse_constant(name: str) -> object:
 #: One decoder for every body (json.loads with options builds a decoder per call).
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
+#: The deepest a JSON body may nest: every shape here is a handful of levels deep, and
+#: Python's parser and every walk over what it parsed recurse once per level, so a body
+#: nested a thousand deep in two kilobytes once reached the interpreter's limit.
+MAX_JSON_DEPTH = 64
+# A JSON string, escapes and all (its brackets are text, not structure).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+class TooDeep(BadRequest):
+    """
+    A JSON body nested deeper than L{MAX_JSON_DEPTH}, or with brackets that do not
+    pair: refused before it is parsed.
+    """
+
+
+def check_json_depth(raw: bytes | str, most: int = MAX_JSON_DEPTH) -> None:
+    """
+    Refuse a JSON document nested deeper than C{most} levels, before any parser
+    recurses into it.  Linear work done by the regular expression engine: the strings
+    are cut out, and the innermost empty pairs of what is left peeled away once per
+    level; a document with no more than C{most} brackets in all is passed at once.
+
+    @raise TooDeep: naming the body.
+    """
+    text = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    if text.count(b"[") + text.count(b"{") <= most:
+        return
+    brackets = _NOT_A_BRACKET.sub(b"", _JSON_STRING.sub(b"", text))
+    for _ in range(most):
+        if not brackets:
+            return
+        brackets, peeled = _EMPTY_PAIR.subn(b"", brackets)
+        if not peeled:
+            raise TooDeep("body is not valid JSON", field="body")  # its brackets do not pair
+    if brackets:
+        raise TooDeep(f"body nests deeper than {most} levels", field="body")
+
+
+def loads_json(raw: bytes | str) -> Any:
+    """
+    C{json.loads} of a body or a message from outside, its depth held to
+    L{MAX_JSON_DEPTH} first.
+
+    @raise TooDeep: too deep, or brackets that do not pair.
+    @raise ValueError: not JSON.
+    """
+    check_json_depth(raw)
+    return json.loads(raw)
+
 
 def parse_json_body(raw: bytes, schema: Schema) -> dict[str, Any]:
     """
     Decode a UTF-8 JSON request body, require an object, and validate it.
 
     @raise BadRequest: for anything that is not valid JSON (NaN and Infinity included),
-        a body that is not an object, or the first violation of C{schema}.
+        one nested deeper than L{MAX_JSON_DEPTH}, a body that is not an object, or the
+        first violation of C{schema}.
     """
+    check_json_depth(raw)
     try:
         value = _DECODER.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -371,6 +424,54 @@ def choose_language(requested: str | None, languages: Sequence[str], variant: st
         f'language "{requested[:35]}" is not spoken by variant "{variant}" ({", ".join(languages)})',
         field="language",
     )
+
+
+def check_sample_rate(fmt: str, rate: int, field: str = "sampleRate") -> int:
+    """
+    Return C{rate} if C{fmt} can carry it (L{FORMAT_RATES}; the schema holds it within
+    the contract's bounds), else refuse it naming the rates the format takes.
+
+    @raise Unsupported: naming C{field}.
+    """
+    rates = FORMAT_RATES.get(fmt)
+    if rates is not None and rate not in rates:
+        listed = ", ".join(str(r) for r in rates)
+        raise Unsupported(f"{fmt} carries {listed} Hz, not {rate}", field=field)
+    return rate
+
+
+def speed_dial(performs: Mapping[str, Any], speed: float, variant: str, field: str = "speed") -> tuple[str, float]:
+    """
+    The dial and the value a request's C{speed} sets on a variant (the capability
+    document's C{variants.<name>}): the dial its C{speed} names, at its default times
+    the speed (C{proportional}) or divided by it (C{inverse}).  A variant of an older
+    worker that declares no C{speed} but has a dial named C{speed} has it set
+    proportionally, as the shim always did.
+
+    @raise Unsupported: the variant names no dial for speed (C{field}).
+    @raise BadRequest: the value falls outside the dial's range, naming the speeds
+        that fit (C{field}).
+    """
+    dials: Mapping[str, Mapping[str, float]] = performs.get("dials") or {}
+    declared = performs.get("speed")
+    if not isinstance(declared, Mapping) and "speed" in dials:
+        declared = {"dial": "speed", "scale": "proportional"}
+    dial = dials.get(declared.get("dial", "")) if isinstance(declared, Mapping) else None
+    if dial is None or not isinstance(declared, Mapping):
+        known = ", ".join(dials) or "none"
+        raise Unsupported(f'variant "{variant}" has no dial that speed sets (dials: {known})', field=field)
+    name = str(declared["dial"])
+    default, low, high = float(dial["default"]), float(dial["min"]), float(dial["max"])
+    inverse = declared.get("scale") == "inverse"
+    value = default / speed if inverse else default * speed
+    if not (math.isfinite(value) and low <= value <= high):
+        slowest, fastest = (default / high, default / low) if inverse else (low / default, high / default)
+        raise BadRequest(
+            f'speed {speed:g} sets {name} to {value:g}, outside [{low:g}, {high:g}]: variant '
+            f'"{variant}" speaks from {slowest:.3g} to {fastest:.3g} times its own rate',
+            field=field,
+        )
+    return name, value
 
 
 def check_instructions(given: str | None, declared: Mapping[str, Any] | None, variant: str) -> str | None:

@@ -3,8 +3,8 @@ Turning an adapter's native PCM into the response formats of protocol.md section
 it arrives.
 
 An adapter that yields 32-bit float PCM has it converted to 16-bit first, on the synthesis
-thread (L{pcm16_from_f32le}).  wav and pcm are passthrough in Python.  mp3, opus (Ogg Opus) and flac go through one ffmpeg
-child per response, spawned with the reactor: the ffmpeg binary on PATH when there is one,
+thread (L{pcm16_from_f32le}).  wav and pcm are passthrough in Python.  mp3, opus (Ogg Opus),
+flac and aac (ADTS frames, ffmpeg's own encoder) go through one ffmpeg child per response, spawned with the reactor: the ffmpeg binary on PATH when there is one,
 otherwise the one the imageio-ffmpeg wheel ships, so no system package is needed.
 
 Backpressure is wiring, not buffering.  A passthrough encoder hands the PCM source to the sink
@@ -44,7 +44,7 @@ from ._engine import NativeFormat
 
 FORMATS: tuple[str, ...] = tuple(MEDIA_TYPES)
 
-_ENCODER_OF = {"mp3": "libmp3lame", "opus": "libopus", "flac": "flac"}
+_ENCODER_OF = {"mp3": "libmp3lame", "opus": "libopus", "flac": "flac", "aac": "aac"}
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 _UNKNOWN_SIZE = 0xFFFFFFFF
 _HEADER_SIZE = 44
@@ -301,17 +301,24 @@ class _WavEncoder(Encoder):
             self._sink.write(header)
 
     def finalize(self, chunks: list[bytes]) -> list[bytes]:
-        skip = _HEADER_SIZE
-        body: list[bytes] = []
-        for chunk in chunks:
-            if skip >= len(chunk):
-                skip -= len(chunk)
-                continue
-            body.append(chunk[skip:] if skip else chunk)
-            skip = 0
-        if skip:
-            raise ValueError("fewer bytes than a WAV header")
-        return [wav_header(self._native, sum(map(len, body))), *body]
+        return _sized_wav(self._native, chunks)
+
+
+def _sized_wav(native: NativeFormat, chunks: list[bytes]) -> list[bytes]:
+    """
+    A buffered WAV's chunks with its header's sizes filled in.
+    """
+    skip = _HEADER_SIZE
+    body: list[bytes] = []
+    for chunk in chunks:
+        if skip >= len(chunk):
+            skip -= len(chunk)
+            continue
+        body.append(chunk[skip:] if skip else chunk)
+        skip = 0
+    if skip:
+        raise ValueError("fewer bytes than a WAV header")
+    return [wav_header(native, sum(map(len, body))), *body]
 
 
 class _Process(Protocol):
@@ -410,7 +417,7 @@ class _FfmpegEncoder(Encoder):
         self._sink.unregisterProducer()
 
     def _encoded(self, data: bytes) -> None:
-        if self._state in (_State.OPEN, _State.FINISHING):
+        if data and self._state in (_State.OPEN, _State.FINISHING):
             self._sink.write(data)
 
     def _diagnostic(self, data: bytes) -> None:
@@ -428,6 +435,32 @@ class _FfmpegEncoder(Encoder):
                else f"was killed by signal {ended.signal}")
         failed = EncoderFailed(how, self._stderr.decode("utf-8", "replace"))
         self._conclude(_State.DONE, Failure(failed))
+
+
+class _ResampledWavEncoder(_FfmpegEncoder):
+    """
+    A WAV at a rate the engine does not speak at: ffmpeg resamples the PCM, and the
+    header (at the rate asked for) goes out with its first resampled bytes.
+    """
+
+    def __init__(self, argv: list[str], target: NativeFormat, sink: IConsumer, reactor: IReactorProcess) -> None:
+        self._target = target
+        self._header = wav_header(target, None)
+        super().__init__(argv, sink, reactor)
+
+    def _encoded(self, data: bytes) -> None:
+        if self._header and self._state in (_State.OPEN, _State.FINISHING):
+            header, self._header = self._header, b""
+            self._sink.write(header)
+        super()._encoded(data)
+
+    def _ended(self, reason: Failure) -> None:
+        if reason.check(ProcessDone):
+            self._encoded(b"")  # a WAV of no samples is still a header
+        super()._ended(reason)
+
+    def finalize(self, chunks: list[bytes]) -> list[bytes]:
+        return _sized_wav(self._target, chunks)
 
 
 class _FfmpegFileEncoder(_FfmpegEncoder):
@@ -482,24 +515,40 @@ def _discard(path: str) -> None:
         pass
 
 
-def _ffmpeg_argv(ffmpeg: str, fmt: str, native: NativeFormat, streaming: bool) -> list[str]:
+def _ffmpeg_argv(
+    ffmpeg: str, fmt: str, native: NativeFormat, streaming: bool, rate: int | None = None
+) -> list[str]:
+    """
+    ffmpeg's command line from C{native} PCM on stdin to C{fmt} on stdout, resampled to
+    C{rate} where one is given (pcm and wav come out as 16-bit PCM at that rate, which
+    the caller frames).  swresample's default filter (32 taps of windowed sinc) does it.
+    """
     channels = native.channels
     argv = [
         ffmpeg, "-hide_banner", "-loglevel", "error", "-nostdin",
         "-f", "s16le", "-ar", str(native.sample_rate), "-ac", str(channels), "-i", "pipe:0",
-        "-c:a", _ENCODER_OF[fmt],
+        "-c:a", _ENCODER_OF.get(fmt, "pcm_s16le"),
     ]
-    if fmt == "mp3":
+    if rate is not None and fmt != "opus":
+        argv += ["-ar", str(rate)]
+    if fmt in ("pcm", "wav"):
+        argv += ["-f", "s16le"]
+    elif fmt == "mp3":
         argv += ["-b:a", f"{64 * channels}k", "-f", "mp3"]
     elif fmt == "opus":
         argv += ["-b:a", f"{32 * channels}k", "-application", "voip"]
         # libopus takes only these rates; older ffmpeg builds do not resample on their own.
-        rate = next((r for r in _OPUS_RATES if r >= native.sample_rate), _OPUS_RATES[-1])
+        if rate is None:
+            rate = next((r for r in _OPUS_RATES if r >= native.sample_rate), _OPUS_RATES[-1])
         if rate != native.sample_rate:
             argv += ["-ar", str(rate)]
         if streaming:
             argv += ["-page_duration", "20000"]
         argv += ["-f", "ogg"]
+    elif fmt == "aac":
+        # ADTS: each frame carries its own header, so the stream can be cut and played
+        # anywhere, as OpenAI's aac is; an MP4 container would need its index first.
+        argv += ["-b:a", f"{64 * channels}k", "-f", "adts"]
     else:
         argv += ["-f", "flac"]
     if streaming:
@@ -527,16 +576,29 @@ def make_encoder(
     ffmpeg: str | None,
     streaming: bool,
     blocking: Blocking | None = None,
+    rate: int | None = None,
 ) -> Encoder:
     """
     An encoder from C{native} PCM to C{fmt}, writing to C{sink}.  For an ffmpeg format the child
     starts now and the encoder registers itself as the sink's producer; C{streaming} asks ffmpeg
     to flush every packet (and Ogg to cut 20 ms pages) so the first bytes leave early.
     C{blocking} runs the file work of a buffered MP3 off the reactor thread (by default on
-    C{reactor}'s own thread pool).
+    C{reactor}'s own thread pool).  C{rate}, where it is not C{native}'s, is the rate to
+    answer in: ffmpeg resamples, for pcm and wav too (which then go through an ffmpeg
+    child of their own rather than straight to the sink).
 
-    @raise Unsupported: C{fmt} is not one this machine can produce.
+    @raise Unsupported: C{fmt} is not one this machine can produce, or C{rate} needs
+        an ffmpeg it lacks.
     """
+    if rate == native.sample_rate:
+        rate = None
+    if fmt in ("pcm", "wav") and rate is not None:
+        if ffmpeg is None:
+            raise Unsupported(f"resampling to {rate} Hz needs ffmpeg, which this machine lacks", field="sampleRate")
+        argv = _ffmpeg_argv(ffmpeg, fmt, native, streaming, rate) + ["pipe:1"]
+        if fmt == "pcm":
+            return _FfmpegEncoder(argv, sink, reactor)
+        return _ResampledWavEncoder(argv, NativeFormat(sample_rate=rate, channels=native.channels), sink, reactor)
     if fmt == "pcm":
         return Encoder(sink)
     if fmt == "wav":
@@ -545,7 +607,7 @@ def make_encoder(
         raise Unsupported(f"no format {fmt!r}", field="format")
     if ffmpeg is None:
         raise Unsupported(f"format {fmt!r} needs ffmpeg, which this machine lacks", field="format")
-    argv = _ffmpeg_argv(ffmpeg, fmt, native, streaming)
+    argv = _ffmpeg_argv(ffmpeg, fmt, native, streaming, rate)
     if fmt == "mp3" and not streaming:
         handle, path = tempfile.mkstemp(prefix="rhapsode-", suffix=".mp3")
         os.close(handle)

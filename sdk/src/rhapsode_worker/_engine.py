@@ -52,6 +52,24 @@ class Dial:
             raise ValueError(f"dial default {self.default} outside [{self.min}, {self.max}]")
 
 
+@dataclass(frozen=True)
+class Speed:
+    """
+    Which of a variant's dials is its speaking rate, and how a request's C{speed} (1 is
+    the voice's own rate) becomes that dial's value: its default times the speed for a
+    rate (words a minute, a multiplier), divided by it for a length (C{inverse}, as
+    Piper's lengthScale is).
+    """
+
+    dial: str
+    inverse: bool = False
+
+    @property
+    def scale(self) -> str:
+        """The capability document's word for how it maps."""
+        return "inverse" if self.inverse else "proportional"
+
+
 #: The PCM an adapter may yield, by name, with the bytes of one sample.
 PCM_ENCODINGS = {"pcm_s16le": 2, "pcm_f32le": 4}
 
@@ -159,6 +177,9 @@ class Variant:
     One loadable build of an engine and what it performs.
 
     @ivar dials: name to L{Dial}, or to a C{(min, max, default)} tuple.
+    @ivar speed: the dial that is the speaking rate (a L{Speed}, or its name for a
+        proportional one); a dial named C{speed} is it by default.  None where no dial
+        is: a request's speed is then refused.
     @ivar languages: the first is the default when a request names none.
     @ivar max_characters: what one request may carry; C{None} takes the engine's.
     @ivar clones: whether this build can use a cloned voice, where the adapter
@@ -184,6 +205,7 @@ class Variant:
     max_speakers: int = 2
     seed_reproducible: bool = False
     reference_seconds: tuple[float, float] | None = None
+    speed: Speed | str | None = None
     instructions: Instructions | None = None
     remote: Remote | None = None
 
@@ -200,6 +222,12 @@ class Variant:
             name: d if isinstance(d, Dial) else Dial(*d) for name, d in self.dials.items()
         }
         object.__setattr__(self, "dials", dials)
+        speed = Speed(self.speed) if isinstance(self.speed, str) else self.speed
+        if speed is None and "speed" in dials:
+            speed = Speed("speed")
+        if speed is not None and speed.dial not in dials:
+            raise ValueError(f"speed names dial {speed.dial!r}, which the variant does not have")
+        object.__setattr__(self, "speed", speed)
         object.__setattr__(self, "cues", tuple(self.cues))
         object.__setattr__(self, "deliveries", tuple(self.deliveries))
         object.__setattr__(self, "languages", tuple(self.languages))

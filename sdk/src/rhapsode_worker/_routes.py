@@ -40,7 +40,7 @@ from rhapsode_protocol.http.answers import (
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
 from rhapsode_protocol.text import split_text
-from rhapsode_protocol.validation import check_instructions, choose_language
+from rhapsode_protocol.validation import check_instructions, check_sample_rate, choose_language
 from rhapsode_protocol.vocab import clean_text, is_speakable
 
 from . import _memory
@@ -52,6 +52,7 @@ from ._engine import (
     IEngine,
     Reference,
     SpeakRequest,
+    Speed,
     Turn,
     Variant,
     Voice,
@@ -115,6 +116,9 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     }
     if overrides(engine, "dialogue") and variant.max_speakers >= 1:
         doc["dialogue"] = {"maxSpeakers": variant.max_speakers}
+    speed = variant.speed
+    if isinstance(speed, Speed):
+        doc["speed"] = {"dial": speed.dial, "scale": speed.scale}
     if variant.instructions is not None:
         doc["instructions"] = {
             "kind": variant.instructions.kind,
@@ -156,11 +160,14 @@ class _AudioResponse:
     """
 
     def __init__(
-        self, worker: "WorkerApp", request: IRequest, fmt: str, stream: bool, job_producer: Job
+        self, worker: "WorkerApp", request: IRequest, fmt: str, stream: bool, job_producer: Job,
+        rate: int | None = None,
     ) -> None:
         self._worker = worker
         self._request = request
         self._fmt = fmt
+        #: The rate asked for, where it is not the engine's own: the encoder resamples.
+        self._rate = rate if rate != worker.pcm16.sample_rate else None
         self._stream = stream
         self._job = job_producer
         self._sink: Any = request if stream else _ListSink()
@@ -192,7 +199,8 @@ class _AudioResponse:
         native = self._worker.pcm16
         request = self._request
         request.setResponseCode(200)
-        request.setHeader(b"Content-Type", content_type(self._fmt, native).encode("ascii"))
+        sent = native if self._rate is None else replace(native, sample_rate=self._rate)
+        request.setHeader(b"Content-Type", content_type(self._fmt, sent).encode("ascii"))
         if self._stream:
             request.setHeader(b"Trailer", DURATION_HEADER)
         self._encoder = make_encoder(
@@ -203,6 +211,7 @@ class _AudioResponse:
             ffmpeg=self._worker.ffmpeg,
             streaming=self._stream,
             blocking=self._worker.blocking,
+            rate=self._rate,
         )
         self._encoder.registerProducer(self._job, True)
 
@@ -597,7 +606,7 @@ class WorkerApp:
 
     def _common(self, body: Mapping[str, Any], variant: str) -> tuple[str, str, dict[str, float]]:
         """
-        Check what /speak and /dialogue share: format, language and dials.
+        Check what /speak and /dialogue share: format, sample rate, language and dials.
         """
         v = self.variants[variant]
         fmt = body.get("format", "wav")
@@ -606,6 +615,14 @@ class WorkerApp:
                 f'format "{fmt}" is not produced here (formats: {", ".join(self.formats)})',
                 field="format",
             )
+        rate = body.get("sampleRate")
+        if rate is not None and rate != self.pcm16.sample_rate:
+            check_sample_rate(fmt, rate)
+            if self.ffmpeg is None:
+                raise Unsupported(
+                    f"a sample rate of {rate} Hz needs ffmpeg to resample, which this machine lacks",
+                    field="sampleRate",
+                )
         # Shared with the core's own check, so both read a language the same way.
         language = choose_language(body.get("language"), v.languages, variant)
         params: dict[str, float] = {}
@@ -684,7 +701,7 @@ class WorkerApp:
                 instructions=instructions,
             )
             return await self._respond(
-                request, variant, self._segments(speak), fmt, body.get("stream", True)
+                request, variant, self._segments(speak), fmt, body.get("stream", True), body.get("sampleRate")
             )
 
         return await self._guarded(request, handle)
@@ -728,7 +745,9 @@ class WorkerApp:
                 seed=body.get("seed"),
             )
             step = partial(self._pcm, self.engine.dialogue, dialogue)
-            return await self._respond(request, variant, [step], fmt, body.get("stream", True))
+            return await self._respond(
+                request, variant, [step], fmt, body.get("stream", True), body.get("sampleRate")
+            )
 
         return await self._guarded(request, handle)
 
@@ -739,16 +758,18 @@ class WorkerApp:
         steps: list[Callable[[], Iterator[bytes]]],
         fmt: str,
         stream: bool,
+        rate: int | None = None,
     ) -> Any:
         """
-        Schedule the synthesis and write its audio, aborting on a failure after headers.
+        Schedule the synthesis and write its audio (resampled to C{rate}, where one is
+        asked for), aborting on a failure after headers.
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
         finished = request.notifyFinish()  # type: ignore[attr-defined]
         joint = self.engine.joint_silence_ms
         output: _AudioResponse
         job = Job(variant, steps, on_pcm=lambda pcm: output.pcm(pcm), on_step=lambda _: output.silence(joint))
-        output = _AudioResponse(self, request, fmt, stream, job)
+        output = _AudioResponse(self, request, fmt, stream, job, rate)
 
         def gone(failure: Failure) -> None:
             job.cancel()

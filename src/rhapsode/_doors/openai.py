@@ -10,23 +10,30 @@ parse only OpenAI's, so every refusal here is that shape, with the taxonomy's st
 and code, and an C{x-should-retry} header that makes the official SDKs retry exactly
 what the taxonomy calls retryable.
 
-Two additions to section 11, because the clients people run send them: C{voice} may be
-C{{"id": ...}} (the current SDK types it so), and C{stream_format: "sse"} is served for
-pcm and wav as OpenAI defines it (LiveKit asks for it on every model but tts-1).
+Additions to section 11, because the clients people run send them: C{voice} may be
+C{{"id": ...}} (the current SDK types it so), and C{stream_format: "sse"} is served in
+every format as OpenAI's is, each delta the base64 of the encoded bytes as they come
+(LiveKit asks for it on every model but tts-1, in mp3 by default); C{sample_rate}, as
+vLLM-Omni has it, asks the worker's encoder to resample.
 
 The discovery routes (C{/v1/models}, C{/v1/models/{id}}, C{/v1/audio/models},
 C{/v1/audio/voices}) go beyond section 11, which waited for a client that needs them:
 Open WebUI and Home Assistant's integration do.  They are open, like C{/engines}.
 
 C{POST /v1/audio/speech/batch} is the peer API's batch: up to 32 items, each a buffered
-utterance spoken into memory (L{MemorySink}), answered together.
+utterance spoken into memory (L{MemorySink}), answered together.  The whole answer counts
+against the core's buffer budget until it has left the process: each item's audio while it
+is spoken, then its base64 (a third larger) in the JSON that carries it, which is written in
+pieces rather than built as one string.  A batch whose next piece the budget has no room
+for is refused whole, as overloaded with a C{Retry-After}, never answered in part.
 """
 
 from __future__ import annotations
 
-import base64
+import json
 import secrets
-from typing import Any, Awaitable, Callable
+from collections import deque
+from typing import Any, Awaitable, Callable, Iterator
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorTime
@@ -40,15 +47,24 @@ from rhapsode_protocol.validation import parse_json_body
 
 from .._fleet.registry import Registry
 from .._http.envelopes import openai_envelope, render_error
-from .._http.sinks import HttpSink, SseSink
-from .._interfaces import IAudioSink, IPublicRoutes, ISpeech, Utterance
-from .._speech.inprocess import MemorySink
+from .._http.sinks import HttpSink, SseSink, when_delivered, write_pieces
+from .._interfaces import IAudioSink, IClientSettings, IPublicRoutes, ISpeech, Utterance
+from .._speech.inprocess import MemorySink, base64_pieces, base64_size
+from .._speech.limits import BufferBudget, BufferFull, Hold
+from .._speech.service import aliases_of
 from .._speech.translate import OpenAITranslation
 
-__all__ = ["SSE_FORMATS", "OpenAIShim"]
+__all__ = ["OpenAIShim"]
 
-#: The formats an SSE stream carries: base64 of raw PCM or of a WAV, as OpenAI's does.
-SSE_FORMATS = ("pcm", "wav")
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def _draining(pieces: "deque[bytes]") -> Iterator[bytes]:
+    # Each piece is let go of as it is written: the socket then holds the only copy.
+    while pieces:
+        yield pieces.popleft()
 
 
 class OpenAIShim:
@@ -68,12 +84,20 @@ class OpenAIShim:
         translation: OpenAITranslation,
         requests: InFlight,
         clock: IReactorTime,
+        budget: BufferBudget,
+        clients: IClientSettings | None = None,
     ) -> None:
+        """
+        @param clients: the operator's voice aliases, which the voice list shows as
+            aliases beside each engine's voices.
+        """
         self.registry = registry
+        self.clients = clients
         self.speech = speech
         self.routes = routes
         self.translation = translation
         self.requests = requests
+        self.budget = budget
         #: When the models were first offered: OpenAI's C{created}, the core's start.
         self.created = int(clock.seconds())
 
@@ -101,13 +125,10 @@ class OpenAIShim:
 
         async def handle() -> None:
             body = self._read(request, OPENAI_SPEECH_REQUEST)
-            sse = body.get("stream_format") == "sse"
             native = await self.translation.native(body, stream=True)
-            if sse and native["format"] not in SSE_FORMATS:
-                raise Unsupported(
-                    f'stream_format "sse" carries pcm or wav, not "{native["format"]}"', field="stream_format"
-                )
-            sink: IAudioSink = events if sse else raw
+            # Any format: a delta is the base64 of whatever encoded bytes came, as
+            # OpenAI's own are (an mp3 or aac stream is cut between frames or inside one).
+            sink: IAudioSink = events if body.get("stream_format") == "sse" else raw
             await self.speech.speak(sink, Utterance(native["engine"], native, route="openai"))
 
         return await self._answer(request, handle)
@@ -121,52 +142,79 @@ class OpenAIShim:
     # -- POST /v1/audio/speech/batch -------------------------------------------------------
 
     async def batch(self, request: IRequest) -> Any:
-        async def handle() -> bytes:
-            body = self._read(request, OPENAI_BATCH_REQUEST)
-            self.translation.resolve_model(body["model"])  # an unknown model refuses the whole batch
-            # The peer's default for a batch is wav (OpenAI's single request is mp3's).
-            shared = {"response_format": "wav", **{k: v for k, v in body.items() if k != "items"}}
-            results: list[dict[str, Any]] = []
-            held: list[MemorySink] = []
+        # Asked for now: what the answer holds is given back once it has left the process.
+        hold = self.budget.hold()
+        when_delivered(request).addBoth(lambda _: hold.release())
+
+        async def handle() -> None:
             try:
-                for index, item in enumerate(body["items"]):
-                    results.append(await self._item(index, {**shared, **item}, held))
-            finally:
-                # Every item's audio stayed counted against the core's buffer budget
-                # until the batch's answer was built: together they are bounded by it.
-                for sink in held:
-                    sink.release()
-            succeeded = sum(1 for result in results if result["status"] == "success")
-            return json_response(request, 200, {
-                "id": "speech-batch-" + secrets.token_hex(8),
-                "results": results,
-                "total": len(results),
-                "succeeded": succeeded,
-                "failed": len(results) - succeeded,
-            })
+                await self._batch(request, hold)
+            except BaseException:
+                hold.release()  # a refusal carries no audio
+                raise
 
         return await self._answer(request, handle)
 
-    async def _item(self, index: int, item: dict[str, Any], held: list[MemorySink]) -> dict[str, Any]:
+    async def _batch(self, request: IRequest, hold: Hold) -> None:
+        body = self._read(request, OPENAI_BATCH_REQUEST)
+        self.translation.resolve_model(body["model"])  # an unknown model refuses the whole batch
+        # The peer's default for a batch is wav (OpenAI's single request is mp3's).
+        shared = {"response_format": "wav", **{k: v for k, v in body.items() if k != "items"}}
+        results: list[list[bytes]] = []
+        succeeded = 0
+        for index, item in enumerate(body["items"]):
+            pieces, ok = await self._item(index, {**shared, **item}, hold)
+            results.append(pieces)
+            succeeded += ok
+        head = b'{"id":"speech-batch-%s","results":[' % secrets.token_hex(8).encode("ascii")
+        tail = _dumps({"total": len(results), "succeeded": succeeded, "failed": len(results) - succeeded})
+        answer = [head]
+        for index, pieces in enumerate(results):
+            if index:
+                answer.append(b",")
+            answer.extend(pieces)
+        answer += [b"],", tail[1:]]
+        results.clear()
+        size = sum(map(len, answer))
+        # The items' pieces are held already; the JSON around them is the rest.
+        hold.take(size - hold.size)
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Content-Length", b"%d" % size)
+        queue = deque(answer)
+        del answer
+        await write_pieces(request, _draining(queue))
+
+    async def _item(self, index: int, item: dict[str, Any], hold: Hold) -> tuple[list[bytes], bool]:
+        """
+        One item's result as pieces of JSON, and whether it succeeded: its audio in
+        base64, taken from the budget before it is encoded and held by C{hold}; its raw
+        audio is given back once it is encoded.
+
+        @raise BufferFull: the budget has no room for the item's audio or its base64.
+        """
         sink = MemorySink()
-        held.append(sink)
         try:
-            native = await self.translation.native(item, stream=False)
-            await self.speech.speak(sink, Utterance(native["engine"], native, route="batch"))
-        except CancelledError:
-            raise
-        except Exception as exc:
-            refused = as_speech_error(exc)
-            if refused.code == "internal":
-                self.log.failure("batch item {index} failed", index=index)
-            return {"index": index, "status": "error", "error": openai_envelope(refused)["error"]}
-        answered = sink.answer
-        return {
-            "index": index,
-            "status": "success",
-            "audio_data": base64.b64encode(answered.body).decode("ascii"),
-            "media_type": answered.content_type,
-        }
+            try:
+                native = await self.translation.native(item, stream=False)
+                await self.speech.speak(sink, Utterance(native["engine"], native, route="batch"))
+            except (CancelledError, BufferFull):
+                raise
+            except Exception as exc:
+                refused = as_speech_error(exc)
+                if refused.code == "internal":
+                    self.log.failure("batch item {index} failed", index=index)
+                error = _dumps({"index": index, "status": "error", "error": openai_envelope(refused)["error"]})
+                hold.take(len(error))
+                return [error], False
+            answered = sink.answer
+            opening = b'{"index":%d,"status":"success","audio_data":"' % index
+            closing = b'","media_type":' + _dumps(answered.content_type) + b"}"
+            # Base64's alphabet needs no escaping in a JSON string.
+            hold.take(len(opening) + base64_size(answered.size) + len(closing))
+            return [opening, *base64_pieces(answered.pieces), closing], True
+        finally:
+            sink.release()
 
     # -- discovery -------------------------------------------------------------------------
 
@@ -218,6 +266,16 @@ class OpenAIShim:
         return await self._answer(request, handle)
 
     async def voices(self, request: IRequest) -> Any:
+        """
+        C{GET /v1/audio/voices}: every engine's voices, or those of the engine
+        C{?model=} names, and the operator's aliases, each marked as one.
+
+        Open WebUI (0.12.4) asks with no model and puts C{voices} in one list, so where
+        more than one engine is listed each name says its engine: a voice picked for
+        the wrong model is then a refusal that names the model's voices, and the list
+        said so first.
+        """
+
         async def handle() -> bytes:
             wanted = request.args.get(b"model")
             if wanted:
@@ -240,13 +298,21 @@ class OpenAIShim:
                     # One engine that cannot list its voices does not hide the others'.
                     self.log.warn("listing {engine}'s voices: HTTP {code}", engine=engine_id, code=code)
                     continue
+                named = len(engines) > 1
                 listed = []
                 for voice in voices:
-                    entry = {"id": voice["id"], "name": voice.get("label", voice["id"])}
+                    label = voice.get("label", voice["id"])
+                    entry = {"id": voice["id"], "name": f"{label} ({engine_id})" if named else label}
                     listed.append(entry)
                     if voice["id"] not in seen:
                         seen.add(voice["id"])
                         flat.append({**entry, "engine": engine_id, "tags": voice.get("tags", [])})
+                for alias, voice_id in sorted(aliases_of(self.clients, engine_id).items()):
+                    entry = {"id": alias, "name": f"{alias}: alias of {engine_id}:{voice_id}", "alias_of": voice_id}
+                    listed.append(entry)
+                    if alias not in seen:
+                        seen.add(alias)
+                        flat.append({**entry, "engine": engine_id, "tags": ["alias"]})
                 grouped.append({"model": engine_id, "voices": listed})
             return json_response(request, 200, {"object": "list", "voices": flat, "data": grouped})
 

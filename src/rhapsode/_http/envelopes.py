@@ -29,6 +29,7 @@ _PARAM = {
     "format": "response_format",
     "params.speed": "speed",
     "voice": "voice",
+    "sampleRate": "sample_rate",
 }
 
 

@@ -13,7 +13,6 @@ is the site's (L{rhapsode._http.site}); which route is which is the table's
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred, DeferredList
@@ -29,11 +28,12 @@ from .._fleet.catalog import Catalog
 from .._fleet.cluster import ClusterView
 from .._fleet.registry import EngineHandle, Registry
 from .._fleet.residency import Residency, served_elsewhere_refusal
-from .._interfaces import IPublicRoutes, ISpeech, Utterance
+from .._interfaces import IClientSettings, IPublicRoutes, ISpeech, Utterance
 from .._speech.metrics import CONTENT_TYPE as METRICS_TYPE
 from .._speech.metrics import Metrics
 from .._speech.relay import ERROR_LIMIT, remote_server
-from .._upstream import collect
+from .._speech.service import aliases_of
+from .._upstream import collect, worker_json
 from .sinks import HttpSink
 from .site import CoreRequest, admitted_of, require_guard
 from .table import JSON_BODY, openapi_document
@@ -67,9 +67,15 @@ class CoreApp:
         version: str,
         contract_version: int,
         metrics_public: bool = False,
+        clients: IClientSettings | None = None,
         cluster: ClusterView | None = None,
     ) -> None:
+        """
+        @param clients: the operator's voice aliases, which an engine's capability
+            document lists.
+        """
         self.registry = registry
+        self.clients = clients
         #: At a cluster's front, what the cluster's nodes last said of themselves.
         self.cluster = cluster
         self.residency = residency
@@ -160,7 +166,12 @@ class CoreApp:
         engine = self.registry.get(engine_id)
         await engine.capabilities()
         client = await engine.ready()
-        return await client.json(b"GET", "/capabilities")
+        code, document = await client.json(b"GET", "/capabilities")
+        aliases = aliases_of(self.clients, engine_id)
+        if code == 200 and isinstance(document, dict) and aliases:
+            # The operator's, not the worker's: listed as what they are, never as voices.
+            document["aliases"] = aliases
+        return code, document
 
     async def voices(self, engine_id: str) -> tuple[int, Any]:
         engine = self.registry.get(engine_id)
@@ -194,7 +205,8 @@ class CoreApp:
         engines = self.engines()
         residency = self.residency.snapshot()
         degraded = any(
-            e["process"] == "failed" or h.unresponsive or h.unreachable for e, h in zip(engines, self.registry)
+            e["process"] == "failed" or h.unresponsive or h.unreachable or e.get("strays")
+            for e, h in zip(engines, self.registry)
         )
         return json_response(
             request,
@@ -326,7 +338,7 @@ class CoreApp:
                 raise Internal("voice uploads need the core's own site (rhapsode._http.site.CoreSite)")
             response = await upstream
             raw = await collect(response, ERROR_LIMIT)
-            return self._voice_answer(request, engine_id, response.code, json.loads(raw))
+            return self._voice_answer(request, engine_id, response.code, worker_json(raw, "the upload"))
 
         return await self._answer(request, handle)
 

@@ -16,9 +16,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rhapsode_protocol.schemas import ENGINE_ID_PATTERN, MAX_KEEP_ALIVE_SECONDS
+from rhapsode_protocol.schemas import (
+    ENGINE_ID_PATTERN,
+    MAX_KEEP_ALIVE_SECONDS,
+    MAX_SAMPLE_RATE,
+    MIN_SAMPLE_RATE,
+    VOICE_ID_PATTERN,
+)
 
-from .._config import LOG_LEVELS, ROLES
+from .._config import LOG_LEVELS, MAX_ALIASES, ROLES
 
 __all__ = ["ENGINE_SETTING_SCHEMAS", "SETTING_SCHEMAS", "settings_patch_schema"]
 
@@ -73,8 +79,9 @@ SETTING_SCHEMAS: dict[str, Schema] = {
     "management.token": {
         "type": "string",
         "minLength": 16,
-        "pattern": r"^\S([\s\S]*\S)?$",
-        "description": "At least 16 characters, without surrounding spaces; never shown once written.",
+        "pattern": r"^[!-~]([ -~]*[!-~])?$",
+        "description": "At least 16 characters of printable ASCII (it travels in an Authorization header), "
+        "without surrounding spaces; never shown once written.",
     },
     "management.origins": {"type": "array", "items": _ORIGIN},
     "cors.origins": {
@@ -90,12 +97,27 @@ SETTING_SCHEMAS: dict[str, Schema] = {
     "install.sourceDir": {**_TEXT, "description": "A directory; relative to the config file's."},
     "install.venvDir": {**_TEXT, "description": "A directory; relative to the config file's."},
     "install.python": _TEXT,
+    "install.box": {"type": "string", "enum": ["auto", "cpu", "cuda"], "description": "The box torch engines install for."},
     "update.check": _FLAG,
     "update.url": {
         "type": "string",
         "pattern": r"^https?://[^/?#@\s]+(/[^#\s]*)?$",
         "description": "An http or https URL answering as GitHub's latest-release API does.",
     },
+    "voices.aliases": {
+        "type": "object",
+        "maxProperties": MAX_ALIASES,
+        "propertyNames": {"pattern": VOICE_ID_PATTERN},
+        "additionalProperties": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}:[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"},
+        "description": 'Voice names the OpenAI shim takes for "engine:voice" (e.g. {"alloy": "piper:joe"}).',
+    },
+    "wyoming.port": _integer(1, 65535),
+    "wyoming.host": _TEXT,
+    "wyoming.zeroconf": _FLAG,
+    "wyoming.zeroconfName": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
+    "wyoming.idleSeconds": _number(0, 3600, inclusive=False),
+    "wyoming.maxEvents": _integer(1, 1_000_000),
+    "wyoming.maxConnections": _integer(1, 10_000),
 }
 
 #: Each per-engine setting, by name.
@@ -103,6 +125,7 @@ ENGINE_SETTING_SCHEMAS: dict[str, Schema] = {
     "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
     "maxConcurrent": _integer(1, 10_000),
     "maxQueued": _integer(0, 10_000),
+    "openaiSampleRate": _integer(MIN_SAMPLE_RATE, MAX_SAMPLE_RATE),
 }
 
 

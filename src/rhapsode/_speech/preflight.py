@@ -21,7 +21,13 @@ import math
 from typing import Any, Mapping
 
 from rhapsode_protocol.errors import BadRequest, Unsupported
-from rhapsode_protocol.validation import check_instructions, check_voice_id, choose_language
+from rhapsode_protocol.validation import (
+    check_instructions,
+    check_sample_rate,
+    check_voice_id,
+    choose_language,
+    speed_dial,
+)
 from rhapsode_protocol.vocab import clean_text, is_speakable
 
 __all__ = ["forward_dialogue", "forward_speak", "voices_to_check"]
@@ -38,15 +44,18 @@ def _variant(caps: Mapping[str, Any], variant: str) -> dict[str, Any]:
 
 def _common(body: Mapping[str, Any], caps: Mapping[str, Any], variant: str, performs: Mapping[str, Any]) -> dict[str, Any]:
     """
-    The forwarded body's shared fields, checked: everything but the engine and the
-    keep-alive (the worker is never told either), with the variant resolved.
+    The forwarded body's shared fields, checked: everything but the engine, the
+    keep-alive and the speed (the worker is never told them: a speed is the dial it
+    sets), with the variant resolved.
     """
-    forward = {k: v for k, v in body.items() if k not in ("engine", "keepAliveSeconds")}
+    forward = {k: v for k, v in body.items() if k not in ("engine", "keepAliveSeconds", "speed")}
     forward["variant"] = variant
     fmt = body.get("format", "wav")
     if fmt not in caps.get("formats", ()):
         produced = ", ".join(caps.get("formats", ())) or "none"
         raise Unsupported(f'format "{fmt}" is not produced by this engine (formats: {produced})', field="format")
+    if "sampleRate" in body:
+        check_sample_rate(fmt, body["sampleRate"])
     if "language" in body:
         forward["language"] = choose_language(body["language"], performs.get("languages") or ["en"], variant)
     dials: Mapping[str, Mapping[str, float]] = performs.get("dials", {})
@@ -59,6 +68,14 @@ def _common(body: Mapping[str, Any], caps: Mapping[str, Any], variant: str, perf
             raise BadRequest(
                 f'"params.{name}" must be within [{dial["min"]}, {dial["max"]}]', field=f"params.{name}"
             )
+    speed = body.get("speed")
+    if speed is not None and speed != 1:
+        dial_name, value = speed_dial(performs, speed, variant)
+        if dial_name in body.get("params", {}):
+            raise BadRequest(
+                f'speed and "params.{dial_name}" both set {dial_name}: send one', field="speed"
+            )
+        forward["params"] = {**body.get("params", {}), dial_name: value}
     if "voice" in body:
         check_voice_id(body["voice"], "voice")
     return forward

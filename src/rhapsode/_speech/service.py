@@ -8,26 +8,46 @@ from C{current}), runs every check that can refuse before a lease (L{preflight},
 voices a request names where finding out at the worker would first cost a load), then
 hands the forwarded body to the relay, which speaks it into the door's sink; the request
 is measured as one on its route.
+
+A voice alias the operator set (C{voices.aliases}: C{alloy} is C{piper:joe}) is resolved
+here, so every door honours it alike, and only on the engine it names: elsewhere the name
+is refused as any unknown voice is.  An unknown voice is refused naming the voices and
+aliases the engine has, whichever door asked and whether the core or the worker found it
+out, so that a wrong pick in a client's list says what to pick instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 from twisted.internet.defer import CancelledError
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import UnknownVoice, Unsupported, as_speech_error
+from rhapsode_protocol.errors import SpeechError, UnknownVoice, Unsupported, as_speech_error
 
 from .._fleet.registry import EngineHandle, Registry
 from .._fleet.residency import Residency
-from .._interfaces import IAudioSink, ISpeech, Prepared, Utterance
+from .._interfaces import IAudioSink, IClientSettings, ISpeech, Prepared, Utterance
 from .metrics import Metrics
 from .preflight import forward_dialogue, forward_speak, voices_to_check
 from .relay import SpeechRelay, remote_server
 
-__all__ = ["SpeechService"]
+__all__ = ["SpeechService", "aliases_of"]
+
+#: The most voice ids an unknown voice's refusal lists: enough to pick from, never a
+#: message the size of a catalogue.
+_LISTED = 24
+
+
+def aliases_of(clients: IClientSettings | None, engine_id: str) -> dict[str, str]:
+    """
+    The aliases that mean a voice of C{engine_id}: alias to voice id.
+    """
+    if clients is None:
+        return {}
+    return {name: voice for name, (engine, voice) in clients.voice_aliases().items() if engine == engine_id}
 
 
 @implementer(ISpeech)
@@ -36,11 +56,68 @@ class SpeechService:
     Speech over a registry of engines, their residency, the relay and the metrics.
     """
 
-    def __init__(self, registry: Registry, residency: Residency, relay: SpeechRelay, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        residency: Residency,
+        relay: SpeechRelay,
+        metrics: Metrics,
+        clients: IClientSettings | None = None,
+    ) -> None:
+        """
+        @param clients: the operator's voice aliases, read each time one may apply.
+        """
         self._registry = registry
         self._residency = residency
         self._relay = relay
         self._metrics = metrics
+        self._clients = clients
+
+    def _resolved(self, utterance: Utterance) -> Utterance:
+        """
+        The utterance with any voice alias of its engine replaced by the voice it means.
+        """
+        aliases = aliases_of(self._clients, utterance.engine_id)
+        if not aliases:
+            return utterance
+        body = dict(utterance.body)
+        if body.get("voice") in aliases:
+            body["voice"] = aliases[body["voice"]]
+        if isinstance(body.get("voices"), Mapping):
+            body["voices"] = {label: aliases.get(v, v) for label, v in body["voices"].items()}
+        return replace(utterance, body=body)
+
+    async def _unknown_voice(self, engine: EngineHandle, refused: SpeechError, asked: Mapping[str, Any]) -> SpeechError:
+        """
+        An unknown voice's refusal, naming the voices the engine has and its aliases;
+        C{refused} itself where the request named no voice or they cannot be read.
+        """
+        field = refused.field or "voice"
+        name = asked.get("voice") if field == "voice" else None
+        if name is None and field.startswith("voices."):
+            name = (asked.get("voices") or {}).get(field[len("voices."):])
+        if not isinstance(name, str):
+            # The request named no voice here (a default the engine lacks, or a field
+            # the worker named that the request did not send): the worker's own words.
+            return refused
+        try:
+            client = await engine.ready()
+            code, voices = await client.json(b"GET", "/voices")
+        except Exception:
+            return refused
+        if code != 200 or not isinstance(voices, list):
+            return refused
+        ids = [v["id"] for v in voices if isinstance(v, dict) and isinstance(v.get("id"), str)]
+        shown = ", ".join(ids[:_LISTED]) + (f" and {len(ids) - _LISTED} more" if len(ids) > _LISTED else "")
+        message = f'no voice "{name}" on {engine.id} (its voices: {shown or "none"}'
+        aliases = aliases_of(self._clients, engine.id)
+        if aliases:
+            message += "; aliases: " + ", ".join(f"{a} ({v})" for a, v in sorted(aliases.items())[:_LISTED])
+        message += ")"
+        elsewhere = self._clients.voice_aliases().get(name) if self._clients is not None else None
+        if elsewhere is not None and elsewhere[0] != engine.id:
+            message += f'; "{name}" is an alias of {elsewhere[0]}:{elsewhere[1]}, asked for with engine (model) "{elsewhere[0]}"'
+        return UnknownVoice(message, field=field)
 
     def resident(self, engine_id: str) -> str | None:
         model = self._residency.state(engine_id)
@@ -48,6 +125,7 @@ class SpeechService:
         return variant
 
     async def prepare(self, utterance: Utterance) -> Prepared:
+        utterance = self._resolved(utterance)
         engine = self._registry.get(utterance.engine_id)
         caps = await engine.capabilities()
         body = utterance.body
@@ -61,13 +139,18 @@ class SpeechService:
     async def speak(self, sink: IAudioSink, utterance: Utterance) -> None:
         measured = self._metrics.begin(utterance.route, utterance.engine_id)
         try:
-            prepared = await self.prepare(utterance)
-            engine = self._registry.get(utterance.engine_id)
-            path = "/dialogue" if utterance.dialogue else "/speak"
-            await self._relay.dispatch(
-                sink, engine, path, prepared.forwarded, prepared.capabilities,
-                utterance.body.get("keepAliveSeconds"), measured,
-            )
+            try:
+                prepared = await self.prepare(utterance)
+                engine = self._registry.get(utterance.engine_id)
+                path = "/dialogue" if utterance.dialogue else "/speak"
+                await self._relay.dispatch(
+                    sink, engine, path, prepared.forwarded, prepared.capabilities,
+                    utterance.body.get("keepAliveSeconds"), measured,
+                )
+            except UnknownVoice as refused:
+                if sink.started:
+                    raise
+                raise await self._unknown_voice(self._registry.get(utterance.engine_id), refused, utterance.body)
         except CancelledError:
             measured.end("cancelled")
             raise

@@ -9,7 +9,7 @@ C{/speak} body is.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import UnknownEngine, Unsupported
@@ -35,9 +35,16 @@ class OpenAITranslation:
     OpenAI's request fields as a C{/speak} body, over the registry the models name.
     """
 
-    def __init__(self, registry: Registry, speech: ISpeech) -> None:
+    def __init__(
+        self, registry: Registry, speech: ISpeech, rates: Callable[[str], int | None] | None = None
+    ) -> None:
+        """
+        @param rates: the sample rate the shim asks an engine for when a request names
+            none (the operator's C{engines.<id>.openaiSampleRate}, read live), by engine.
+        """
         self._registry = registry
         self._speech = speech
+        self._rates = rates
 
     def resolve_model(self, model: str) -> tuple[str, str | None]:
         """
@@ -61,18 +68,16 @@ class OpenAITranslation:
 
     async def native(self, body: Mapping[str, Any], *, stream: bool) -> dict[str, Any]:
         """
-        The C{/speak} body a checked OpenAI request becomes (section 11's table).
+        The C{/speak} body a checked OpenAI request becomes (section 11's table, and the
+        additions docs/openai.md lists: a speed any variant that names its rate dial
+        takes, and a C{sample_rate}, by default the operator's for the engine).
 
         Non-empty C{instructions} are passed on as the native field, which the preflight
         refuses (unsupported) for a variant that declares none; OpenAI's empty string is
         its default, nothing asked.
-
-        @raise Unsupported: aac, or a speed other than 1 on a variant with no speed dial.
         """
         engine_id, variant = self.resolve_model(body["model"])
         fmt = body.get("response_format", "mp3")
-        if fmt == "aac":
-            raise Unsupported('response_format "aac" is not produced by any engine here', field="response_format")
         native: dict[str, Any] = {"engine": engine_id, "text": body["input"], "format": fmt, "stream": stream}
         if body.get("instructions"):
             native["instructions"] = body["instructions"]
@@ -83,17 +88,22 @@ class OpenAITranslation:
             native["voice"] = voice
         speed = body.get("speed")
         if speed is not None and speed != 1:
-            await self._check_speed(self._registry.get(engine_id), variant)
-            native["params"] = {"speed": speed}
+            # Mapped onto the variant's rate dial by preflight, as /speak's speed is.
+            native["speed"] = speed
+        rate = body.get("sample_rate")
+        if rate is None:
+            # The operator's rate for the engine, where the format can carry it (an mp3
+            # default of 24 kHz says nothing about an opus request).
+            rate = self._default_rate(engine_id)
+            if rate is not None and rate not in contract.FORMAT_RATES.get(fmt, (rate,)):
+                rate = None
+        if rate is not None:
+            native["sampleRate"] = rate
         contract.validate(contract.PUBLIC_SPEAK_REQUEST, native)
         return native
 
-    async def _check_speed(self, engine: EngineHandle, variant: str | None) -> None:
-        caps = await engine.capabilities()
-        effective = engine.effective_variant(variant, self._speech.resident(engine.id))
-        performs = caps.get("variants", {}).get(effective)
-        if performs is not None and "speed" not in performs.get("dials", {}):
-            raise Unsupported(f'variant "{effective}" of "{engine.id}" has no speed dial', field="speed")
+    def _default_rate(self, engine_id: str) -> int | None:
+        return self._rates(engine_id) if self._rates is not None else None
 
     def effective(self, engine: EngineHandle, variant: str | None) -> str:
         """

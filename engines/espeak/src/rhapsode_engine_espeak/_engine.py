@@ -76,6 +76,8 @@ class EspeakEngine(Engine):
             VARIANT: Variant(
                 deliveries=tuple(DELIVERIES),
                 dials=DIALS,
+                # A request's speed is espeak's words a minute, 175 times the speed.
+                speed="rate",
                 languages=tuple(self._languages),
             )
         }

@@ -44,12 +44,14 @@ from rhapsode_worker import (
     Engine,
     NativeFormat,
     SpeakRequest,
+    Speed,
     Variant,
     Voice,
 )
 from rhapsode_worker.onnx import BudgetedSession
 
 from ._tuning import (
+    LENGTH_SCALE,
     RAW_PHONEMES,
     Settings,
     VoiceFile,
@@ -71,6 +73,8 @@ _VARIANTS: dict[str, Variant] = {
     _VARIANT: Variant(
         deliveries=("hushed", "frantic"),
         dials=_VOICE.dials(),
+        # A length, not a rate: speed 2 halves the voice's own length scale.
+        speed=Speed(LENGTH_SCALE, inverse=True),
         languages=(_VOICE.language,),
         clones=False,
         blends=False,

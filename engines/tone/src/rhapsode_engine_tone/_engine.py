@@ -47,6 +47,8 @@ _VARIANTS: dict[str, Variant] = {
     "classic": Variant(
         deliveries=("hushed", "frantic"),
         dials={"pitch": (0.5, 2.0, 1.0), "rate": (0.5, 2.0, 1.0)},
+        # A request's speed is the rate: characters a second, times the speed.
+        speed="rate",
         languages=_LANGUAGES,
         max_speakers=2,
         seed_reproducible=True,

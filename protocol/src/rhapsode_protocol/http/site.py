@@ -19,18 +19,25 @@ first bytes leave in one send (L{EagerRequest}), the route on the path of every
 utterance skips the router (L{HandlerResource}), a site is told of each connection as it
 opens and closes so a drain can close them all, and each request is logged once, with
 its status, its duration and, for an error, its reason.
+
+Every answer, a refusal at the head included, carries C{x-request-id}: the one the client
+sent, when it is one (L{REQUEST_ID}: at most 128 characters a log line can hold whole),
+else one made here; the access line names it, so a client's report of a request finds
+its line (LiveKit warns of every answer that lacks one).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import socket
 from http import HTTPStatus
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 from urllib.parse import unquote_to_bytes, urlsplit
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger, LogLevel
@@ -50,6 +57,7 @@ __all__ = [
     "MAX_HEAD_BYTES",
     "MAX_HEADER_LINES",
     "MAX_REQUEST_LINE",
+    "REQUEST_ID",
     "DirectSite",
     "EagerChannel",
     "EagerRequest",
@@ -58,6 +66,7 @@ __all__ = [
     "Routes",
     "no_such_path",
     "reason_phrase",
+    "request_id_of",
     "send_now",
     "wrong_method",
 ]
@@ -75,6 +84,12 @@ IDLE_SECONDS = 60.0
 DEFAULT_BODY_LIMIT = 64 * 1024
 #: A path is echoed in messages and log lines; this much of it.
 _SHOWN = 200
+#: The header a request's id travels in, both ways.
+REQUEST_ID_HEADER = b"x-request-id"
+#: A client's request id that is taken as it is: printable, with no space, quote or
+#: separator a log line or a header could be split by, and short.  Anything else is
+#: replaced by one made here (so a client cannot write into the log through it).
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")
 
 _log = Logger(namespace="rhapsode.access")
 
@@ -114,6 +129,17 @@ def reason_phrase(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode("ascii")
     except ValueError:
         return b"Unknown Status"
+
+
+def request_id_of(headers: Headers) -> bytes:
+    """
+    The request id to answer with: the client's C{x-request-id} when it sent exactly one
+    that L{REQUEST_ID} matches, else a new one (32 hex digits).
+    """
+    sent = headers.getRawHeaders(REQUEST_ID_HEADER) or []
+    if len(sent) == 1 and REQUEST_ID.fullmatch(sent[0]):
+        return bytes(sent[0])
+    return secrets.token_hex(16).encode("ascii")
 
 
 def _nothing_queued(transport: Any) -> bool:
@@ -203,6 +229,8 @@ class EagerChannel(http.HTTPChannel):
         #: A head has begun and is not complete: it is on its deadline.
         self._head_pending = False
         self._head_timer: IDelayedCall | None = None
+        #: Waiting for what was written to leave the process (L{when_sent}).
+        self._sent_waiters: list[Deferred[None]] = []
 
     # -- the connection ----------------------------------------------------------------
 
@@ -224,6 +252,8 @@ class EagerChannel(http.HTTPChannel):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._stop_head_timer()
         super().connectionLost(reason)
+        # Nothing is left to send: whoever waited for the bytes to go is told.
+        self._sent()
         tracker = getattr(self.site, "connections", None)
         if tracker is not None:
             tracker.closed(self)
@@ -291,6 +321,8 @@ class EagerChannel(http.HTTPChannel):
         request = self.requests[-1]
         if isinstance(request, EagerRequest):
             request.head_started = self._head_started
+            request.request_id = request_id_of(request.requestHeaders)
+            request.responseHeaders.setRawHeaders(REQUEST_ID_HEADER, [request.request_id])
             if self._line is None:
                 # Not three words: twisted.web has refused the line already, or, should it
                 # read the line otherwise, the request is refused unadmitted when handed over.
@@ -367,10 +399,18 @@ class EagerChannel(http.HTTPChannel):
         else:
             body, headers = json.dumps(error.envelope()).encode(), error.headers
         reason = reason_phrase(error.status)
+        if isinstance(request, EagerRequest):
+            if request.request_id is None:
+                request.request_id = request_id_of(request.requestHeaders)
+            request_id = request.request_id
+        else:
+            # Refused before a request was read whole (a head too slow, a line too long).
+            request_id = request_id_of(Headers())
         head = [
             b"HTTP/1.1 %d %s\r\n" % (error.status, reason),
             b"Content-Type: application/json\r\nConnection: close\r\n",
             b"Content-Length: %d\r\n" % len(body),
+            b"x-request-id: %s\r\n" % request_id,
         ]
         for name, value in headers:
             head.append(b"%s: %s\r\n" % (name, value))
@@ -419,6 +459,36 @@ class EagerChannel(http.HTTPChannel):
             self._held.extend(iovec)
         else:
             send_now(self.transport, b"".join(iovec))
+
+    def when_sent(self) -> "Deferred[None]":
+        """
+        Fires once what has been written to this connection has left the process, or
+        the connection has gone.
+
+        A socket transport that holds more than its buffer size pauses this channel (its
+        producer) and resumes it only once it holds nothing at all; until then the bytes
+        are still this process's memory.  One that holds less sends it without telling
+        anybody, so this fires at once then, with at most the transport's buffer size
+        (64 KiB) still queued; and at once on a transport that is not a socket.
+        """
+        transport = self.transport
+        if transport is None or not getattr(transport, "producerPaused", False):
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._sent_waiters.append(waiter)
+        return waiter
+
+    def resumeProducing(self) -> None:
+        super().resumeProducing()
+        # The transport resumes its producer once it has sent everything; a resume from
+        # anybody else (an upload's consumer) leaves it paused, and the waiters waiting.
+        if self._sent_waiters and not getattr(self.transport, "producerPaused", False):
+            self._sent()
+
+    def _sent(self) -> None:
+        waiters, self._sent_waiters = self._sent_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     def getHost(self) -> Any:
         # Asked once per request by twisted.web; a connection's own address never
@@ -552,6 +622,9 @@ class EagerRequest(server.Request):
     head_started = 0.0
     #: For the access line: the error an envelope answered with, as "code: message".
     error_reason: str | None = None
+    #: The id this request is answered and logged with (L{request_id_of}), once its
+    #: head is in.
+    request_id: bytes | None = None
     _body_bytes = 0
     _logged = False
 
@@ -758,7 +831,7 @@ class DirectSite(server.Site):
         routine = request.code == 200 and request.method == b"GET" and getattr(request, "path", b"") == b"/health"
         _log.emit(
             LogLevel.debug if routine else LogLevel.info,
-            "{method} {path} {status}{aborted} {sent} B {duration:.1f} ms{reason}",
+            "{method} {path} {status}{aborted} {sent} B {duration:.1f} ms{reason} id={request_id}",
             method=_text(request.method),
             path=_shown(_text(request.uri)),
             status=request.code,
@@ -766,6 +839,7 @@ class DirectSite(server.Site):
             sent=getattr(request, "sentLength", 0),
             duration=duration,
             reason=f" {reason}" if reason else "",
+            request_id=_text(getattr(request, "request_id", None) or b"-"),
             peer=_peer(request),
         )
 
@@ -778,13 +852,15 @@ class DirectSite(server.Site):
         line = getattr(request, "line", None)
         method, target = line if line is not None else (b"-", b"-")
         started = getattr(request, "head_started", 0.0)
+        request_id = getattr(request, "request_id", None) if request is not None else None
         _log.info(
-            "{method} {path} {status} refused: {reason} {duration:.1f} ms",
+            "{method} {path} {status} refused: {reason} {duration:.1f} ms id={request_id}",
             method=_text(method),
             path=_shown(_text(target)),
             status=error.status,
             reason=f"{error.code}: {error.message}",
             duration=(self.reactor.seconds() - started) * 1000 if started else 0.0,
+            request_id=_text(request_id or b"-"),
             peer=_peer(request) if request is not None else None,
         )
 

@@ -51,6 +51,10 @@ export async function render(main) {
           input = h("input", { type: "number", step: "any", value: String(current) });
         } else if (Array.isArray(current)) {
           input = h("input", { type: "text", value: current.join(", ") });
+        } else if (current !== null && typeof current === "object") {
+          // An object of its own (voices.aliases): edited as JSON, replaced whole.
+          input = h("input", { type: "text", value: JSON.stringify(current) });
+          input.dataset.json = "1";
         } else {
           input = h("input", { type: "text", value: current === null || current === undefined ? "" : String(current),
             placeholder: current === null ? "not set" : "" });
@@ -78,6 +82,10 @@ export async function render(main) {
         if (input.type === "checkbox") value = input.checked;
         else if (input.type === "password") { if (!input.value) continue; value = input.value; }
         else if (Array.isArray(current)) value = input.value.split(",").map((s) => s.trim()).filter(Boolean);
+        else if (input.dataset.json) {
+          try { value = input.value.trim() === "" ? null : JSON.parse(input.value); }
+          catch { announce(`${f.key}: not JSON`); return; }
+        }
         else if (input.type === "number") value = input.value === "" ? null : Number(input.value);
         // The server coerces numbers written as text, so a value it has no type for yet goes as typed.
         else value = input.value === "" ? null : input.value;
