@@ -676,7 +676,10 @@ def test_worker_document_routes_use_the_shapes() -> None:
         ok = paths[path]["post"]["responses"]["200"]
         assert set(ok["content"]) == {
             "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/L16",
+            # With timestamps: the buffered document and the event stream.
+            "application/json", "text/event-stream",
         }
+        assert ok["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/TimedAudio"}
         assert "X-Rhapsode-Duration-Ms" in ok["headers"]
         assert "trailer" in ok["headers"]["X-Rhapsode-Duration-Ms"]["description"]
     assert set(paths["/voices/{id}/preview"]["get"]["responses"]["200"]["content"]) == {

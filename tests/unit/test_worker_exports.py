@@ -43,6 +43,8 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "Reference": _engine,
         "SpeakRequest": _engine,
         "SpeechError": errors,
+        "Timestamps": _engine,
+        "Timing": _engine,
         "Turn": _engine,
         "UnknownEngine": errors,
         "UnknownVoice": errors,

@@ -16,6 +16,8 @@ import sys
 from ._yaml import dump_yaml
 from .openapi import public_openapi, worker_openapi
 from .schemas import (
+    AUDIO_DELTA_EVENT,
+    AUDIO_DONE_EVENT,
     CAPABILITIES,
     CATALOG,
     CATALOG_ENTRY,
@@ -58,6 +60,13 @@ from .schemas import (
     SETTINGS_PATCH,
     SPEAK_REQUEST,
     TERMINATE_RESPONSE,
+    TIMED_AUDIO,
+    TIMED_EVENTS,
+    TIMED_JSON,
+    TIMESTAMP_SOURCES,
+    TIMESTAMP_UNITS,
+    TIMESTAMPS_EVENT,
+    TIMING,
     UPDATE_STATUS,
     VARIANT_CAPS,
     VARIANT_NAME_PATTERN,
@@ -71,6 +80,8 @@ from .schemas import (
 from .validation import check_voice_id, choose_language, parse_json_body, validate
 
 __all__ = [
+    "AUDIO_DELTA_EVENT",
+    "AUDIO_DONE_EVENT",
     "LANGUAGE_PATTERN",
     "MAX_KEEP_ALIVE_SECONDS",
     "MAX_NAME_CHARACTERS",
@@ -115,6 +126,13 @@ __all__ = [
     "SPEAK_REQUEST",
     "Schema",
     "TERMINATE_RESPONSE",
+    "TIMED_AUDIO",
+    "TIMED_EVENTS",
+    "TIMED_JSON",
+    "TIMESTAMP_SOURCES",
+    "TIMESTAMP_UNITS",
+    "TIMESTAMPS_EVENT",
+    "TIMING",
     "VARIANT_CAPS",
     "VARIANT_NAME_PATTERN",
     "VOICE",

@@ -106,7 +106,21 @@ def _audio_response() -> dict[str, Any]:
                 "schema": _string(),
             },
         },
-        "content": {media_type: {} for media_type in MEDIA_TYPES.values()},
+        "content": {
+            **{media_type: {} for media_type in MEDIA_TYPES.values()},
+            # With timestamps (protocol.md section 4, "timestamps"), asked for by Accept.
+            "application/json": {"schema": _ref("TimedAudio")},
+            "text/event-stream": {
+                "schema": {
+                    "description": "With timestamps and stream true: one server-sent event per "
+                    "frame, named by its type, whose data is one of these; every "
+                    "speech.timestamps.delta comes before the speech.audio.delta holding the "
+                    "first sample of each of its entries. X-Rhapsode-Audio-Type says what the "
+                    "audio's Content-Type would have been.",
+                    "oneOf": [_ref("AudioDeltaEvent"), _ref("TimestampsEvent"), _ref("AudioDoneEvent")],
+                }
+            },
+        },
     }
 
 

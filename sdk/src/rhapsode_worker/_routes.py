@@ -8,6 +8,8 @@ scheduler's synthesis pool (model work) or the reactor's thread pool (voice file
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 from dataclasses import replace
 from functools import partial
@@ -39,9 +41,10 @@ from rhapsode_protocol.http.answers import (
 )
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
-from rhapsode_protocol.text import split_text
+from rhapsode_protocol.schemas import TIMED_EVENTS, TIMED_JSON
+from rhapsode_protocol.text import split_pieces, split_text
 from rhapsode_protocol.validation import choose_language
-from rhapsode_protocol.vocab import clean_text, is_speakable
+from rhapsode_protocol.vocab import clean_text, clean_text_mapped, is_speakable
 
 from . import _memory
 from ._blend import parse_blend
@@ -52,6 +55,7 @@ from ._engine import (
     IEngine,
     Reference,
     SpeakRequest,
+    Timing,
     Turn,
     Variant,
     Voice,
@@ -60,6 +64,7 @@ from ._engine import (
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
+from ._timing import Source, Timeline, sse_event
 
 #: A voice upload's cap (protocol.md section 7), refused at the head when declared and
 #: as it arrives when chunked (rhapsode_protocol.http.site).
@@ -115,7 +120,67 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     }
     if overrides(engine, "dialogue") and variant.max_speakers >= 1:
         doc["dialogue"] = {"maxSpeakers": variant.max_speakers}
+    if variant.timestamps is not None:
+        doc["timestamps"] = {
+            "units": list(variant.timestamps.units),
+            "source": variant.timestamps.source,
+            "textOffsets": variant.timestamps.text_offsets,
+        }
     return doc
+
+
+#: What a client sends to be answered with timings, by whether it streams.
+_TIMED_ACCEPT = {True: TIMED_EVENTS, False: TIMED_JSON}
+#: The header naming the audio's own type where the body is events or a document.
+AUDIO_TYPE_HEADER = b"X-Rhapsode-Audio-Type"
+
+
+def accepts(request: IRequest, media_type: str) -> bool:
+    """
+    Whether the request's Accept names C{media_type} itself (a wildcard does not: a
+    client that has not said it reads timings would silently get none it can use).
+    """
+    for value in request.requestHeaders.getRawHeaders(b"accept", []):
+        for item in value.decode("latin-1").split(","):
+            name, _, parameters = item.partition(";")
+            if name.strip().lower() != media_type:
+                continue
+            quality = [p.strip()[2:] for p in parameters.split(";") if p.strip().lower().startswith("q=")]
+            try:
+                if quality and float(quality[0]) <= 0:
+                    continue
+            except ValueError:
+                continue
+            return True
+    return False
+
+
+def check_timed_accept(request: IRequest, stream: bool) -> None:
+    """
+    A request with timestamps must say it reads the framing that carries them.
+
+    @raise BadRequest: naming C{timestamps}.
+    """
+    wanted = _TIMED_ACCEPT[stream]
+    if not accepts(request, wanted):
+        how = "a stream of server-sent events" if stream else "a JSON document"
+        raise BadRequest(
+            f"timestamps with stream {str(stream).lower()} are answered as {how}: send "
+            f'"Accept: {wanted}" (raw audio has no place for them)',
+            field="timestamps",
+        )
+
+
+def check_unit(variant: Variant, name: str, unit: str) -> None:
+    """
+    @raise Unsupported: C{unit} is not one the variant times, naming C{timestamps}.
+    """
+    declared = variant.timestamps.units if variant.timestamps is not None else ()
+    if unit not in declared:
+        claimed = ", ".join(declared) or "none"
+        raise Unsupported(
+            f'variant "{name}" does not time "{unit}" (timestamps: {claimed})', field="timestamps"
+        )
 
 
 class _ListSink:
@@ -146,16 +211,49 @@ class _AudioResponse:
     """
 
     def __init__(
-        self, worker: "WorkerApp", request: IRequest, fmt: str, stream: bool, job_producer: Job
+        self,
+        worker: "WorkerApp",
+        request: IRequest,
+        fmt: str,
+        stream: bool,
+        job_producer: Job,
+        timeline: Timeline | None = None,
     ) -> None:
         self._worker = worker
         self._request = request
         self._fmt = fmt
         self._stream = stream
         self._job = job_producer
-        self._sink: Any = request if stream else _ListSink()
+        self._timeline = timeline
+        self._held: list[dict[str, Any]] = []
+        if not stream:
+            self._sink: Any = _ListSink()
+        elif timeline is not None:
+            self._sink = _EventSink(request)
+        else:
+            self._sink = request
         self._encoder: Any = None
         self.pcm_bytes = 0
+
+    @property
+    def frames(self) -> int:
+        """PCM frames written so far, joints included."""
+        return self.pcm_bytes // self._worker.pcm16.bytes_per_frame
+
+    def timings(self, marks: Sequence[Timing]) -> None:
+        """
+        The timings of one hand-over, which precede the PCM it brings: offset, mapped and
+        merged, and for a stream sent now, before that PCM (held until the head is out).
+        """
+        if self._timeline is None:
+            return
+        entries = self._timeline.take(marks)
+        if not entries or not self._stream:
+            return
+        if self._encoder is None:
+            self._held.extend(entries)
+            return
+        self._request.write(sse_event("speech.timestamps.delta", {"alignment": entries}))
 
     @property
     def headers_sent(self) -> bool:
@@ -182,9 +280,18 @@ class _AudioResponse:
         native = self._worker.pcm16
         request = self._request
         request.setResponseCode(200)
-        request.setHeader(b"Content-Type", content_type(self._fmt, native).encode("ascii"))
+        audio_type = content_type(self._fmt, native).encode("ascii")
+        if self._timeline is not None and self._stream:
+            request.setHeader(b"Content-Type", TIMED_EVENTS.encode("ascii"))
+            request.setHeader(b"Cache-Control", b"no-cache")
+            request.setHeader(AUDIO_TYPE_HEADER, audio_type)
+        elif self._timeline is None:
+            request.setHeader(b"Content-Type", audio_type)
         if self._stream:
             request.setHeader(b"Trailer", DURATION_HEADER)
+        if self._held:
+            held, self._held = self._held, []
+            request.write(sse_event("speech.timestamps.delta", {"alignment": held}))
         self._encoder = make_encoder(
             self._fmt,
             native,
@@ -214,24 +321,69 @@ class _AudioResponse:
         if getattr(request, "producer", None) is not None:
             request.unregisterProducer()  # type: ignore[attr-defined]
         if self._stream:
+            if self._timeline is not None:
+                request.write(sse_event("speech.audio.done", {"durationMs": duration}))
             if not self.headers_sent:
                 request.write(b"")
             write_trailer(request, duration)
             return None
         body = b"".join(self._encoder.finalize(self._sink.chunks))
+        if self._timeline is not None:
+            body = self._document(body, duration)
         request.setHeader(b"Content-Length", b"%d" % len(body))
         request.setHeader(DURATION_HEADER, b"%d" % duration)
         return body
 
+    def _document(self, audio: bytes, duration: int) -> bytes:
+        """
+        A buffered answer with timings: the audio in base64 beside every entry.
+        """
+        assert self._timeline is not None
+        native = self._worker.pcm16
+        self._request.setHeader(b"Content-Type", TIMED_JSON.encode("ascii"))
+        head = {
+            "format": self._fmt,
+            "contentType": content_type(self._fmt, native),
+            "sampleRate": native.sample_rate,
+            "channels": native.channels,
+            "durationMs": duration,
+            "alignment": self._timeline.entries,
+        }
+        # Base64's alphabet needs no escaping: spliced in rather than encoded again.
+        return b"".join((
+            b'{"audio":"', base64.b64encode(audio), b'",', json.dumps(head, ensure_ascii=False)[1:].encode("utf-8"),
+        ))
 
-def _as_is(generate: Callable[[Any], Iterator[bytes]], request: Any) -> Iterator[bytes]:
+
+class _EventSink:
+    """
+    The encoder's sink for a stream with timings: each piece of encoded audio is a
+    C{speech.audio.delta} event on the response, and the response's producer is the
+    encoder's, so backpressure reaches the synthesis as it does for raw audio.
+    """
+
+    def __init__(self, request: IRequest) -> None:
+        self._request = request
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._request.write(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self._request.registerProducer(producer, streaming)  # type: ignore[attr-defined]
+
+    def unregisterProducer(self) -> None:
+        self._request.unregisterProducer()  # type: ignore[attr-defined]
+
+
+def _as_is(generate: Callable[[Any], Iterator[Any]], request: Any) -> Iterator[Any]:
     """
     One step of synthesis, on the synthesis thread: the adapter's 16-bit PCM as it is.
     """
     return generate(request)
 
 
-def _as_pcm16(generate: Callable[[Any], Iterator[bytes]], request: Any) -> Iterator[bytes]:
+def _as_pcm16(generate: Callable[[Any], Iterator[Any]], request: Any) -> Iterator[Any]:
     """
     One step of synthesis from an adapter that yields float PCM: converted as the
     synthesis thread draws it, so the reactor never does the arithmetic.
@@ -619,14 +771,32 @@ class WorkerApp:
     def _ceiling(self, variant: str) -> int:
         return self.variants[variant].max_characters or self.engine.max_characters
 
-    def _segments(self, request: SpeakRequest) -> list[Callable[[], Iterator[bytes]]]:
+    def _segments(self, request: SpeakRequest, pieces: Sequence[str] | None = None) -> list[Callable[[], Iterator[Any]]]:
         engine = self.engine
-        pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
+        if pieces is None:
+            pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
         count = len(pieces)
         return [
             partial(self._pcm, engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
             for i, piece in enumerate(pieces)
         ]
+
+    def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> str | None:
+        """
+        The unit a request asks to have timed, once the variant times it and the client
+        reads the framing that carries it; None when it asks for none.
+        """
+        unit = body.get("timestamps")
+        if unit is None:
+            return None
+        check_timed_accept(request, bool(body.get("stream", True)))
+        check_unit(self.variants[variant], variant, unit)
+        return str(unit)
+
+    def _timeline(self, variant: str, unit: str, steps: Sequence[Source] = (), turns: Sequence[Source] = ()) -> Timeline:
+        declared = self.variants[variant].timestamps
+        offsets = declared is not None and declared.text_offsets
+        return Timeline(unit, self.pcm16.sample_rate, offsets, steps=steps, turns=turns)
 
     @app.route("/speak", methods=["POST"])
     async def _speak(self, request: IRequest) -> Any:
@@ -649,7 +819,12 @@ class WorkerApp:
                     f'variant "{variant}" does not perform delivery "{delivery}" (claims: {claimed})',
                     field="delivery",
                 )
-            text = self._clean(body["text"], v)
+            unit = self._timed(request, body, variant)
+            if unit is None:
+                text = self._clean(body["text"], v)
+            else:
+                # Timed: where each character came from, to give offsets in the caller's text.
+                text, cleaned = clean_text_mapped(body["text"], v.cues, self.engine.private_tag_patterns)
             if not is_speakable(text):
                 raise BadRequest(_UNSPEAKABLE.format(what="text"), field="text")
             ceiling = self._ceiling(variant)
@@ -666,10 +841,16 @@ class WorkerApp:
                 delivery=delivery,
                 params=params,
                 seed=body.get("seed"),
+                timestamps=unit,
             )
-            return await self._respond(
-                request, variant, self._segments(speak), fmt, body.get("stream", True)
-            )
+            stream = body.get("stream", True)
+            if unit is None:
+                return await self._respond(request, variant, self._segments(speak), fmt, stream)
+            engine = self.engine
+            pieces = split_pieces(text, engine.segment_characters, engine.first_segment_characters)
+            sources = [Source(body["text"], cleaned, piece) for piece in pieces]
+            steps = self._segments(speak, [piece.text for piece in pieces])
+            return await self._respond(request, variant, steps, fmt, stream, timeline=self._timeline(variant, unit, sources))
 
         return await self._guarded(request, handle)
 
@@ -682,9 +863,15 @@ class WorkerApp:
             if not (overrides(self.engine, "dialogue") and v.max_speakers >= 1):
                 raise Unsupported(f'variant "{variant}" does not perform dialogue', field="turns")
             fmt, language, params = self._common(body, variant)
+            unit = self._timed(request, body, variant)
             turns = []
+            sources: list[Source] = []
             for i, turn in enumerate(body["turns"]):
-                text = self._clean(turn["text"], v)
+                if unit is None:
+                    text = self._clean(turn["text"], v)
+                else:
+                    text, cleaned = clean_text_mapped(turn["text"], v.cues, self.engine.private_tag_patterns)
+                    sources.append(Source(turn["text"], cleaned, speaker=turn["speaker"]))
                 if not is_speakable(text):
                     raise BadRequest(_UNSPEAKABLE.format(what=f"turn {i}"), field=f"turns[{i}].text")
                 turns.append(Turn(speaker=turn["speaker"], text=text))
@@ -710,9 +897,13 @@ class WorkerApp:
                 language=language,
                 params=params,
                 seed=body.get("seed"),
+                timestamps=unit,
             )
             step = partial(self._pcm, self.engine.dialogue, dialogue)
-            return await self._respond(request, variant, [step], fmt, body.get("stream", True))
+            if unit is None:
+                return await self._respond(request, variant, [step], fmt, body.get("stream", True))
+            timeline = self._timeline(variant, unit, turns=sources)
+            return await self._respond(request, variant, [step], fmt, body.get("stream", True), timeline=timeline)
 
         return await self._guarded(request, handle)
 
@@ -720,19 +911,33 @@ class WorkerApp:
         self,
         request: IRequest,
         variant: str,
-        steps: list[Callable[[], Iterator[bytes]]],
+        steps: list[Callable[[], Iterator[Any]]],
         fmt: str,
         stream: bool,
+        timeline: Timeline | None = None,
     ) -> Any:
         """
         Schedule the synthesis and write its audio, aborting on a failure after headers.
+        With a C{timeline}, the adapter's timings are framed with it.
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
         finished = request.notifyFinish()  # type: ignore[attr-defined]
         joint = self.engine.joint_silence_ms
         output: _AudioResponse
-        job = Job(variant, steps, on_pcm=lambda pcm: output.pcm(pcm), on_step=lambda _: output.silence(joint))
-        output = _AudioResponse(self, request, fmt, stream, job)
+
+        def next_step(index: int) -> None:
+            output.silence(joint)
+            if timeline is not None:
+                timeline.step(index, output.frames)
+
+        job = Job(
+            variant,
+            steps,
+            on_pcm=lambda pcm: output.pcm(pcm),
+            on_step=next_step,
+            on_timing=None if timeline is None else (lambda marks: output.timings(marks)),
+        )
+        output = _AudioResponse(self, request, fmt, stream, job, timeline)
 
         def gone(failure: Failure) -> None:
             job.cancel()

@@ -1,0 +1,224 @@
+"""
+Timings from an adapter to the wire (protocol.md section 4, "timestamps"): what the SDK
+does with the L{Timing}s an adapter yields among its PCM, so that no adapter ever
+counts segments, maps offsets or writes a frame.
+
+  - B{Offsets.}  An adapter times its own audio, from the start of what one call of
+    C{speak} yields.  The SDK adds everything the answer holds before that: the
+    segments before it and the joint silences it put between them (L{Timeline.step}).
+  - B{Text.}  An adapter gives offsets into the text it was handed, one segment of the
+    cleaned text; the SDK takes them back through its splitting
+    (L{rhapsode_protocol.text.Piece}) and its cleaning
+    (L{rhapsode_protocol.vocab.TextMap}) to the text the caller sent, and each word's
+    C{text} is then the caller's own at those offsets.
+  - B{Merging.}  The words an engine speaks for one stretch of text overlap there
+    (eSpeak reads "3:45" as words at 3, 45 and 5); those handed over together become
+    one entry covering the stretch, from the first's start to the last's end.  Entries
+    of one unit never overlap in time and stay in order.
+  - B{Framing.}  Server-sent events (L{sse_event}) for a stream, one JSON document for
+    a buffered answer; the response writes them (L{rhapsode_worker._routes}).
+
+Everything here runs on the reactor thread, on the few entries of one batch at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from rhapsode_protocol.text import Piece
+from rhapsode_protocol.vocab import TextMap
+
+from ._engine import Timing
+
+__all__ = ["Source", "Timeline", "sse_event"]
+
+#: Seconds are written to the microsecond: below a sample at any rate an engine makes.
+_PLACES = 6
+
+
+@dataclass(frozen=True)
+class Source:
+    """
+    Where one step's (or one turn's) text came from: the caller's text, how cleaning
+    moved it (C{cleaned}), and for a step of a split text the piece it was handed.
+    """
+
+    caller: str
+    cleaned: TextMap
+    piece: Piece | None = None
+    speaker: str | None = None
+
+    def caller_span(self, start: int, end: int) -> tuple[int, int]:
+        """
+        The caller's span for the adapter's C{[start, end)}, whitespace trimmed off
+        both ends (an engine's word may take the space after it).
+        """
+        if self.piece is not None:
+            start, end = self.piece.source(start, end)
+        start, end = self.cleaned.span(start, end)
+        text = self.caller
+        while start < end and text[start].isspace():
+            start += 1
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        return start, end
+
+
+class Timeline:
+    """
+    One answer's timings: the unit asked for, the rate its samples count at, and the
+    text sources of its steps (a speech's segments) or turns (a dialogue's).
+
+    @param unit: C{"word"} keeps words; C{"phoneme"} keeps phonemes and the words they
+        make up.
+    @param offsets: whether the variant claims text offsets; without, none is written.
+    @param steps: a speech's sources, one per segment; C{turns} a dialogue's, one per turn.
+    """
+
+    def __init__(
+        self,
+        unit: str,
+        rate: int,
+        offsets: bool,
+        steps: Sequence[Source] = (),
+        turns: Sequence[Source] = (),
+    ) -> None:
+        self._units = {"word"} if unit == "word" else {"word", "phoneme"}
+        self._rate = rate
+        self._offsets = offsets
+        self._steps = steps
+        self._turns = turns
+        self._step = 0
+        self._base = 0.0
+        # Per unit, where the last entry written ended, and for words its text span.
+        self._ends: dict[str, float] = {}
+        self._last_span: tuple[int | None, int] | None = None
+        #: Every entry made so far, for a buffered answer's document.
+        self.entries: list[dict[str, Any]] = []
+
+    def step(self, index: int, frames: int) -> None:
+        """
+        Step C{index} begins after C{frames} frames of the answer (its segments before
+        and the joints between them).
+        """
+        self._step = index
+        self._base = frames / self._rate
+
+    def take(self, marks: Sequence[Timing]) -> list[dict[str, Any]]:
+        """
+        The entries for the timings of one hand-over, in order, each offset, mapped and
+        merged; those are also kept in L{entries}.
+        """
+        made: list[dict[str, Any]] = []
+        word: dict[str, Any] | None = None  # the last word made, phonemes between or not
+        for mark in marks:
+            if mark.unit not in self._units:
+                continue
+            entry = self._entry(mark)
+            if entry is None:
+                continue
+            if word is not None and self._merges(word, entry):
+                _absorb(word, entry, self._source(entry).caller)
+                continue
+            if self._overlaps_written(entry):
+                # The words of an expansion handed over apart: the one written already
+                # holds this stretch of text, and cannot be changed any more.
+                continue
+            if entry["unit"] == "word":
+                word = entry
+            made.append(entry)
+        for entry in made:
+            self._settle(entry)
+        self.entries.extend(made)
+        return made
+
+    # -- one entry -------------------------------------------------------------------
+
+    def _source(self, entry: Mapping[str, Any]) -> Source:
+        if self._turns:
+            return self._turns[entry.get("turn", 0)]
+        return self._steps[min(self._step, len(self._steps) - 1)]
+
+    def _entry(self, mark: Timing) -> dict[str, Any] | None:
+        start = max(0.0, float(mark.start))
+        end = max(start, float(mark.end))
+        entry: dict[str, Any] = {"unit": mark.unit, "text": mark.text, "start": self._base + start,
+                                 "end": self._base + end}
+        if self._turns:
+            turn = mark.turn if mark.turn is not None and 0 <= mark.turn < len(self._turns) else None
+            if turn is None:
+                return None  # a dialogue's timing must say whose turn it is
+            entry["turn"] = turn
+            speaker = self._turns[turn].speaker
+            if speaker is not None:
+                entry["speaker"] = speaker
+        if (
+            self._offsets
+            and mark.unit == "word"
+            and mark.text_start is not None
+            and mark.text_end is not None
+            and mark.text_end > mark.text_start >= 0
+        ):
+            source = self._source(entry)
+            begin, finish = source.caller_span(mark.text_start, mark.text_end)
+            if finish <= begin:
+                return None  # only whitespace: nothing a reader would follow
+            entry["textStart"], entry["textEnd"] = begin, finish
+            entry["text"] = source.caller[begin:finish]
+        return entry
+
+    @staticmethod
+    def _merges(previous: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
+        return (
+            entry["unit"] == "word" == previous["unit"]
+            and "textStart" in entry
+            and "textStart" in previous
+            and entry.get("turn") == previous.get("turn")
+            and entry["textStart"] < previous["textEnd"]
+            and entry["textEnd"] > previous["textStart"]
+        )
+
+    def _overlaps_written(self, entry: Mapping[str, Any]) -> bool:
+        last = self._last_span
+        return (
+            entry["unit"] == "word"
+            and "textStart" in entry
+            and last is not None
+            and last[0] == entry.get("turn")
+            and entry["textStart"] < last[1]
+        )
+
+    def _settle(self, entry: dict[str, Any]) -> None:
+        """
+        Keep the unit in order and without overlaps in time, and round the seconds.
+        """
+        unit = entry["unit"]
+        floor = self._ends.get(unit, 0.0)
+        entry["start"] = round(max(entry["start"], floor), _PLACES)
+        entry["end"] = round(max(entry["end"], entry["start"]), _PLACES)
+        self._ends[unit] = entry["end"]
+        if unit == "word" and "textEnd" in entry:
+            self._last_span = (entry.get("turn"), entry["textEnd"])
+
+
+def _absorb(into: dict[str, Any], entry: Mapping[str, Any], caller: str) -> None:
+    """
+    Two words spoken for overlapping text are one: the stretch they cover together, from
+    the first's start to the last's end.
+    """
+    into["textStart"] = min(into["textStart"], entry["textStart"])
+    into["textEnd"] = max(into["textEnd"], entry["textEnd"])
+    into["text"] = caller[into["textStart"]:into["textEnd"]]
+    into["start"] = min(into["start"], entry["start"])
+    into["end"] = max(into["end"], entry["end"])
+
+
+def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
+    """
+    One server-sent event named C{kind}; its data is C{payload} with C{type} as JSON, on
+    one line (JSON escapes every line break a string holds).
+    """
+    data = json.dumps({"type": kind, **payload}, ensure_ascii=False, separators=(",", ":"))
+    return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
