@@ -1,0 +1,186 @@
+"""
+eSpeak NG's synthesis events as timings (L{rhapsode_worker.Timing}).
+
+espeak reports where things begin, never where they end: with each buffer of PCM the
+synthesis callback gets the events that fall in it, a word's (its place in the text and
+its first sample), a phoneme's (its IPA and its first sample; a pause is a phoneme with
+no name), and the end of a clause.  So an entry is complete only once what follows it
+has begun:
+
+  - a phoneme ends where the next phoneme, pause, word or clause end begins;
+  - a word ends where its last sound ends: before the pauses that trail it (the one
+    after "dog." is not part of "dog"), not before one inside it ("p.m." has one);
+  - the words espeak speaks for one stretch of text overlap there ("3:45" is read as
+    words at 3, 45 and 5, and "45" and "5" share the 5), and they are handed over
+    together, so that the SDK makes them one entry.
+
+The SDK sends each timing before the audio holding its first sample, so L{Aligner} holds
+back the PCM from the first sample of the first entry not complete yet, and gives out
+the rest: on the first buffer that is the audio before the second word, so first audio
+leaves with the same callback it would without timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from rhapsode_worker import Timing
+
+#: espeak_EVENT_TYPE values (speak_lib.h).
+WORD, SENTENCE, END, PHONEME = 1, 2, 5, 7
+
+
+@dataclass(frozen=True)
+class Event:
+    """
+    One espeak event: its type, its place in the text (0-based code points; espeak's
+    own are 1-based) and length, and the sample it falls on from the synthesis' start.
+    """
+
+    kind: int
+    position: int
+    length: int
+    sample: int
+    name: str = ""
+
+
+class _Word:
+    __slots__ = ("start", "text_start", "text_end", "sound_end")
+
+    def __init__(self, start: int, text_start: int, text_end: int) -> None:
+        self.start = start
+        self.text_start = text_start
+        self.text_end = text_end
+        #: Where the last sound of the word heard so far ended; None before any.
+        self.sound_end: int | None = None
+
+
+class Aligner:
+    """
+    One synthesis' PCM and events in, its PCM and timings out, each timing before the
+    audio of its first sample.
+
+    @param rate: the PCM's sample rate.
+    @param unit: C{"word"}, or C{"phoneme"} for phonemes too.
+    @param frame: bytes per sample of the PCM.
+    """
+
+    def __init__(self, rate: int, unit: str, frame: int = 2) -> None:
+        self._rate = rate
+        self._phonemes = unit == "phoneme"
+        self._frame = frame
+        self._held = bytearray()
+        self._released = 0  # samples given out
+        self._received = 0
+        self._word: _Word | None = None
+        self._phoneme: tuple[int, str] | None = None
+        # Words complete but waiting: the next word might still overlap their text.
+        self._group: list[_Word] = []
+        self._ready: list[tuple[int, int, Timing]] = []
+
+    def feed(self, pcm: bytes, events: Sequence[Event]) -> Iterator[bytes | Timing]:
+        """
+        One callback's buffer and its events: what can go out now.
+        """
+        self._held += pcm
+        self._received += len(pcm) // self._frame
+        for event in events:
+            self._event(event)
+        yield from self._release(self._hold())
+
+    def close(self) -> Iterator[bytes | Timing]:
+        """
+        The synthesis is over: everything still held.
+        """
+        self._end(self._received)
+        yield from self._release(None)
+
+    # -- events ----------------------------------------------------------------------
+
+    def _event(self, event: Event) -> None:
+        if event.kind == PHONEME:
+            self._close_phoneme(event.sample)
+            if event.name:
+                self._phoneme = (event.sample, event.name)
+        elif event.kind == WORD:
+            self._close_phoneme(event.sample)
+            word = _Word(event.sample, event.position, event.position + max(event.length, 0))
+            self._close_word(event.sample, word)
+            self._word = word
+        elif event.kind == END:
+            self._end(event.sample)
+
+    def _end(self, sample: int) -> None:
+        self._close_phoneme(sample)
+        self._close_word(sample, None)
+
+    def _close_phoneme(self, sample: int) -> None:
+        phoneme, self._phoneme = self._phoneme, None
+        if phoneme is None:
+            return
+        start, name = phoneme
+        if self._word is not None:
+            self._word.sound_end = sample
+        if self._phonemes:
+            self._ready.append((start, 1, Timing("phoneme", start / self._rate, sample / self._rate, text=name)))
+
+    def _close_word(self, sample: int, following: _Word | None) -> None:
+        """
+        The open word ends (at its last sound, else at C{sample}); it waits with its
+        group while C{following} overlaps the group's text, else the group goes out.
+        """
+        word, self._word = self._word, None
+        if word is not None:
+            self._group.append(word)
+        if not self._group:
+            return
+        if following is not None and word is not None and self._overlaps(following):
+            return
+        for member in self._group:
+            end = member.sound_end if member.sound_end is not None else sample
+            timing = Timing(
+                "word",
+                member.start / self._rate,
+                max(end, member.start) / self._rate,
+                text_start=member.text_start,
+                text_end=member.text_end,
+            )
+            self._ready.append((member.start, 0, timing))
+        self._group = []
+
+    def _overlaps(self, word: _Word) -> bool:
+        start = min(member.text_start for member in self._group)
+        end = max(member.text_end for member in self._group)
+        return word.text_start < end and word.text_end > start
+
+    # -- what goes out -----------------------------------------------------------------
+
+    def _hold(self) -> int | None:
+        """
+        The first sample of the first entry not complete yet (None: nothing is open).
+        """
+        starts = [member.start for member in self._group]
+        if self._word is not None:
+            starts.append(self._word.start)
+        if self._phoneme is not None:
+            starts.append(self._phoneme[0])
+        return min(starts) if starts else None
+
+    def _release(self, hold: int | None) -> Iterator[bytes | Timing]:
+        # In order of start, a word before the phonemes it begins with.
+        self._ready.sort(key=lambda item: (item[0], item[1]))
+        keep: list[tuple[int, int, Timing]] = []
+        for item in self._ready:
+            if hold is None or item[0] < hold:
+                yield item[2]
+            else:
+                keep.append(item)
+        self._ready = keep
+        upto = self._received if hold is None else max(min(hold, self._received), self._released)
+        count = (upto - self._released) * self._frame
+        if count > 0:
+            piece = bytes(self._held[:count])
+            del self._held[:count]
+            self._released = upto
+            yield piece
