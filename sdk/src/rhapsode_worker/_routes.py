@@ -33,6 +33,7 @@ from rhapsode_protocol.errors import (
 from rhapsode_protocol.http.answers import (
     DURATION_HEADER,
     abort_connection,
+    accepts,
     answer,
     json_response,
     no_route,
@@ -133,26 +134,6 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
 _TIMED_ACCEPT = {True: TIMED_EVENTS, False: TIMED_JSON}
 #: The header naming the audio's own type where the body is events or a document.
 AUDIO_TYPE_HEADER = b"X-Rhapsode-Audio-Type"
-
-
-def accepts(request: IRequest, media_type: str) -> bool:
-    """
-    Whether the request's Accept names C{media_type} itself (a wildcard does not: a
-    client that has not said it reads timings would silently get none it can use).
-    """
-    for value in request.requestHeaders.getRawHeaders(b"accept", []):
-        for item in value.decode("latin-1").split(","):
-            name, _, parameters = item.partition(";")
-            if name.strip().lower() != media_type:
-                continue
-            quality = [p.strip()[2:] for p in parameters.split(";") if p.strip().lower().startswith("q=")]
-            try:
-                if quality and float(quality[0]) <= 0:
-                    continue
-            except ValueError:
-                continue
-            return True
-    return False
 
 
 def check_timed_accept(request: IRequest, stream: bool) -> None:

@@ -12,7 +12,7 @@ until the caller has used them and said so (L{MemorySink.release}).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
@@ -20,7 +20,7 @@ from zope.interface import implementer
 
 from rhapsode_protocol.errors import SpeechError
 
-from .._interfaces import IAudioSink
+from .._interfaces import ITimedSink
 
 __all__ = ["Answer", "MemorySink"]
 
@@ -34,6 +34,8 @@ class Answer:
     code: int = 200
     headers: dict[bytes, bytes] = field(default_factory=dict)
     body: bytes = b""
+    #: The timings of an utterance that asked for timestamps, else None.
+    alignment: list[Mapping[str, Any]] | None = None
 
     @property
     def content_type(self) -> str:
@@ -44,7 +46,7 @@ class Answer:
         return value.decode("latin-1") if value is not None else None
 
 
-@implementer(IAudioSink)
+@implementer(ITimedSink)
 class MemorySink:
     """
     Collects one buffered answer in memory.
@@ -68,6 +70,11 @@ class MemorySink:
 
     def write(self, data: bytes) -> None:
         self._parts.append(data)
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        if self.answer.alignment is None:
+            self.answer.alignment = []
+        self.answer.alignment.extend(alignment)
 
     def registerProducer(self, producer: IPushProducer) -> None:
         pass  # memory never pushes back

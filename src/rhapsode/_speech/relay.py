@@ -29,15 +29,24 @@ from twisted.web.client import ResponseDone
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import Internal, SpeechError, refusal
+from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, refusal
 from rhapsode_protocol.http.answers import DURATION_HEADER
 
 from .._fleet.registry import EngineHandle
 from .._fleet.residency import Residency
-from .._interfaces import IAudioSink
+from .._interfaces import IAudioSink, ITimedSink
 from .._upstream import BytesProducer, Stalls, Watched, collect, stalled
 from .limits import BufferBudget, Turnstile
 from .metrics import Measured
+from .timed import (
+    AUDIO_TYPE_HEADER,
+    CHANNELS_HEADER,
+    RATE_HEADER,
+    TimedStreamRelay,
+    accept_for,
+    read_document,
+    timed_limit,
+)
 
 __all__ = [
     "BUFFERED_LIMIT",
@@ -228,14 +237,28 @@ class SpeechRelay:
         """
         variant = forward["variant"]
         body = BytesProducer(json.dumps(forward).encode())
+        stream = forward.get("stream", True)
+        extra = _elsewhere(engine, variant, keep_alive)
+        timed = "timestamps" in forward
+        if timed:
+            if not ITimedSink.providedBy(sink):
+                raise BadRequest("this route's answer has no place for timestamps", field="timestamps")
+            # The worker frames timings as the public API does (rhapsode._speech.timed).
+            extra[b"Accept"] = [accept_for(stream)]
         async with self._speaking(engine, variant, keep_alive):
-            response = await self._ask(engine, sink.finished, b"POST", path, body, _elsewhere(engine, variant, keep_alive))
+            response = await self._ask(engine, sink.finished, b"POST", path, body, extra)
             if not self._answered(engine, variant, response.code):
                 await self._relay_error(response)
-            if not forward.get("stream", True):
+            if not stream:
                 turns = len(forward.get("turns", ())) or 1
                 limit = buffered_limit(caps, variant, turns)
+                if timed:
+                    await self._timed_buffered(ITimedSink(sink), response, timed_limit(limit, caps, variant), measured)
+                    return
                 await self.buffered(sink, response, limit, measured)
+                return
+            if timed:
+                await self._timed_streamed(ITimedSink(sink), response, measured)
                 return
             await self._streamed(sink, response, forward.get("format", "wav"), caps, measured)
 
@@ -449,6 +472,76 @@ class SpeechRelay:
         if measured is not None:
             measured.audio_ms = duration
         sink.end(duration)
+
+
+    # -- answers with timestamps (rhapsode._speech.timed) ------------------------------
+
+    async def _timed_buffered(
+        self, sink: ITimedSink, response: Any, limit: int, measured: Measured | None
+    ) -> None:
+        """
+        A worker's whole timed document, held within C{limit} and the budget until the
+        sink's reader is done, then written to the sink: its timings, then its audio.
+        """
+        body = await collect(response, limit, self.budget, self.stalls)
+        sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
+        audio, document = read_document(body)
+        if len(audio) < FLOOR_BYTES:
+            raise Internal(f"the worker answered 200 with {len(audio)} bytes of audio, which is not audio")
+        duration = document["durationMs"]
+        head = [
+            (b"Content-Type", document["contentType"].encode("latin-1", "replace")),
+            (DURATION_HEADER, b"%d" % duration),
+            (RATE_HEADER, b"%d" % document["sampleRate"]),
+            (CHANNELS_HEADER, b"%d" % document["channels"]),
+        ]
+        node = response.headers.getRawHeaders(NODE_HEADER)
+        if node:
+            head.append((NODE_HEADER, node[0]))
+        if measured is not None:
+            measured.first_audio()
+            measured.sent = len(audio)
+            measured.audio_ms = duration
+        sink.begin(200, head)
+        sink.timestamps(document["alignment"])
+        sink.write(audio)
+        sink.end(duration)
+
+    async def _timed_streamed(self, sink: ITimedSink, response: Any, measured: Measured | None) -> None:
+        """
+        A worker's timed event stream relayed as it arrives: the sink begins with the
+        audio's own type, gets each batch of timings and of audio in order, and is
+        aborted by the rules any stream is (under the floor, broken, stalled, unended).
+        """
+        head: list[tuple[bytes, bytes]] = [(b"Trailer", DURATION_HEADER)]
+        for name, as_name in ((NODE_HEADER, NODE_HEADER), (AUDIO_TYPE_HEADER, b"Content-Type")):
+            value = response.headers.getRawHeaders(name)
+            if value:
+                head.insert(0, (as_name, value[0]))
+        sink.begin(200, head)
+        stream = TimedStreamRelay(sink, self.stalls, measured)
+        response.deliverBody(stream)
+        try:
+            received = await stream.done
+        except Exception as exc:
+            error = exc if isinstance(exc, SpeechError) else Internal(f"the worker's stream broke off: {exc}")
+            if not sink.started:
+                raise error from None
+            self.log.warn("aborting a timed stream: {why}", why=error.message)
+            _aborted(measured, exc)
+            await sink.abort(error)
+            return
+        if measured is not None:
+            measured.sent = received
+            measured.audio_ms = stream.duration_ms
+        if received < FLOOR_BYTES:
+            failure = Internal(f"the worker answered 200 with {received} bytes of audio, which is not audio")
+            if not sink.started:
+                raise failure
+            _aborted(measured, None)
+            await sink.abort(failure)
+            return
+        sink.end(stream.duration_ms)
 
 
 def _elsewhere(engine: EngineHandle, variant: str, keep_alive: int | None) -> dict[bytes, list[bytes]]:
