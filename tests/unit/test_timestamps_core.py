@@ -1,0 +1,351 @@
+"""
+Timestamps in the core (protocol.md section 4), on fakes: the worker's events read in
+any pieces and relayed to a timed sink in their order, a stream that ends without its
+done event failed; preflight's refusal of an undeclared unit and the caller's text sent
+on; and each door's timed sink: the contract's events (nothing before the floor, an
+error event after), its JSON document, Kokoro-FastAPI's lines, memory and MCP's result.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.test.requesthelper import DummyRequest
+
+from rhapsode._doors.mcp import _audio
+from rhapsode._http.sinks import CaptionedSink, TimedEventSink, TimedJsonSink, timed_sink
+from rhapsode._speech.inprocess import MemorySink
+from rhapsode._speech.preflight import forward_dialogue, forward_speak
+from rhapsode._speech.relay import FLOOR_BYTES
+from rhapsode._speech.timed import EventReader, TimedStreamRelay, read_document
+from rhapsode._upstream.body import Stalls
+from rhapsode_protocol import contract
+from rhapsode_protocol.errors import BadRequest, Internal, Unsupported
+
+from _fakes import TimedRecordingSink
+
+WORD = {"unit": "word", "text": "Hi", "start": 0.0, "end": 0.2, "textStart": 0, "textEnd": 2}
+LATER = {"unit": "word", "text": "there", "start": 0.3, "end": 0.6, "textStart": 3, "textEnd": 8}
+
+
+def event(kind: str, payload: dict[str, Any]) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps({"type": kind, **payload}).encode())
+
+
+def audio_event(data: bytes) -> bytes:
+    return event("speech.audio.delta", {"audio": base64.b64encode(data).decode()})
+
+
+STREAM = b"".join([
+    event("speech.timestamps.delta", {"alignment": [WORD]}),
+    audio_event(b"\x01" * 300),
+    event("speech.timestamps.delta", {"alignment": [LATER]}),
+    audio_event(b"\x02" * 300),
+    event("speech.audio.done", {"durationMs": 14}),
+])
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, len(STREAM)])
+def test_events_are_read_whole_whatever_pieces_they_arrive_in(size: int) -> None:
+    """
+    A frame split across any reads is one event, its data decoded from JSON.
+    """
+    reader = EventReader()
+    events = []
+    for at in range(0, len(STREAM), size):
+        events.extend(reader.feed(STREAM[at:at + size]))
+    assert [name for name, _ in events] == [
+        "speech.timestamps.delta", "speech.audio.delta", "speech.timestamps.delta", "speech.audio.delta",
+        "speech.audio.done",
+    ]
+    assert events[0][1]["alignment"] == [WORD] and not reader.holding
+
+
+def test_an_event_over_the_limit_or_not_json_is_the_workers_failure() -> None:
+    """
+    A line that never ends is refused once past the bound; data that is not a JSON
+    object is refused; both as internal (the worker broke the protocol).
+    """
+    with pytest.raises(Internal):
+        EventReader(limit=100).feed(b"data: " + b"x" * 200)
+    with pytest.raises(Internal):
+        EventReader().feed(b"event: speech.audio.delta\ndata: [1]\n\n")
+
+
+def relayed(clock: Clock) -> tuple[TimedStreamRelay, TimedRecordingSink, StringTransport]:
+    sink = TimedRecordingSink()
+    relay = TimedStreamRelay(sink, Stalls(clock, 120.0))
+    worker = StringTransport()
+    relay.makeConnection(worker)
+    return relay, sink, worker
+
+
+def test_a_timed_stream_reaches_the_sink_in_its_order_with_its_duration() -> None:
+    """
+    Timings and audio reach the sink in the order the worker sent them, as entries and
+    as decoded bytes; the relay is the sink's producer, pausing the worker's socket;
+    the done event's duration is kept and the audio's length counted.
+    """
+    relay, sink, worker = relayed(Clock())
+    assert sink.producer is relay
+    relay.pauseProducing()
+    assert worker.producerState == "paused"
+    relay.resumeProducing()
+    for at in range(0, len(STREAM), 50):
+        relay.dataReceived(STREAM[at:at + 50])
+    relay.connectionLost(Failure(ResponseDone()))
+    assert sink.order == [
+        ("timestamps", [WORD]), ("audio", b"\x01" * 300), ("timestamps", [LATER]), ("audio", b"\x02" * 300),
+    ]
+    assert relay.done.result == 600 and relay.duration_ms == 14 and sink.producer is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        STREAM[: STREAM.index(b"event: speech.audio.done")],  # cut before the end
+        STREAM[:-5],  # cut inside the last frame
+        audio_event(b"\x01" * 300) + b"event: speech.audio.delta\ndata: {\"type\":\"x\",\"audio\":\"***\"}\n\n",
+        audio_event(b"\x01" * 300) + event("speech.timestamps.delta", {"alignment": [{"unit": "word"}]}),
+    ],
+    ids=["no-done", "cut-frame", "not-base64", "not-timings"],
+)
+def test_a_timed_stream_that_is_not_whole_fails(body: bytes) -> None:
+    """
+    A stream that ends without its done event, mid-frame, or with audio or timings
+    that are not the contract's fails, so the relay aborts a sink that has started.
+    """
+    relay, sink, _ = relayed(Clock())
+    relay.dataReceived(body)
+    relay.connectionLost(Failure(ResponseDone()))
+    failure = relay.done.result
+    relay.done.addErrback(lambda _: None)
+    assert isinstance(failure, Failure) and failure.check(Internal)
+
+
+def test_a_buffered_document_is_read_against_the_contract() -> None:
+    """
+    The worker's TimedAudio document gives its audio and the rest; anything else is the
+    worker's failure.
+    """
+    document = {"audio": base64.b64encode(b"abc").decode(), "format": "wav", "contentType": "audio/wav",
+                "sampleRate": 24000, "channels": 1, "durationMs": 0, "alignment": [WORD]}
+    audio, rest = read_document(json.dumps(document).encode())
+    assert audio == b"abc" and rest["alignment"] == [WORD] and "audio" not in rest
+    with pytest.raises(Internal):
+        read_document(json.dumps({**document, "alignment": [{"unit": "syllable"}]}).encode())
+
+
+CAPS = {
+    "formats": ["wav", "pcm"],
+    "variants": {
+        "timed": {"cues": ["laugh"], "dials": {}, "languages": ["en"], "maxCharacters": 100,
+                  "dialogue": {"maxSpeakers": 2},
+                  "timestamps": {"units": ["word"], "source": "synthesizer", "textOffsets": True}},
+        "plain": {"cues": [], "dials": {}, "languages": ["en"], "maxCharacters": 100},
+    },
+}
+
+
+def test_preflight_refuses_a_unit_the_variant_does_not_time_naming_the_field() -> None:
+    """
+    phoneme from a variant that times words, and word from one that times nothing, are
+    unsupported naming timestamps, for speech and for dialogue.
+    """
+    for variant, unit in (("timed", "phoneme"), ("plain", "word")):
+        with pytest.raises(Unsupported) as refused:
+            forward_speak({"engine": "e", "text": "Hi.", "timestamps": unit}, CAPS, variant)
+        assert refused.value.field == "timestamps"
+    with pytest.raises(Unsupported) as refused:
+        forward_dialogue({"turns": [{"speaker": "a", "text": "Hi."}], "timestamps": "phoneme"}, CAPS, "timed")
+    assert refused.value.field == "timestamps"
+
+
+def test_a_timed_request_sends_the_callers_text_so_offsets_are_into_it() -> None:
+    """
+    Untimed, the worker is sent the text stripped of what the variant does not claim;
+    timed, as the caller wrote it (the worker strips by the same rule and maps its
+    offsets back), checked all the same.
+    """
+    text = "Hi [cough] there [laugh]."
+    assert forward_speak({"engine": "e", "text": text}, CAPS, "timed")["text"] == "Hi there [laugh]."
+    assert forward_speak({"engine": "e", "text": text, "timestamps": "word"}, CAPS, "timed")["text"] == text
+    turns = [{"speaker": "a", "text": text}]
+    assert forward_dialogue({"turns": turns, "timestamps": "word"}, CAPS, "timed")["turns"] == turns
+    with pytest.raises(BadRequest):
+        forward_speak({"engine": "e", "text": "[cough]", "timestamps": "word"}, CAPS, "timed")
+
+
+def request_with(accept: str | None) -> DummyRequest:
+    request = DummyRequest([b""])
+    if accept is not None:
+        request.requestHeaders.setRawHeaders(b"accept", [accept.encode()])
+    return request
+
+
+def test_the_sink_follows_the_accept_and_raw_audio_is_refused() -> None:
+    """
+    With timestamps a stream needs Accept: text/event-stream and a buffered answer
+    Accept: application/json (a wildcard is not enough); without the field no timed
+    sink is made.
+    """
+    finished = request_with(None).notifyFinish()
+    assert timed_sink(request_with(None), {"text": "x"}, finished) is None
+    assert isinstance(timed_sink(request_with("text/event-stream"), {"timestamps": "word"}, finished), TimedEventSink)
+    document = timed_sink(request_with("application/json"), {"timestamps": "word", "stream": False}, finished)
+    assert isinstance(document, TimedJsonSink)
+    for accept, stream in ((None, True), ("*/*", True), ("application/json", True), ("text/event-stream", False)):
+        with pytest.raises(BadRequest) as refused:
+            timed_sink(request_with(accept), {"timestamps": "word", "stream": stream}, finished)
+        assert refused.value.field == "timestamps"
+
+
+def frames(written: list[bytes]) -> list[tuple[str, Any]]:
+    found = []
+    for frame in b"".join(written).decode().split("\n\n"):
+        if frame:
+            name, data = frame.split("\n")
+            found.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    return found
+
+
+def test_the_event_sink_holds_everything_until_the_floor_then_keeps_the_order() -> None:
+    """
+    Nothing goes out before FLOOR_BYTES of audio (a body that is not audio can still be
+    refused); then the head, with the audio's type, and every event in the order it
+    came; the end is a done event with the duration.
+    """
+    request = request_with("text/event-stream")
+    sink = TimedEventSink(request)
+    sink.begin(200, [(b"Content-Type", b"audio/L16; rate=24000; channels=1")])
+    sink.timestamps([WORD])
+    sink.write(b"\x01" * (FLOOR_BYTES // 2))
+    assert not sink.started and request.written == []
+    sink.write(b"\x02" * FLOOR_BYTES)
+    sink.timestamps([LATER])
+    sink.end(40)
+    assert sink.started and request.responseCode == 200
+    assert request.responseHeaders.getRawHeaders(b"content-type") == [b"text/event-stream"]
+    assert request.responseHeaders.getRawHeaders(b"x-rhapsode-audio-type") == [b"audio/L16; rate=24000; channels=1"]
+    events = frames(request.written)
+    assert [name for name, _ in events] == [
+        "speech.timestamps.delta", "speech.audio.delta", "speech.audio.delta", "speech.timestamps.delta",
+        "speech.audio.done",
+    ]
+    for name, data in events:
+        schema = {"speech.timestamps.delta": contract.TIMESTAMPS_EVENT, "speech.audio.delta": contract.AUDIO_DELTA_EVENT,
+                  "speech.audio.done": contract.AUDIO_DONE_EVENT}[name]
+        contract.validate(schema, data)
+    assert events[-1][1]["durationMs"] == 40
+
+
+def test_the_event_sink_says_a_late_failure_with_an_error_event() -> None:
+    """
+    A failure once events have gone is a speech.audio.error event, which a stream of
+    events can say; the stream ends cleanly after it.
+    """
+    request = request_with("text/event-stream")
+    sink = TimedEventSink(request)
+    sink.begin(200, [])
+    sink.write(b"\x01" * FLOOR_BYTES)
+    sink.abort(Internal("the worker's stream broke off"))
+    name, data = frames(request.written)[-1]
+    assert name == "speech.audio.error" and data["error"]["code"] == "internal"
+
+
+def test_the_json_sink_writes_the_contracts_document() -> None:
+    """
+    A buffered timed answer is one TimedAudio document: the audio in base64, its type,
+    rate, channels and duration, and every entry in order.
+    """
+    request = request_with("application/json")
+    sink = TimedJsonSink(request, "wav")
+    sink.begin(200, [(b"Content-Type", b"audio/wav"), (b"X-Rhapsode-Sample-Rate", b"22050"),
+                     (b"X-Rhapsode-Channels", b"1")])
+    sink.timestamps([WORD])
+    sink.timestamps([LATER])
+    sink.write(b"RIFF....")
+    assert request.written == []
+    sink.end(600)
+    document = json.loads(b"".join(request.written))
+    contract.validate(contract.TIMED_AUDIO, document)
+    assert base64.b64decode(document["audio"]) == b"RIFF...."
+    assert {k: v for k, v in document.items() if k != "audio"} == {
+        "format": "wav", "contentType": "audio/wav", "sampleRate": 22050, "channels": 1, "durationMs": 600,
+        "alignment": [WORD, LATER],
+    }
+    assert request.responseHeaders.getRawHeaders(b"content-length") == [b"%d" % len(b"".join(request.written))]
+
+
+def test_captioned_lines_carry_the_words_that_came_before_their_audio() -> None:
+    """
+    Kokoro-FastAPI's stream: one JSON object a line per piece of audio (once the floor
+    is reached), each with the words timed before it, as word/start_time/end_time.
+    """
+    request = request_with(None)
+    sink = CaptionedSink(request, stream=True, timed=True)
+    sink.begin(200, [(b"Content-Type", b"audio/mpeg")])
+    sink.timestamps([WORD, {"unit": "phoneme", "text": "h", "start": 0.0, "end": 0.1}])
+    sink.write(b"\x01" * FLOOR_BYTES)
+    sink.timestamps([LATER])
+    sink.write(b"\x02" * 10)
+    sink.end(600)
+    lines = [json.loads(line) for line in b"".join(request.written).splitlines()]
+    assert [(base64.b64decode(line["audio"]), line["audio_format"], line["timestamps"]) for line in lines] == [
+        (b"\x01" * FLOOR_BYTES, "audio/mpeg", [{"word": "Hi", "start_time": 0.0, "end_time": 0.2}]),
+        (b"\x02" * 10, "audio/mpeg", [{"word": "there", "start_time": 0.3, "end_time": 0.6}]),
+    ]
+    buffered = request_with(None)
+    whole = CaptionedSink(buffered, stream=False, timed=False)
+    whole.begin(200, [(b"Content-Type", b"audio/wav")])
+    whole.write(b"RIFF")
+    whole.end(5)
+    assert json.loads(b"".join(buffered.written)) == {
+        "audio": base64.b64encode(b"RIFF").decode(), "audio_format": "audio/wav", "timestamps": None,
+    }
+
+
+def test_mcp_answers_the_alignment_beside_the_audio() -> None:
+    """
+    speak's result with timestamps holds the audio, a line saying what it is, the
+    alignment as JSON text, and the same as structured content.
+    """
+    sink = MemorySink()
+    sink.begin(200, [(b"Content-Type", b"audio/wav")])
+    sink.timestamps([WORD, LATER])
+    sink.write(b"RIFF")
+    sink.end(600)
+    result = json.loads(_audio(sink.answer, "with engine tone").body)  # type: ignore[union-attr]
+    assert [item["type"] for item in result["content"]] == ["audio", "text", "text"]
+    assert "2 timings" in result["content"][1]["text"]
+    assert json.loads(result["content"][2]["text"]) == {"alignment": [WORD, LATER]}
+    assert result["structuredContent"] == {"alignment": [WORD, LATER]} and result["isError"] is False
+    untimed = MemorySink()
+    untimed.begin(200, [(b"Content-Type", b"audio/wav")])
+    untimed.write(b"RIFF")
+    untimed.end(1)
+    plain = json.loads(_audio(untimed.answer, "x").body)  # type: ignore[union-attr]
+    assert len(plain["content"]) == 2 and "structuredContent" not in plain
+
+
+def test_stall_watch_still_fails_a_silent_timed_stream() -> None:
+    """
+    A timed stream whose worker goes silent while its reader is ready fails as
+    model_unavailable at the stall time, as a raw one does.
+    """
+    clock = Clock()
+    relay, _, _ = relayed(clock)
+    relay.dataReceived(audio_event(b"\x01" * 10))
+    for _ in range(5):
+        clock.advance(30)
+    relay.connectionLost(Failure(ResponseDone()))
+    failure = relay.done.result
+    relay.done.addErrback(lambda _: None)
+    assert isinstance(failure, Failure) and failure.value.code == "model_unavailable"
