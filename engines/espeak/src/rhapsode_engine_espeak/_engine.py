@@ -129,7 +129,7 @@ class EspeakEngine(Engine):
     def _timed(
         self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool, unit: str
     ) -> Iterator[bytes | Timing]:
-        aligner = Aligner(SAMPLE_RATE, unit)
+        aligner = Aligner(SAMPLE_RATE, unit, text)
         for pcm, events in self._espeak.stream_events(voice, text, settings, end_pause):
             yield from aligner.feed(pcm, events)
         yield from aligner.close()

@@ -12,7 +12,10 @@ has begun:
     after "dog." is not part of "dog"), not before one inside it ("p.m." has one);
   - the words espeak speaks for one stretch of text overlap there ("3:45" is read as
     words at 3, 45 and 5, and "45" and "5" share the 5), and they are handed over
-    together, so that the SDK makes them one entry.
+    together, so that the SDK makes them one entry;
+  - espeak reads a short unstressed word with the one before it ("was a", "on the",
+    the m of "p.m.") and reports no event of its own for it: its sounds are timed with
+    that word, so the word's text is taken on over it, up to the next word reported.
 
 The SDK sends each timing before the audio holding its first sample, so L{Aligner} holds
 back the PCM from the first sample of the first entry not complete yet, and gives out
@@ -63,11 +66,13 @@ class Aligner:
 
     @param rate: the PCM's sample rate.
     @param unit: C{"word"}, or C{"phoneme"} for phonemes too.
+    @param text: the text espeak is speaking, which its events' positions are into.
     @param frame: bytes per sample of the PCM.
     """
 
-    def __init__(self, rate: int, unit: str, frame: int = 2) -> None:
+    def __init__(self, rate: int, unit: str, text: str = "", frame: int = 2) -> None:
         self._rate = rate
+        self._text = text
         self._phonemes = unit == "phoneme"
         self._frame = frame
         self._held = bytearray()
@@ -93,7 +98,7 @@ class Aligner:
         """
         The synthesis is over: everything still held.
         """
-        self._end(self._received)
+        self._end(self._received, len(self._text))
         yield from self._release(None)
 
     # -- events ----------------------------------------------------------------------
@@ -109,11 +114,11 @@ class Aligner:
             self._close_word(event.sample, word)
             self._word = word
         elif event.kind == END:
-            self._end(event.sample)
+            self._end(event.sample, event.position)
 
-    def _end(self, sample: int) -> None:
+    def _end(self, sample: int, position: int) -> None:
         self._close_phoneme(sample)
-        self._close_word(sample, None)
+        self._close_word(sample, None, position)
 
     def _close_phoneme(self, sample: int) -> None:
         phoneme, self._phoneme = self._phoneme, None
@@ -125,13 +130,16 @@ class Aligner:
         if self._phonemes:
             self._ready.append((start, 1, Timing("phoneme", start / self._rate, sample / self._rate, text=name)))
 
-    def _close_word(self, sample: int, following: _Word | None) -> None:
+    def _close_word(self, sample: int, following: _Word | None, limit: int | None = None) -> None:
         """
-        The open word ends (at its last sound, else at C{sample}); it waits with its
-        group while C{following} overlaps the group's text, else the group goes out.
+        The open word ends (at its last sound, else at C{sample}, its text taken on
+        over words espeak read with it, up to C{following} or C{limit}); it waits with
+        its group while C{following} overlaps the group's text, else the group goes out.
         """
         word, self._word = self._word, None
         if word is not None:
+            bound = following.text_start if following is not None else limit
+            word.text_end = self._taken_on(word.text_end, bound if bound is not None else word.text_end)
             self._group.append(word)
         if not self._group:
             return
@@ -148,6 +156,18 @@ class Aligner:
             )
             self._ready.append((member.start, 0, timing))
         self._group = []
+
+    def _taken_on(self, end: int, bound: int) -> int:
+        """
+        Where a word's text ends once it takes on the words after it that have no event
+        of their own: the end of the last run of letters or digits before C{bound}.
+        """
+        text = self._text
+        last = end
+        for index in range(end, min(bound, len(text))):
+            if text[index].isalnum():
+                last = index + 1
+        return last
 
     def _overlaps(self, word: _Word) -> bool:
         start = min(member.text_start for member in self._group)
