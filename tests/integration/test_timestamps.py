@@ -17,6 +17,7 @@ import io
 import json
 import re
 import subprocess
+import sys
 import wave
 from pathlib import Path
 from typing import Any, Iterator
@@ -370,3 +371,31 @@ def test_every_refusal_names_the_field_before_a_model_is_loaded(
     if engine == "chatty":
         health = {e["id"]: e for e in get(core, "/engines")}
         assert health["chatty"]["model"] == "unloaded"
+
+
+def test_the_guides_client_runs_as_written(core: int, tmp_path: Path) -> None:
+    """
+    docs/timestamps.md's client, run as written against the core: it prints each word
+    with its times, and writes a WAV as long as the audio and WebVTT captions of every
+    word, in order.
+    """
+    guide = (ROOT / "docs" / "timestamps.md").read_text(encoding="utf-8")
+    (client,) = [block for block in re.findall(r"^```python\n(.*?)^```", guide, re.S | re.M)
+                 if block.startswith("# captions.py")]
+    (tmp_path / "captions.py").write_text(client)
+    text = "It was 3:45 pm when the ferry left."
+    out = subprocess.run(
+        [sys.executable, "captions.py", f"http://127.0.0.1:{core}", "espeak", text],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    printed = [line.split(None, 2) for line in out.stdout.splitlines()[:-1]]
+    assert [word for _, _, word in printed] == ["It", "was", "3", "45", "pm", "when", "the", "ferry", "left"]
+    starts = [float(start) for start, _, _ in printed]
+    assert starts == sorted(starts)
+    with wave.open(str(tmp_path / "speech.wav")) as w:
+        seconds = w.getnframes() / w.getframerate()
+    assert abs(float(printed[-1][1]) - seconds) <= 0.05
+    captions = (tmp_path / "speech.vtt").read_text(encoding="utf-8")
+    assert captions.startswith("WEBVTT\n\n1\n00:00:00.000 --> ")
+    assert captions.count(" --> ") == len(printed)
