@@ -1,7 +1,7 @@
 """
-Timestamps in the core (protocol.md section 4), on fakes: the worker's events read in
+Timestamps in the core (protocol.md section 4), on fakes: the worker's frames read in
 any pieces and relayed to a timed sink in their order, a stream that ends without its
-done event failed; preflight's refusal of an undeclared unit and the caller's text sent
+end frame failed; preflight's refusal of an undeclared unit and the caller's text sent
 on; and each door's timed sink: the contract's events (nothing before the floor, an
 error event after), its JSON document, Kokoro-FastAPI's lines, memory and MCP's result.
 """
@@ -24,9 +24,9 @@ from rhapsode._http.sinks import CaptionedSink, TimedEventSink, TimedJsonSink, t
 from rhapsode._speech.inprocess import MemorySink
 from rhapsode._speech.preflight import forward_dialogue, forward_speak
 from rhapsode._speech.relay import FLOOR_BYTES
-from rhapsode._speech.timed import EventReader, TimedStreamRelay, read_document
+from rhapsode._speech.timed import TimedStreamRelay, read_frames
 from rhapsode._upstream.body import Stalls
-from rhapsode_protocol import contract
+from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import BadRequest, Internal, Unsupported
 
 from _fakes import TimedRecordingSink
@@ -35,48 +35,45 @@ WORD = {"unit": "word", "text": "Hi", "start": 0.0, "end": 0.2, "textStart": 0, 
 LATER = {"unit": "word", "text": "there", "start": 0.3, "end": 0.6, "textStart": 3, "textEnd": 8}
 
 
-def event(kind: str, payload: dict[str, Any]) -> bytes:
-    return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps({"type": kind, **payload}).encode())
-
-
-def audio_event(data: bytes) -> bytes:
-    return event("speech.audio.delta", {"audio": base64.b64encode(data).decode()})
+def timings(entries: list[dict[str, Any]]) -> bytes:
+    return frames.frame(frames.TIMINGS, json.dumps(entries).encode())
 
 
 STREAM = b"".join([
-    event("speech.timestamps.delta", {"alignment": [WORD]}),
-    audio_event(b"\x01" * 300),
-    event("speech.timestamps.delta", {"alignment": [LATER]}),
-    audio_event(b"\x02" * 300),
-    event("speech.audio.done", {"durationMs": 14}),
+    timings([WORD]),
+    frames.frame(frames.AUDIO, b"\x01" * 300),
+    timings([LATER]),
+    frames.frame(frames.AUDIO, b"\x02" * 300),
+    frames.frame(frames.DONE, b'{"durationMs": 14}'),
 ])
 
 
 @pytest.mark.parametrize("size", [1, 7, 64, len(STREAM)])
-def test_events_are_read_whole_whatever_pieces_they_arrive_in(size: int) -> None:
+def test_frames_are_read_whole_whatever_pieces_they_arrive_in(size: int) -> None:
     """
-    A frame split across any reads is one event, its data decoded from JSON.
+    A frame split across any reads is one frame: audio as its bytes, timings and the end
+    decoded from JSON; a frame of a kind not known is skipped.
     """
-    reader = EventReader()
-    events = []
-    for at in range(0, len(STREAM), size):
-        events.extend(reader.feed(STREAM[at:at + size]))
-    assert [name for name, _ in events] == [
-        "speech.timestamps.delta", "speech.audio.delta", "speech.timestamps.delta", "speech.audio.delta",
-        "speech.audio.done",
+    reader = frames.FrameReader()
+    found = []
+    body = frames.frame(b"z", b"a newer worker's") + STREAM
+    for at in range(0, len(body), size):
+        found.extend(reader.feed(body[at:at + size]))
+    assert found == [
+        (b"t", [WORD]), (b"a", b"\x01" * 300), (b"t", [LATER]), (b"a", b"\x02" * 300), (b"d", {"durationMs": 14}),
     ]
-    assert events[0][1]["alignment"] == [WORD] and not reader.holding
+    assert not reader.holding
 
 
-def test_an_event_over_the_limit_or_not_json_is_the_workers_failure() -> None:
+def test_a_frame_over_the_bound_or_json_that_is_not_is_refused() -> None:
     """
-    A line that never ends is refused once past the bound; data that is not a JSON
-    object is refused; both as internal (the worker broke the protocol).
+    A frame longer than the bound is refused from its head, before its bytes; a timings
+    frame that is not JSON is refused.
     """
-    with pytest.raises(Internal):
-        EventReader(limit=100).feed(b"data: " + b"x" * 200)
-    with pytest.raises(Internal):
-        EventReader().feed(b"event: speech.audio.delta\ndata: [1]\n\n")
+    with pytest.raises(frames.FrameError):
+        frames.FrameReader(limit=100).feed(frames.frame(frames.AUDIO, b"x" * 200)[:5])
+    with pytest.raises(frames.FrameError):
+        frames.FrameReader().feed(frames.frame(frames.TIMINGS, b"[1,"))
 
 
 def relayed(clock: Clock) -> tuple[TimedStreamRelay, TimedRecordingSink, StringTransport]:
@@ -90,8 +87,8 @@ def relayed(clock: Clock) -> tuple[TimedStreamRelay, TimedRecordingSink, StringT
 def test_a_timed_stream_reaches_the_sink_in_its_order_with_its_duration() -> None:
     """
     Timings and audio reach the sink in the order the worker sent them, as entries and
-    as decoded bytes; the relay is the sink's producer, pausing the worker's socket;
-    the done event's duration is kept and the audio's length counted.
+    as bytes; the relay is the sink's producer, pausing the worker's socket; the end's
+    duration is kept and the audio's length counted.
     """
     relay, sink, worker = relayed(Clock())
     assert sink.producer is relay
@@ -110,17 +107,19 @@ def test_a_timed_stream_reaches_the_sink_in_its_order_with_its_duration() -> Non
 @pytest.mark.parametrize(
     "body",
     [
-        STREAM[: STREAM.index(b"event: speech.audio.done")],  # cut before the end
+        STREAM[: STREAM.rindex(b"d")],  # cut before the end
         STREAM[:-5],  # cut inside the last frame
-        audio_event(b"\x01" * 300) + b"event: speech.audio.delta\ndata: {\"type\":\"x\",\"audio\":\"***\"}\n\n",
-        audio_event(b"\x01" * 300) + event("speech.timestamps.delta", {"alignment": [{"unit": "word"}]}),
+        frames.frame(frames.AUDIO, b"\x01" * 300) + timings([{"unit": "word"}]),
+        frames.frame(frames.AUDIO, b"\x01" * 300) + frames.frame(frames.TIMINGS, b"{not json"),
+        STREAM + frames.frame(frames.AUDIO, b"late"),
     ],
-    ids=["no-done", "cut-frame", "not-base64", "not-timings"],
+    ids=["no-end", "cut-frame", "not-timings", "not-json", "after-the-end"],
 )
 def test_a_timed_stream_that_is_not_whole_fails(body: bytes) -> None:
     """
-    A stream that ends without its done event, mid-frame, or with audio or timings
-    that are not the contract's fails, so the relay aborts a sink that has started.
+    A stream that ends without its end frame, mid-frame, with timings that are not the
+    contract's or not JSON, or with audio after its end fails, so the relay aborts a
+    sink that has started.
     """
     relay, sink, _ = relayed(Clock())
     relay.dataReceived(body)
@@ -130,17 +129,18 @@ def test_a_timed_stream_that_is_not_whole_fails(body: bytes) -> None:
     assert isinstance(failure, Failure) and failure.check(Internal)
 
 
-def test_a_buffered_document_is_read_against_the_contract() -> None:
+def test_a_buffered_answer_is_read_against_the_contract() -> None:
     """
-    The worker's TimedAudio document gives its audio and the rest; anything else is the
-    worker's failure.
+    A buffered timed answer gives its audio, its timings and what its end says of the
+    audio; anything short of that is the worker's failure.
     """
-    document = {"audio": base64.b64encode(b"abc").decode(), "format": "wav", "contentType": "audio/wav",
-                "sampleRate": 24000, "channels": 1, "durationMs": 0, "alignment": [WORD]}
-    audio, rest = read_document(json.dumps(document).encode())
-    assert audio == b"abc" and rest["alignment"] == [WORD] and "audio" not in rest
-    with pytest.raises(Internal):
-        read_document(json.dumps({**document, "alignment": [{"unit": "syllable"}]}).encode())
+    end = {"format": "wav", "contentType": "audio/wav", "sampleRate": 24000, "channels": 1, "durationMs": 0}
+    body = timings([WORD]) + frames.frame(frames.AUDIO, b"abc") + frames.frame(frames.DONE, json.dumps(end).encode())
+    audio, entries, rest = read_frames(body)
+    assert (audio, entries, rest) == (b"abc", [WORD], end)
+    for broken in (body[:-3], body[: body.rindex(b"d")], timings([{"unit": "syllable"}]) + body):
+        with pytest.raises(Internal):
+            read_frames(broken)
 
 
 CAPS = {
@@ -207,7 +207,7 @@ def test_the_sink_follows_the_accept_and_raw_audio_is_refused() -> None:
         assert refused.value.field == "timestamps"
 
 
-def frames(written: list[bytes]) -> list[tuple[str, Any]]:
+def sse_frames(written: list[bytes]) -> list[tuple[str, Any]]:
     found = []
     for frame in b"".join(written).decode().split("\n\n"):
         if frame:
@@ -234,7 +234,7 @@ def test_the_event_sink_holds_everything_until_the_floor_then_keeps_the_order() 
     assert sink.started and request.responseCode == 200
     assert request.responseHeaders.getRawHeaders(b"content-type") == [b"text/event-stream"]
     assert request.responseHeaders.getRawHeaders(b"x-rhapsode-audio-type") == [b"audio/L16; rate=24000; channels=1"]
-    events = frames(request.written)
+    events = sse_frames(request.written)
     assert [name for name, _ in events] == [
         "speech.timestamps.delta", "speech.audio.delta", "speech.audio.delta", "speech.timestamps.delta",
         "speech.audio.done",
@@ -256,7 +256,7 @@ def test_the_event_sink_says_a_late_failure_with_an_error_event() -> None:
     sink.begin(200, [])
     sink.write(b"\x01" * FLOOR_BYTES)
     sink.abort(Internal("the worker's stream broke off"))
-    name, data = frames(request.written)[-1]
+    name, data = sse_frames(request.written)[-1]
     assert name == "speech.audio.error" and data["error"]["code"] == "internal"
 
 
@@ -342,7 +342,7 @@ def test_stall_watch_still_fails_a_silent_timed_stream() -> None:
     """
     clock = Clock()
     relay, _, _ = relayed(clock)
-    relay.dataReceived(audio_event(b"\x01" * 10))
+    relay.dataReceived(frames.frame(frames.AUDIO, b"\x01" * 10))
     for _ in range(5):
         clock.advance(30)
     relay.connectionLost(Failure(ResponseDone()))

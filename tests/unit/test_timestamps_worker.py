@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import pytest
 
 from rhapsode_engine_tone import ToneEngine
-from rhapsode_protocol import contract
+from rhapsode_protocol import contract, frames
 from rhapsode_worker import (
     DialogueRequest,
     Engine,
@@ -130,6 +130,39 @@ def test_events_put_each_timing_before_the_audio_of_its_first_sample(tone: Worke
     for word in words:
         assert text[word["textStart"]:word["textEnd"]] == word["text"]
     assert events[-1][1]["durationMs"] == response.duration_ms
+
+
+def test_the_core_gets_frames_with_the_audio_as_it_is(tone: WorkerHarness) -> None:
+    """
+    Asked with the core's Accept, a stream is frames: timings before the audio holding
+    their first samples, the audio's bytes untouched, and an end with the duration; a
+    buffered answer is its timings, its audio and an end saying what the audio is.
+    """
+    text = "One two three. Four five six."
+    body = {"text": text, "format": "pcm", "timestamps": "word"}
+    streamed = tone.post("/speak", body, {"Accept": frames.FRAMES})
+    assert streamed.headers["content-type"] == frames.FRAMES
+    assert streamed.headers["x-rhapsode-audio-type"] == "audio/L16; rate=24000; channels=1"
+    found = frames.FrameReader().feed(streamed.body)
+    played, words = 0, []
+    for kind, payload in found:
+        if kind == frames.AUDIO:
+            played += len(payload)
+        elif kind == frames.TIMINGS:
+            assert all(played / 2 / RATE <= entry["start"] + 1e-6 for entry in payload)
+            words.extend(entry["text"] for entry in payload)
+    assert words == ["One", "two", "three", "Four", "five", "six"]
+    assert found[-1] == (frames.DONE, {"durationMs": streamed.duration_ms})
+    plain = tone.post("/speak", {"text": text, "format": "pcm", "seed": 1})
+    timed = tone.post("/speak", {**body, "seed": 1}, {"Accept": frames.FRAMES})
+    audio = b"".join(p for k, p in frames.FrameReader().feed(timed.body) if k == frames.AUDIO)
+    assert audio == plain.body  # the same bytes, timed or not
+    whole = tone.post("/speak", {**body, "stream": False}, {"Accept": frames.FRAMES})
+    kinds = [kind for kind, _ in frames.FrameReader().feed(whole.body)]
+    assert kinds == [frames.TIMINGS, frames.AUDIO, frames.DONE]
+    end = frames.FrameReader().feed(whole.body)[-1][1]
+    assert end == {"format": "pcm", "contentType": "audio/L16; rate=24000; channels=1", "sampleRate": RATE,
+                   "channels": 1, "durationMs": whole.duration_ms}
 
 
 def test_a_dialogues_timings_carry_turn_and_speaker(tone: WorkerHarness) -> None:

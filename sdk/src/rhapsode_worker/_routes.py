@@ -8,8 +8,6 @@ scheduler's synthesis pool (model work) or the reactor's thread pool (voice file
 
 from __future__ import annotations
 
-import base64
-import json
 import math
 from dataclasses import replace
 from functools import partial
@@ -33,7 +31,6 @@ from rhapsode_protocol.errors import (
 from rhapsode_protocol.http.answers import (
     DURATION_HEADER,
     abort_connection,
-    accepts,
     answer,
     json_response,
     no_route,
@@ -42,7 +39,6 @@ from rhapsode_protocol.http.answers import (
 )
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
-from rhapsode_protocol.schemas import TIMED_EVENTS, TIMED_JSON
 from rhapsode_protocol.text import split_pieces, split_text
 from rhapsode_protocol.validation import choose_language
 from rhapsode_protocol.vocab import clean_text, clean_text_mapped, is_speakable
@@ -65,7 +61,7 @@ from ._engine import (
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
-from ._timing import Source, Timeline, sse_event
+from ._timing import Framing, Source, Timeline, framing_for
 
 #: A voice upload's cap (protocol.md section 7), refused at the head when declared and
 #: as it arrives when chunked (rhapsode_protocol.http.site).
@@ -130,26 +126,8 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     return doc
 
 
-#: What a client sends to be answered with timings, by whether it streams.
-_TIMED_ACCEPT = {True: TIMED_EVENTS, False: TIMED_JSON}
-#: The header naming the audio's own type where the body is events or a document.
+#: The header naming the audio's own type where the body is events, frames or a document.
 AUDIO_TYPE_HEADER = b"X-Rhapsode-Audio-Type"
-
-
-def check_timed_accept(request: IRequest, stream: bool) -> None:
-    """
-    A request with timestamps must say it reads the framing that carries them.
-
-    @raise BadRequest: naming C{timestamps}.
-    """
-    wanted = _TIMED_ACCEPT[stream]
-    if not accepts(request, wanted):
-        how = "a stream of server-sent events" if stream else "a JSON document"
-        raise BadRequest(
-            f"timestamps with stream {str(stream).lower()} are answered as {how}: send "
-            f'"Accept: {wanted}" (raw audio has no place for them)',
-            field="timestamps",
-        )
 
 
 def check_unit(variant: Variant, name: str, unit: str) -> None:
@@ -199,6 +177,7 @@ class _AudioResponse:
         stream: bool,
         job_producer: Job,
         timeline: Timeline | None = None,
+        framing: Framing | None = None,
     ) -> None:
         self._worker = worker
         self._request = request
@@ -206,11 +185,12 @@ class _AudioResponse:
         self._stream = stream
         self._job = job_producer
         self._timeline = timeline
+        self._framing = framing if timeline is not None else None
         self._held: list[dict[str, Any]] = []
         if not stream:
             self._sink: Any = _ListSink()
-        elif timeline is not None:
-            self._sink = _EventSink(request)
+        elif self._framing is not None:
+            self._sink = _FramedSink(request, self._framing)
         else:
             self._sink = request
         self._encoder: Any = None
@@ -226,7 +206,7 @@ class _AudioResponse:
         The timings of one hand-over, which precede the PCM it brings: offset, mapped and
         merged, and for a stream sent now, before that PCM (held until the head is out).
         """
-        if self._timeline is None:
+        if self._timeline is None or self._framing is None:
             return
         entries = self._timeline.take(marks)
         if not entries or not self._stream:
@@ -234,7 +214,7 @@ class _AudioResponse:
         if self._encoder is None:
             self._held.extend(entries)
             return
-        self._request.write(sse_event("speech.timestamps.delta", {"alignment": entries}))
+        self._request.write(self._framing.timings(entries))
 
     @property
     def headers_sent(self) -> bool:
@@ -262,17 +242,20 @@ class _AudioResponse:
         request = self._request
         request.setResponseCode(200)
         audio_type = content_type(self._fmt, native).encode("ascii")
-        if self._timeline is not None and self._stream:
-            request.setHeader(b"Content-Type", TIMED_EVENTS.encode("ascii"))
-            request.setHeader(b"Cache-Control", b"no-cache")
-            request.setHeader(AUDIO_TYPE_HEADER, audio_type)
-        elif self._timeline is None:
+        framing = self._framing
+        if framing is None:
             request.setHeader(b"Content-Type", audio_type)
+        else:
+            kind = framing.stream_type if self._stream else framing.document_type
+            request.setHeader(b"Content-Type", kind.encode("ascii"))
+            request.setHeader(AUDIO_TYPE_HEADER, audio_type)
+            if self._stream:
+                request.setHeader(b"Cache-Control", b"no-cache")
         if self._stream:
             request.setHeader(b"Trailer", DURATION_HEADER)
-        if self._held:
+        if self._held and framing is not None:
             held, self._held = self._held, []
-            request.write(sse_event("speech.timestamps.delta", {"alignment": held}))
+            request.write(framing.timings(held))
         self._encoder = make_encoder(
             self._fmt,
             native,
@@ -301,54 +284,43 @@ class _AudioResponse:
         request = self._request
         if getattr(request, "producer", None) is not None:
             request.unregisterProducer()  # type: ignore[attr-defined]
+        framing = self._framing
         if self._stream:
-            if self._timeline is not None:
-                request.write(sse_event("speech.audio.done", {"durationMs": duration}))
+            if framing is not None:
+                request.write(framing.done(duration))
             if not self.headers_sent:
                 request.write(b"")
             write_trailer(request, duration)
             return None
         body = b"".join(self._encoder.finalize(self._sink.chunks))
-        if self._timeline is not None:
-            body = self._document(body, duration)
+        if framing is not None and self._timeline is not None:
+            head = {
+                "format": self._fmt,
+                "contentType": content_type(self._fmt, native),
+                "sampleRate": native.sample_rate,
+                "channels": native.channels,
+                "durationMs": duration,
+            }
+            body = framing.document(body, head, self._timeline.entries)
         request.setHeader(b"Content-Length", b"%d" % len(body))
         request.setHeader(DURATION_HEADER, b"%d" % duration)
         return body
 
-    def _document(self, audio: bytes, duration: int) -> bytes:
-        """
-        A buffered answer with timings: the audio in base64 beside every entry.
-        """
-        assert self._timeline is not None
-        native = self._worker.pcm16
-        self._request.setHeader(b"Content-Type", TIMED_JSON.encode("ascii"))
-        head = {
-            "format": self._fmt,
-            "contentType": content_type(self._fmt, native),
-            "sampleRate": native.sample_rate,
-            "channels": native.channels,
-            "durationMs": duration,
-            "alignment": self._timeline.entries,
-        }
-        # Base64's alphabet needs no escaping: spliced in rather than encoded again.
-        return b"".join((
-            b'{"audio":"', base64.b64encode(audio), b'",', json.dumps(head, ensure_ascii=False)[1:].encode("utf-8"),
-        ))
 
-
-class _EventSink:
+class _FramedSink:
     """
-    The encoder's sink for a stream with timings: each piece of encoded audio is a
-    C{speech.audio.delta} event on the response, and the response's producer is the
-    encoder's, so backpressure reaches the synthesis as it does for raw audio.
+    The encoder's sink for a stream with timings: each piece of encoded audio goes out
+    in the framing asked for (an audio event, or an audio frame), and the response's
+    producer is the encoder's, so backpressure reaches the synthesis as for raw audio.
     """
 
-    def __init__(self, request: IRequest) -> None:
+    def __init__(self, request: IRequest, framing: Framing) -> None:
         self._request = request
+        self._framing = framing
 
     def write(self, data: bytes) -> None:
         if data:
-            self._request.write(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
+            self._request.write(self._framing.audio(data))
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         self._request.registerProducer(producer, streaming)  # type: ignore[attr-defined]
@@ -762,17 +734,18 @@ class WorkerApp:
             for i, piece in enumerate(pieces)
         ]
 
-    def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> str | None:
+    def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> tuple[str, Framing] | None:
         """
-        The unit a request asks to have timed, once the variant times it and the client
-        reads the framing that carries it; None when it asks for none.
+        The unit a request asks to have timed and the framing it reads them in, once the
+        variant times it and the client's Accept names the framing; None when it asks
+        for none.
         """
         unit = body.get("timestamps")
         if unit is None:
             return None
-        check_timed_accept(request, bool(body.get("stream", True)))
+        framing = framing_for(request, bool(body.get("stream", True)))
         check_unit(self.variants[variant], variant, unit)
-        return str(unit)
+        return str(unit), framing
 
     def _timeline(self, variant: str, unit: str, steps: Sequence[Source] = (), turns: Sequence[Source] = ()) -> Timeline:
         declared = self.variants[variant].timestamps
@@ -800,7 +773,8 @@ class WorkerApp:
                     f'variant "{variant}" does not perform delivery "{delivery}" (claims: {claimed})',
                     field="delivery",
                 )
-            unit = self._timed(request, body, variant)
+            timed = self._timed(request, body, variant)
+            unit = timed[0] if timed is not None else None
             if unit is None:
                 text = self._clean(body["text"], v)
             else:
@@ -825,13 +799,14 @@ class WorkerApp:
                 timestamps=unit,
             )
             stream = body.get("stream", True)
-            if unit is None:
+            if timed is None:
                 return await self._respond(request, variant, self._segments(speak), fmt, stream)
             engine = self.engine
             pieces = split_pieces(text, engine.segment_characters, engine.first_segment_characters)
             sources = [Source(body["text"], cleaned, piece) for piece in pieces]
             steps = self._segments(speak, [piece.text for piece in pieces])
-            return await self._respond(request, variant, steps, fmt, stream, timeline=self._timeline(variant, unit, sources))
+            timeline = self._timeline(variant, timed[0], sources)
+            return await self._respond(request, variant, steps, fmt, stream, timeline=timeline, framing=timed[1])
 
         return await self._guarded(request, handle)
 
@@ -844,7 +819,8 @@ class WorkerApp:
             if not (overrides(self.engine, "dialogue") and v.max_speakers >= 1):
                 raise Unsupported(f'variant "{variant}" does not perform dialogue', field="turns")
             fmt, language, params = self._common(body, variant)
-            unit = self._timed(request, body, variant)
+            timed = self._timed(request, body, variant)
+            unit = timed[0] if timed is not None else None
             turns = []
             sources: list[Source] = []
             for i, turn in enumerate(body["turns"]):
@@ -881,10 +857,12 @@ class WorkerApp:
                 timestamps=unit,
             )
             step = partial(self._pcm, self.engine.dialogue, dialogue)
-            if unit is None:
+            if timed is None:
                 return await self._respond(request, variant, [step], fmt, body.get("stream", True))
-            timeline = self._timeline(variant, unit, turns=sources)
-            return await self._respond(request, variant, [step], fmt, body.get("stream", True), timeline=timeline)
+            timeline = self._timeline(variant, timed[0], turns=sources)
+            return await self._respond(
+                request, variant, [step], fmt, body.get("stream", True), timeline=timeline, framing=timed[1]
+            )
 
         return await self._guarded(request, handle)
 
@@ -896,10 +874,11 @@ class WorkerApp:
         fmt: str,
         stream: bool,
         timeline: Timeline | None = None,
+        framing: Framing | None = None,
     ) -> Any:
         """
         Schedule the synthesis and write its audio, aborting on a failure after headers.
-        With a C{timeline}, the adapter's timings are framed with it.
+        With a C{timeline}, the adapter's timings are written beside it in C{framing}.
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
         finished = request.notifyFinish()  # type: ignore[attr-defined]
@@ -918,7 +897,7 @@ class WorkerApp:
             on_step=next_step,
             on_timing=None if timeline is None else (lambda marks: output.timings(marks)),
         )
-        output = _AudioResponse(self, request, fmt, stream, job, timeline)
+        output = _AudioResponse(self, request, fmt, stream, job, timeline, framing)
 
         def gone(failure: Failure) -> None:
             job.cancel()

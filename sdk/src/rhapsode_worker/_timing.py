@@ -15,24 +15,34 @@ counts segments, maps offsets or writes a frame.
     (eSpeak reads "3:45" as words at 3, 45 and 5); those handed over together become
     one entry covering the stretch, from the first's start to the last's end.  Entries
     of one unit never overlap in time and stay in order.
-  - B{Framing.}  Server-sent events (L{sse_event}) for a stream, one JSON document for
-    a buffered answer; the response writes them (L{rhapsode_worker._routes}).
+  - B{Framing.}  Server-sent events for a stream and one JSON document for a buffered
+    answer, as the public API answers (L{EVENTS}); for the core, which asks with
+    C{Accept: application/vnd.rhapsode.frames}, length-prefixed frames that carry the
+    audio untouched (L{FRAMED}, L{rhapsode_protocol.frames}).  The response writes them
+    (L{rhapsode_worker._routes}).
 
 Everything here runs on the reactor thread, on the few entries of one batch at a time.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from twisted.web.iweb import IRequest
+
+from rhapsode_protocol import frames
+from rhapsode_protocol.errors import BadRequest
+from rhapsode_protocol.http.answers import accepts
+from rhapsode_protocol.schemas import TIMED_EVENTS, TIMED_JSON
 from rhapsode_protocol.text import Piece
 from rhapsode_protocol.vocab import TextMap
 
 from ._engine import Timing
 
-__all__ = ["Source", "Timeline", "sse_event"]
+__all__ = ["EVENTS", "FRAMED", "Framing", "Source", "Timeline", "framing_for", "sse_event"]
 
 #: Seconds are written to the microsecond: below a sample at any rate an engine makes.
 _PLACES = 6
@@ -222,3 +232,103 @@ def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
     """
     data = json.dumps({"type": kind, **payload}, ensure_ascii=False, separators=(",", ":"))
     return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
+
+
+class Framing:
+    """
+    How a timed answer is written: each piece of audio, each batch of timings and the
+    end of a stream, or a buffered answer whole; and the Content-Type of each.
+    """
+
+    stream_type = ""
+    document_type = ""
+
+    def audio(self, data: bytes) -> bytes:
+        raise NotImplementedError
+
+    def timings(self, entries: Sequence[Mapping[str, Any]]) -> bytes:
+        raise NotImplementedError
+
+    def done(self, duration_ms: int) -> bytes:
+        raise NotImplementedError
+
+    def document(self, audio: bytes, head: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> bytes:
+        raise NotImplementedError
+
+
+class _Events(Framing):
+    """
+    The public API's: server-sent events (audio deltas with OpenAI's names, timings,
+    done), and the TimedAudio document.
+    """
+
+    stream_type = TIMED_EVENTS
+    document_type = TIMED_JSON
+
+    def audio(self, data: bytes) -> bytes:
+        # Base64's alphabet needs no escaping: spliced in rather than encoded as JSON.
+        return b"".join((
+            b'event: speech.audio.delta\ndata: {"type":"speech.audio.delta","audio":"',
+            base64.b64encode(data),
+            b'"}\n\n',
+        ))
+
+    def timings(self, entries: Sequence[Mapping[str, Any]]) -> bytes:
+        return sse_event("speech.timestamps.delta", {"alignment": list(entries)})
+
+    def done(self, duration_ms: int) -> bytes:
+        return sse_event("speech.audio.done", {"durationMs": duration_ms})
+
+    def document(self, audio: bytes, head: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> bytes:
+        rest = json.dumps({**head, "alignment": list(entries)}, ensure_ascii=False)
+        return b"".join((b'{"audio":"', base64.b64encode(audio), b'",', rest[1:].encode("utf-8")))
+
+
+class _Frames(Framing):
+    """
+    The core's: length-prefixed frames, the audio as it is (L{rhapsode_protocol.frames}).
+    A buffered answer is its timings, its audio and its end, the end holding what the
+    document would say of the audio.
+    """
+
+    stream_type = document_type = frames.FRAMES
+
+    def audio(self, data: bytes) -> bytes:
+        return frames.frame(frames.AUDIO, data)
+
+    def timings(self, entries: Sequence[Mapping[str, Any]]) -> bytes:
+        return frames.frame(frames.TIMINGS, _json(list(entries)))
+
+    def done(self, duration_ms: int) -> bytes:
+        return frames.frame(frames.DONE, _json({"durationMs": duration_ms}))
+
+    def document(self, audio: bytes, head: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> bytes:
+        return b"".join((self.timings(entries), frames.frame(frames.AUDIO, audio), frames.frame(frames.DONE, _json(head))))
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+EVENTS: Framing = _Events()
+FRAMED: Framing = _Frames()
+
+
+def framing_for(request: IRequest, stream: bool) -> Framing:
+    """
+    The framing a request with timestamps reads, by its Accept: the core's frames where
+    it names them, else the public API's, which it must name.
+
+    @raise BadRequest: naming C{timestamps}, for an Accept that names neither.
+    """
+    if accepts(request, frames.FRAMES):
+        return FRAMED
+    wanted = TIMED_EVENTS if stream else TIMED_JSON
+    if accepts(request, wanted):
+        return EVENTS
+    how = "a stream of server-sent events" if stream else "a JSON document"
+    raise BadRequest(
+        f"timestamps with stream {str(stream).lower()} are answered as {how}: send "
+        f'"Accept: {wanted}" (raw audio has no place for them)',
+        field="timestamps",
+    )

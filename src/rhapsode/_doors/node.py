@@ -27,7 +27,7 @@ from rhapsode_protocol.http.answers import InFlight, answer, json_response, read
 from .._fleet.registry import Registry
 from .._fleet.residency import Residency
 from .._http.site import admitted_of, require_guard
-from .._http.sinks import HttpSink
+from .._http.sinks import HttpSink, timed_sink
 from .._http.table import JSON_BODY
 from .._interfaces import IPublicRoutes, ISpeech
 from .._speech.relay import KEEP_ALIVE_HEADER, NODE_HEADER
@@ -199,7 +199,9 @@ class NodeDoor:
         async def handle() -> None:
             schema = contract.DIALOGUE_REQUEST if dialogue else contract.SPEAK_REQUEST
             body = read_json(request, schema, JSON_BODY)
-            await self.speech.forwarded(sink, engine_id, body, dialogue, self._keep_alive(request))
+            # Timed, in the worker's framing, which the front asked for with its Accept.
+            timed = timed_sink(request, body, sink.finished)
+            await self.speech.forwarded(timed or sink, engine_id, body, dialogue, self._keep_alive(request))
 
         return await self._answer(request, handle)
 

@@ -159,6 +159,9 @@ def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
 
 
+_AUDIO_DELTA = b'event: speech.audio.delta\ndata: {"type":"speech.audio.delta","audio":"'
+
+
 def timed_sink(request: IRequest, body: Mapping[str, Any], finished: "Deferred[None]") -> ITimedSink | None:
     """
     The sink a native speech request with timestamps is answered through: the
@@ -218,7 +221,8 @@ class TimedEventSink:
     def write(self, data: bytes) -> None:
         if data:
             self._audio += len(data)
-            self._send(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
+            # Base64's alphabet needs no escaping: spliced in rather than encoded as JSON.
+            self._send(b"".join((_AUDIO_DELTA, base64.b64encode(data), b'"}\n\n')))
 
     def _send(self, event: bytes) -> None:
         if self.started:

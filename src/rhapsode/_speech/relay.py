@@ -42,9 +42,9 @@ from .timed import (
     AUDIO_TYPE_HEADER,
     CHANNELS_HEADER,
     RATE_HEADER,
+    WORKER_ACCEPT,
     TimedStreamRelay,
-    accept_for,
-    read_document,
+    read_frames,
     timed_limit,
 )
 
@@ -243,8 +243,8 @@ class SpeechRelay:
         if timed:
             if not ITimedSink.providedBy(sink):
                 raise BadRequest("this route's answer has no place for timestamps", field="timestamps")
-            # The worker frames timings as the public API does (rhapsode._speech.timed).
-            extra[b"Accept"] = [accept_for(stream)]
+            # In frames: the audio as it is, beside the timings (rhapsode._speech.timed).
+            extra[b"Accept"] = [WORKER_ACCEPT]
         async with self._speaking(engine, variant, keep_alive):
             response = await self._ask(engine, sink.finished, b"POST", path, body, extra)
             if not self._answered(engine, variant, response.code):
@@ -480,12 +480,12 @@ class SpeechRelay:
         self, sink: ITimedSink, response: Any, limit: int, measured: Measured | None
     ) -> None:
         """
-        A worker's whole timed document, held within C{limit} and the budget until the
+        A worker's whole timed answer, held within C{limit} and the budget until the
         sink's reader is done, then written to the sink: its timings, then its audio.
         """
         body = await collect(response, limit, self.budget, self.stalls)
         sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
-        audio, document = read_document(body)
+        audio, entries, document = read_frames(body)
         if len(audio) < FLOOR_BYTES:
             raise Internal(f"the worker answered 200 with {len(audio)} bytes of audio, which is not audio")
         duration = document["durationMs"]
@@ -503,7 +503,7 @@ class SpeechRelay:
             measured.sent = len(audio)
             measured.audio_ms = duration
         sink.begin(200, head)
-        sink.timestamps(document["alignment"])
+        sink.timestamps(entries)
         sink.write(audio)
         sink.end(duration)
 

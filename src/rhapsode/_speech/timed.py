@@ -1,29 +1,26 @@
 """
 A timed answer from a worker to a sink (protocol.md section 4, "timestamps").
 
-The worker frames timings as the public API does: a stream is server-sent events
-(C{speech.audio.delta} with base64 audio, C{speech.timestamps.delta} before the audio
-that holds its entries' first samples, C{speech.audio.done} with the duration), a
-buffered answer one JSON document (the audio in base64 beside the whole alignment).  So
-an engine author sees with curl what a client of the core sees, one framing is specified
-and tested, and the core asks for it with the client's own Accept.  The cost is base64's
-third more bytes on the worker's socket and its encoding and decoding, under a
-millisecond per megabyte (bench/timestamps.py measures the whole path).
+The core asks a worker for a timed answer in frames (L{rhapsode_protocol.frames},
+C{Accept: application/vnd.rhapsode.frames}): the audio's bytes as they are, the timings
+as JSON before the audio holding their first samples, and an end.  A worker answers its
+other clients (an engine author with curl) as the public API does, in events or a JSON
+document with the audio in base64; between the core and its worker that would be a
+third more bytes and a pass of base64 each way over all the audio, which measured about
+40 ms for the 5.7 MB of PCM in 2000 characters of eSpeak NG, whose synthesis of them
+takes about 100 ms (bench/timestamps.py).
 
-The relay reads that framing here and writes an L{ITimedSink}: audio as bytes and
-timings as entries, in the order they came, so that each door frames them its own way
-(events, a document, WebSocket messages, MCP's result).  Everything else is the relay's
-rule for any answer: the relay is the sink's producer, so a slow reader pauses the
-worker's socket; a body under the floor, truncated, stalled, or ended without its done
-event aborts a sink that has started and is the door's error before that; a buffered
-answer is read whole within a bound and the core's budget before anything is written.
+The relay reads the frames here and writes an L{ITimedSink}: audio as bytes and timings
+as entries, in the order they came, so that each door frames them its own way (events,
+a document, WebSocket messages, MCP's result).  Everything else is the relay's rule for
+any answer: the relay is the sink's producer, so a slow reader pauses the worker's
+socket; a body under the floor, truncated, stalled, or ended without its end frame
+aborts a sink that has started and is the door's error before that; a buffered answer
+is read whole within a bound and the core's budget before anything is written.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from typing import Any, Mapping
 
 from twisted.internet.defer import Deferred
@@ -33,7 +30,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from zope.interface import implementer
 
-from rhapsode_protocol import contract
+from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import Internal, SpeechError
 
 from .._interfaces import ITimedSink
@@ -44,110 +41,81 @@ __all__ = [
     "AUDIO_TYPE_HEADER",
     "CHANNELS_HEADER",
     "RATE_HEADER",
-    "EventReader",
-    "MAX_EVENT_BYTES",
     "TimedStreamRelay",
-    "accept_for",
-    "read_document",
+    "WORKER_ACCEPT",
+    "read_frames",
     "timed_limit",
 ]
 
-#: What a worker is asked to answer with, by whether the answer streams.
-_ACCEPT = {True: contract.TIMED_EVENTS.encode("ascii"), False: contract.TIMED_JSON.encode("ascii")}
+#: What a timed request to a worker asks for: frames, streamed or buffered.
+WORKER_ACCEPT = frames.FRAMES.encode("ascii")
 #: The header of a timed answer naming its audio's own type.
 AUDIO_TYPE_HEADER = b"X-Rhapsode-Audio-Type"
 #: What a buffered timed answer's audio is, told to its sink beside the Content-Type
 #: (the document it is answered in says them).
 RATE_HEADER = b"X-Rhapsode-Sample-Rate"
 CHANNELS_HEADER = b"X-Rhapsode-Channels"
-#: The most one event from a worker may be: a batch of audio (256 KiB of PCM, a third
-#: more as base64) with room to spare.  A longer line is not the protocol.
-MAX_EVENT_BYTES = 4 * 1024 * 1024
 #: What a timed answer's alignment may add per character of text, as JSON: a word and
 #: its phonemes take a few entries of about a hundred bytes each.
 _ALIGNMENT_BYTES_PER_CHARACTER = 512
-
-
-def accept_for(stream: bool) -> bytes:
-    """
-    The Accept header a timed request to a worker carries.
-    """
-    return _ACCEPT[stream]
+#: The end of a buffered timed answer: what the document says of the audio.
+_BUFFERED_END: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        key: contract.TIMED_AUDIO["properties"][key]
+        for key in ("format", "contentType", "sampleRate", "channels", "durationMs")
+    },
+    "required": ["format", "contentType", "sampleRate", "channels", "durationMs"],
+}
+_ALIGNMENT = contract.TIMED_AUDIO["properties"]["alignment"]
 
 
 def timed_limit(buffered: int, caps: Mapping[str, Any], variant: str) -> int:
     """
-    The most a buffered timed answer can be: its audio's bound as base64, and its
-    alignment's for the variant's ceiling of text.
+    The most a buffered timed answer can be: its audio's bound, and its alignment's for
+    the variant's ceiling of text.
     """
     performs = caps.get("variants", {}).get(variant, {})
     characters = int(performs.get("maxCharacters") or 4096)
-    return buffered * 4 // 3 + 4096 + characters * _ALIGNMENT_BYTES_PER_CHARACTER
+    return buffered + 4096 + characters * _ALIGNMENT_BYTES_PER_CHARACTER
 
 
-def read_document(raw: bytes) -> tuple[bytes, dict[str, Any]]:
-    """
-    A buffered timed answer: its audio, and the rest of its document.
-
-    @raise Internal: a body that is not the contract's TimedAudio document.
-    """
+def _entries(value: Any) -> list[Any]:
     try:
-        document = json.loads(raw)
-        contract.validate(contract.TIMED_AUDIO, document)
-        audio = base64.b64decode(document.pop("audio"), validate=True)
-    except (ValueError, SpeechError, binascii.Error):
-        raise Internal("the worker's timed answer is not a TimedAudio document") from None
-    return audio, document
+        contract.validate(_ALIGNMENT, value)
+    except SpeechError:
+        raise Internal("the worker sent timings that are not the contract's Timing entries") from None
+    return list(value)
 
 
-class EventReader:
+def read_frames(raw: bytes) -> tuple[bytes, list[Any], dict[str, Any]]:
     """
-    Server-sent events as they arrive, in any pieces: each complete frame's event name
-    and data (one JSON object).  A worker writes one data line per frame.
+    A buffered timed answer: its audio, its timings and its end.
+
+    @raise Internal: a body that is not the frames of one whole answer.
     """
-
-    def __init__(self, limit: int = MAX_EVENT_BYTES) -> None:
-        self._limit = limit
-        self._pending = b""
-
-    def feed(self, data: bytes) -> list[tuple[str, dict[str, Any]]]:
-        """
-        @raise Internal: a frame over the limit, or one that is not an event of JSON.
-        """
-        buffer = self._pending + data if self._pending else data
-        frames = buffer.split(b"\n\n")
-        self._pending = frames.pop()
-        if len(self._pending) > self._limit:
-            raise Internal(f"the worker sent an event over {self._limit} bytes")
-        events = []
-        for frame in frames:
-            if frame.strip():
-                events.append(_event(frame))
-        return events
-
-    @property
-    def holding(self) -> bool:
-        """Whether part of a frame is still waiting for its end."""
-        return bool(self._pending.strip())
-
-
-def _event(frame: bytes) -> tuple[str, dict[str, Any]]:
-    name = b"message"
-    data: list[bytes] = []
-    for line in frame.split(b"\n"):
-        field, _, value = line.partition(b":")
-        value = value[1:] if value.startswith(b" ") else value
-        if field == b"event":
-            name = value
-        elif field == b"data":
-            data.append(value)
+    reader = frames.FrameReader()
     try:
-        payload = json.loads(b"\n".join(data))
-    except ValueError:
-        payload = None
-    if not isinstance(payload, dict):
-        raise Internal("the worker sent an event whose data is not a JSON object")
-    return name.decode("utf-8", "replace"), payload
+        found = reader.feed(raw)
+    except frames.FrameError as error:
+        raise Internal(f"the worker's timed answer is not frames: {error}") from None
+    audio: list[bytes] = []
+    entries: list[Any] = []
+    end: dict[str, Any] | None = None
+    for kind, payload in found:
+        if kind == frames.AUDIO:
+            audio.append(payload)
+        elif kind == frames.TIMINGS:
+            entries.extend(_entries(payload))
+        elif kind == frames.DONE:
+            end = payload
+    if end is None or reader.holding:
+        raise Internal("the worker's timed answer ended without its end")
+    try:
+        contract.validate(_BUFFERED_END, end)
+    except SpeechError:
+        raise Internal("the worker's timed answer ended without saying what its audio is") from None
+    return b"".join(audio), entries, end
 
 
 @implementer(IPushProducer)
@@ -157,8 +125,8 @@ class TimedStreamRelay(Protocol):
     they arrive, the sink's producer as the relay's plain one is.
 
     C{done} fires with the audio's byte count once the worker ended the stream with its
-    done event, and fails when it did not (a truncated, broken or stalled stream);
-    C{duration_ms} is then what the done event said.
+    end frame, and fails when it did not (a truncated, broken or stalled stream);
+    C{duration_ms} is then what the end said.
     """
 
     def __init__(
@@ -169,7 +137,7 @@ class TimedStreamRelay(Protocol):
         self._measured = measured
         self._stall: Watched | None = None
         self._stalled = False
-        self._reader = EventReader()
+        self._reader = frames.FrameReader()
         self._broken: SpeechError | None = None
         self.whole = False
         self.received = 0
@@ -187,37 +155,36 @@ class TimedStreamRelay(Protocol):
         if self._stall is not None:
             self._stall.progress()
         try:
-            for name, payload in self._reader.feed(data):
-                self._event(name, payload)
+            found = self._reader.feed(data)
+        except frames.FrameError as error:
+            self._fail(Internal(f"the worker's timed stream is not frames: {error}"))
+            return
+        try:
+            for kind, payload in found:
+                self._frame(kind, payload)
         except SpeechError as error:
-            self._broken = error
-            self.stopProducing()
+            self._fail(error)
 
-    def _event(self, name: str, payload: dict[str, Any]) -> None:
+    def _fail(self, error: SpeechError) -> None:
+        self._broken = error
+        self.stopProducing()
+
+    def _frame(self, kind: bytes, payload: Any) -> None:
         if self.whole:
-            raise Internal(f"the worker sent {name} after speech.audio.done")
-        if name == "speech.audio.delta":
-            try:
-                audio = base64.b64decode(payload["audio"], validate=True)
-            except (KeyError, TypeError, ValueError, binascii.Error):
-                raise Internal("the worker sent an audio delta that is not base64") from None
-            if not audio:
+            raise Internal("the worker sent a frame after its end")
+        if kind == frames.AUDIO:
+            if not payload:
                 return
             if not self.received and self._measured is not None:
                 self._measured.first_audio()
-            self.received += len(audio)
-            self._sink.write(audio)
-        elif name == "speech.timestamps.delta":
-            try:
-                contract.validate(contract.TIMESTAMPS_EVENT, payload)
-            except SpeechError:
-                raise Internal("the worker sent timestamps that are not the contract's Timing entries") from None
-            self._sink.timestamps(payload["alignment"])
-        elif name == "speech.audio.done":
-            duration = payload.get("durationMs")
+            self.received += len(payload)
+            self._sink.write(payload)
+        elif kind == frames.TIMINGS:
+            self._sink.timestamps(_entries(payload))
+        elif kind == frames.DONE:
+            duration = payload.get("durationMs") if isinstance(payload, dict) else None
             self.duration_ms = duration if isinstance(duration, int) and not isinstance(duration, bool) else None
             self.whole = True
-        # Any other event is a newer worker's, and an older reader ignores it (section 9).
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
         if self._stall is not None:
@@ -230,7 +197,7 @@ class TimedStreamRelay(Protocol):
         elif not isinstance(reason.value, ResponseDone):
             self.done.errback(reason)
         elif not self.whole or self._reader.holding:
-            self.done.errback(Internal("the worker's event stream ended without speech.audio.done"))
+            self.done.errback(Internal("the worker's timed stream ended without its end"))
         else:
             self.done.callback(self.received)
 

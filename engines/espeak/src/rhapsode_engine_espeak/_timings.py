@@ -25,8 +25,7 @@ leaves with the same callback it would without timings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from rhapsode_worker import Timing
 
@@ -34,11 +33,11 @@ from rhapsode_worker import Timing
 WORD, SENTENCE, END, PHONEME = 1, 2, 5, 7
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """
     One espeak event: its type, its place in the text (0-based code points; espeak's
-    own are 1-based) and length, and the sample it falls on from the synthesis' start.
+    own are 1-based) and length, and the sample it falls on from the synthesis' start;
+    a phoneme's IPA (none for a pause).  A tuple: a synthesis makes thousands.
     """
 
     kind: int
@@ -75,7 +74,8 @@ class Aligner:
         self._text = text
         self._phonemes = unit == "phoneme"
         self._frame = frame
-        self._held = bytearray()
+        # PCM not given out yet, in the pieces it came in (most go out whole, uncopied).
+        self._held: list[bytes] = []
         self._released = 0  # samples given out
         self._received = 0
         self._word: _Word | None = None
@@ -88,7 +88,8 @@ class Aligner:
         """
         One callback's buffer and its events: what can go out now.
         """
-        self._held += pcm
+        if pcm:
+            self._held.append(pcm)
         self._received += len(pcm) // self._frame
         for event in events:
             self._event(event)
@@ -199,8 +200,18 @@ class Aligner:
         self._ready = keep
         upto = self._received if hold is None else max(min(hold, self._received), self._released)
         count = (upto - self._released) * self._frame
-        if count > 0:
-            piece = bytes(self._held[:count])
-            del self._held[:count]
-            self._released = upto
-            yield piece
+        if count <= 0:
+            return
+        out: list[bytes] = []
+        held = self._held
+        while count and held:
+            piece = held[0]
+            if len(piece) <= count:
+                out.append(held.pop(0))
+                count -= len(piece)
+            else:
+                out.append(piece[:count])
+                held[0] = piece[count:]
+                count = 0
+        self._released = upto
+        yield out[0] if len(out) == 1 else b"".join(out)

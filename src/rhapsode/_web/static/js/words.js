@@ -80,6 +80,14 @@ export class Words {
     }
   }
 
+  /** Keep the word being spoken in view inside the box, without scrolling the page. */
+  follow(span) {
+    const box = this.node;
+    if (span.offsetTop < box.scrollTop || span.offsetTop + span.offsetHeight > box.scrollTop + box.clientHeight) {
+      box.scrollTop = Math.max(0, span.offsetTop - box.clientHeight / 3);
+    }
+  }
+
   /** Mark what `seconds` of audio have reached: spoken words, and the one being spoken. */
   update(seconds) {
     let current = "";
@@ -91,6 +99,7 @@ export class Words {
       if (now) {
         span.setAttribute("aria-current", "true");
         current = span.textContent;
+        this.follow(span);
       } else {
         span.removeAttribute("aria-current");
       }
