@@ -58,7 +58,7 @@ def run(unit: str) -> tuple[list[Any], list[int]]:
     out: list[Any] = []
     after_first: list[int] = []
     for index, events in enumerate(BUFFERS):
-        out.extend(aligner.feed(bytes(2 * 600 if index < 2 else 2 * 510), events))
+        out.extend(aligner.feed(bytes(2 * 600 if index < 2 else 2 * 510), espeak.raw_events(events)))
         if index == 0:
             after_first = [len(item) // 2 for item in out if isinstance(item, bytes)]
     out.extend(aligner.close())

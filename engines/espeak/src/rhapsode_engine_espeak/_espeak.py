@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 import espeakng_loader
 
 from ._catalogue import VoiceRecord, dictionary_name
-from ._timings import Event
+from ._timings import RAW_EVENT
 
 SAMPLE_RATE = 22050
 #: Audio per synthesis callback: few enough calls to cost nothing next to the synthesis,
@@ -51,7 +51,7 @@ _EE_OK = 0
 
 _T = TypeVar("_T")
 #: What the callback hands each buffer to, with its events when they were asked for.
-_Sink = Callable[[bytes, "list[Event] | None"], bool]
+_Sink = Callable[[bytes, "bytes | None"], bool]
 
 
 class _Voice(ctypes.Structure):
@@ -90,35 +90,25 @@ _SYNTH_CALLBACK = ctypes.CFUNCTYPE(
 )
 
 
-#: espeak_EVENT read as C ints: one event's stride, and where its fields are.
+#: espeak_EVENT read as C ints: one event's stride.
 _STRIDE = ctypes.sizeof(_Event) // ctypes.sizeof(ctypes.c_int)
-_POSITION = _Event.text_position.offset // ctypes.sizeof(ctypes.c_int)
-_LENGTH = _Event.length.offset // ctypes.sizeof(ctypes.c_int)
-_SAMPLE = _Event.sample.offset // ctypes.sizeof(ctypes.c_int)
-_ID = _Event.id.offset
 _INTS = ctypes.POINTER(ctypes.c_int)
+assert RAW_EVENT.size == ctypes.sizeof(_Event), "espeak_EVENT's layout is not the one read"
 
 
-def _events(events: Any) -> list[Event]:
+def _events(events: Any) -> bytes:
     """
-    The callback's event list, up to its terminator (type 0), as L{Event}s.  Read as an
-    array of ints rather than as structures: a synthesis reports a few events for every
-    word, and making a ctypes structure of each cost more than the rest of the timing.
+    The callback's event list, up to its terminator (type 0), copied out as its bytes
+    (L{RAW_EVENT} each), which are read off espeak's thread: the callback only finds
+    where the list ends.
     """
-    found: list[Event] = []
     if not events:
-        return found
+        return b""
     ints = ctypes.cast(events, _INTS)
-    base = ctypes.addressof(events.contents)
-    at = 0
-    while (kind := ints[at]) != 0:
-        name = ""
-        if kind == _PHONEME:
-            raw = ctypes.string_at(base + at * 4 + _ID, 8)
-            name = raw.split(b"\0", 1)[0].decode("utf-8", "replace").strip()
-        found.append(Event(kind, ints[at + _POSITION] - 1, ints[at + _LENGTH], ints[at + _SAMPLE], name))
-        at += _STRIDE
-    return found
+    count = 0
+    while ints[count * _STRIDE] != 0:
+        count += 1
+    return ctypes.string_at(ctypes.addressof(events.contents), count * RAW_EVENT.size) if count else b""
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -182,10 +172,10 @@ class _Stream:
     they were asked for), C{None} once espeak is done.
     """
 
-    chunks: "queue.Queue[tuple[bytes, list[Event] | None] | None]"
+    chunks: "queue.Queue[tuple[bytes, bytes | None] | None]"
     cancelled: threading.Event
 
-    def deliver(self, pcm: bytes, events: list[Event] | None) -> bool:
+    def deliver(self, pcm: bytes, events: bytes | None) -> bool:
         if self.cancelled.is_set():
             return False
         self.chunks.put((pcm, events))
@@ -205,6 +195,7 @@ class Espeak:
         # Kept referenced: espeak holds only the C pointer.
         self._callback = _SYNTH_CALLBACK(self._on_audio)
         self._sink: _Sink | None = None
+        # Whether the synthesis under way reports its events beside its audio.
         self._with_events = False
         self._initialised = False
 
@@ -242,22 +233,23 @@ class Espeak:
 
         Closing the generator early stops espeak at its next chunk.
         """
-        for pcm, _ in self._run(voice, text, settings, end_pause, False):
+        for pcm, _ in self._run(voice, text, settings, end_pause):
             yield pcm
 
     def stream_events(
         self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool
-    ) -> Iterator[tuple[bytes, list[Event]]]:
+    ) -> Iterator[tuple[bytes, bytes]]:
         """
         L{stream}, each buffer of PCM with the events espeak reported with it (the
-        words, phonemes and clause ends whose first sample it holds).
+        words, phonemes and clause ends whose first sample it holds), as their bytes
+        (L{rhapsode_engine_espeak._timings.RAW_EVENT} each).
         """
         for pcm, events in self._run(voice, text, settings, end_pause, True):
-            yield pcm, events or []
+            yield pcm, events or b""
 
     def _run(
-        self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool, events: bool
-    ) -> Iterator[tuple[bytes, list[Event] | None]]:
+        self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool, events: bool = False
+    ) -> Iterator[tuple[bytes, bytes | None]]:
         stream = _Stream(queue.Queue(maxsize=QUEUE_CHUNKS), threading.Event())
         flags = _CHARS_UTF8 | (_ENDPAUSE if end_pause else 0)
         job = self._owner.submit(self._stream, stream, voice, text, settings, flags, events)
@@ -345,7 +337,7 @@ class Espeak:
     def _speaks(self, voice: str) -> bool:
         heard = bytearray()
 
-        def keep(pcm: bytes, events: list[Event] | None) -> bool:
+        def keep(pcm: bytes, events: bytes | None) -> bool:
             heard.extend(pcm)
             return True
 

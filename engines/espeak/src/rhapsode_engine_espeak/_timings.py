@@ -25,19 +25,27 @@ leaves with the same callback it would without timings.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Sequence
+import struct
+from typing import Iterable, Iterator, NamedTuple
 
 from rhapsode_worker import Timing
 
 #: espeak_EVENT_TYPE values (speak_lib.h).
 WORD, SENTENCE, END, PHONEME = 1, 2, 5, 7
+#: One espeak_EVENT as the callback's list holds it, in the machine's own layout: type,
+#: unique_identifier, text_position (1-based), length, audio_position, sample,
+#: user_data, and the id union read as its 8-byte string (a phoneme's name).  The
+#: callback copies the list out as these bytes, and the timings are read from them here,
+#: off espeak's thread: making a Python object of every event in the callback cost more
+#: than the rest of the timing.
+RAW_EVENT = struct.Struct("@iIiiiiP8s")
 
 
 class Event(NamedTuple):
     """
     One espeak event: its type, its place in the text (0-based code points; espeak's
     own are 1-based) and length, and the sample it falls on from the synthesis' start;
-    a phoneme's IPA (none for a pause).  A tuple: a synthesis makes thousands.
+    a phoneme's IPA (none for a pause).
     """
 
     kind: int
@@ -45,6 +53,17 @@ class Event(NamedTuple):
     length: int
     sample: int
     name: str = ""
+
+
+def raw_events(events: Iterable[Event]) -> bytes:
+    """
+    Events as the callback copies them out (L{RAW_EVENT}): what a test feeds an
+    L{Aligner} with.
+    """
+    return b"".join(
+        RAW_EVENT.pack(e.kind, 0, e.position + 1, e.length, 0, e.sample, 0, e.name.encode("utf-8")[:8])
+        for e in events
+    )
 
 
 class _Word:
@@ -83,16 +102,19 @@ class Aligner:
         # Words complete but waiting: the next word might still overlap their text.
         self._group: list[_Word] = []
         self._ready: list[tuple[int, int, Timing]] = []
+        # Timing words only, a phoneme tells nothing but whether it sounds: whether the
+        # last one did (a word's start counts as silence, so its first sound is seen).
+        self._sounding = False
 
-    def feed(self, pcm: bytes, events: Sequence[Event]) -> Iterator[bytes | Timing]:
+    def feed(self, pcm: bytes, raw: bytes) -> Iterator[bytes | Timing]:
         """
-        One callback's buffer and its events: what can go out now.
+        One callback's buffer and its events (L{RAW_EVENT}s): what can go out now.
         """
         if pcm:
             self._held.append(pcm)
         self._received += len(pcm) // self._frame
-        for event in events:
-            self._event(event)
+        if raw:
+            self._events(raw)
         yield from self._release(self._hold())
 
     def close(self) -> Iterator[bytes | Timing]:
@@ -104,18 +126,28 @@ class Aligner:
 
     # -- events ----------------------------------------------------------------------
 
-    def _event(self, event: Event) -> None:
-        if event.kind == PHONEME:
-            self._close_phoneme(event.sample)
-            if event.name:
-                self._phoneme = (event.sample, event.name)
-        elif event.kind == WORD:
-            self._close_phoneme(event.sample)
-            word = _Word(event.sample, event.position, event.position + max(event.length, 0))
-            self._close_word(event.sample, word)
-            self._word = word
-        elif event.kind == END:
-            self._end(event.sample, event.position)
+    def _events(self, raw: bytes) -> None:
+        phonemes = self._phonemes
+        for kind, _, position, length, _, sample, _, name in RAW_EVENT.iter_unpack(raw):
+            if kind == PHONEME:
+                sounds = name[0] != 0
+                if not phonemes:
+                    if sounds == self._sounding:
+                        continue  # no change: nothing ends or begins
+                    self._sounding = sounds
+                self._close_phoneme(sample)
+                if sounds:
+                    ipa = name.split(b"\0", 1)[0].decode("utf-8", "replace").strip() if phonemes else "~"
+                    self._phoneme = (sample, ipa)
+            elif kind == WORD:
+                self._sounding = False
+                self._close_phoneme(sample)
+                word = _Word(sample, position - 1, position - 1 + max(length, 0))
+                self._close_word(sample, word)
+                self._word = word
+            elif kind == END:
+                self._sounding = False
+                self._end(sample, position - 1)
 
     def _end(self, sample: int, position: int) -> None:
         self._close_phoneme(sample)
@@ -181,23 +213,24 @@ class Aligner:
         """
         The first sample of the first entry not complete yet (None: nothing is open).
         """
-        starts = [member.start for member in self._group]
-        if self._word is not None:
-            starts.append(self._word.start)
-        if self._phoneme is not None:
-            starts.append(self._phoneme[0])
-        return min(starts) if starts else None
+        hold = self._group[0].start if self._group else None
+        if self._word is not None and (hold is None or self._word.start < hold):
+            hold = self._word.start
+        if self._phonemes and self._phoneme is not None and (hold is None or self._phoneme[0] < hold):
+            hold = self._phoneme[0]
+        return hold
 
     def _release(self, hold: int | None) -> Iterator[bytes | Timing]:
-        # In order of start, a word before the phonemes it begins with.
-        self._ready.sort(key=lambda item: (item[0], item[1]))
-        keep: list[tuple[int, int, Timing]] = []
-        for item in self._ready:
-            if hold is None or item[0] < hold:
-                yield item[2]
-            else:
-                keep.append(item)
-        self._ready = keep
+        if self._ready:
+            # In order of start, a word before the phonemes it begins with.
+            self._ready.sort(key=lambda item: (item[0], item[1]))
+            keep: list[tuple[int, int, Timing]] = []
+            for item in self._ready:
+                if hold is None or item[0] < hold:
+                    yield item[2]
+                else:
+                    keep.append(item)
+            self._ready = keep
         upto = self._received if hold is None else max(min(hold, self._received), self._released)
         count = (upto - self._released) * self._frame
         if count <= 0:
