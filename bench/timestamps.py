@@ -149,11 +149,12 @@ def line(name: str, plain: list[Sample], timed: list[Sample], stream: bool) -> s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("engines", nargs="*", default=list(ENGINES), help="of espeak and piper")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         core, port = serve(Path(folder))
         try:
-            for engine in ENGINES:
+            for engine in args.engines:
                 # Warm: the worker up, the model loaded, both paths taken once.
                 for accept, extra in ((None, {}), ("text/event-stream", {"timestamps": "word"})):
                     request(port, {"engine": engine, "text": SENTENCE, "format": "pcm", **extra}, accept)

@@ -29,7 +29,9 @@ where its whole text would have been.
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from typing import Iterable, Iterator
 
@@ -127,22 +129,37 @@ class Piece:
         The span of the source text that the piece's C{[start, end)} was taken from; a
         span that begins or ends on a joining space is taken to the atom beside it.
         """
-        return self._at(start, False), max(self._at(end, True), self._at(start, False))
+        begin = self._at(start, False)
+        return begin, max(self._at(end, True), begin)
 
-    def _at(self, offset: int, closing: bool) -> int:
+    @cached_property
+    def _layout(self) -> tuple[list[int], list[int], list[int]]:
+        """
+        Where each atom begins in the piece, and its span in the source.
+        """
+        offsets: list[int] = []
         position = 0
         previous_end = self.atoms[0][0]
         for index, (a_start, a_end) in enumerate(self.atoms):
             if index and a_start > previous_end:
                 position += 1  # the joining space
-                if offset < position:
-                    return previous_end if closing else a_start
-            size = a_end - a_start
-            if offset < position + size or (closing and offset == position + size):
-                return a_start + (offset - position)
-            position += size
+            offsets.append(position)
+            position += a_end - a_start
             previous_end = a_end
-        return previous_end
+        return offsets, [a for a, _ in self.atoms], [b for _, b in self.atoms]
+
+    def _at(self, offset: int, closing: bool) -> int:
+        offsets, starts, ends = self._layout
+        # The atom holding the offset (an end offset is held by the atom it closes).
+        index = max(bisect_right(offsets, offset - 1 if closing else offset) - 1, 0)
+        inside = offset - offsets[index]
+        size = ends[index] - starts[index]
+        if inside <= size if closing else inside < size:
+            return starts[index] + inside
+        if index + 1 < len(offsets):
+            # On the space joining this atom to the next.
+            return ends[index] if closing else starts[index + 1]
+        return ends[index]
 
 
 def split_pieces(text: str, limit: int | None, first_limit: int | None = None) -> list[Piece]:

@@ -25,7 +25,7 @@ import json
 import struct
 from typing import Any
 
-__all__ = ["AUDIO", "DONE", "FRAMES", "FrameError", "FrameReader", "MAX_FRAME_BYTES", "TIMINGS", "frame"]
+__all__ = ["AUDIO", "DONE", "FRAMES", "FrameError", "FrameReader", "MAX_FRAME_BYTES", "TIMINGS", "frame", "head"]
 
 #: The media type of a framed timed answer.
 FRAMES = "application/vnd.rhapsode.frames"
@@ -42,6 +42,14 @@ class FrameError(ValueError):
     """
 
 
+def head(kind: bytes, length: int) -> bytes:
+    """
+    The head of a frame of C{kind} holding C{length} bytes, to write before them (so a
+    large payload goes out without being copied into one frame).
+    """
+    return _HEAD.pack(kind, length)
+
+
 def frame(kind: bytes, payload: bytes) -> bytes:
     """
     One frame of C{kind} holding C{payload}.
@@ -51,43 +59,62 @@ def frame(kind: bytes, payload: bytes) -> bytes:
 
 class FrameReader:
     """
-    Frames as they arrive, in any pieces: C{feed} gives back each complete frame's kind
-    and payload, the audio's as bytes and the others' decoded from JSON.
+    Frames as they arrive, in any pieces.  C{feed} gives back what each piece completes:
+    audio as it comes, a frame's bytes possibly in several parts (each C{(AUDIO,
+    bytes)}), so that audio is relayed as soon as it arrives and never copied whole
+    again; a timings or end frame once all of it is in, decoded from JSON.
     """
 
     def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
         self._limit = limit
-        self._buffer = bytearray()
+        self._head = b""
+        self._kind = b""
+        self._need = 0
+        self._parts: list[bytes] = []
 
     @property
     def holding(self) -> bool:
         """Whether part of a frame is still waiting for the rest."""
-        return bool(self._buffer)
+        return bool(self._head or self._need)
 
     def feed(self, data: bytes) -> list[tuple[bytes, Any]]:
         """
         @raise FrameError: a frame over the bound, or JSON that is not JSON.
         """
-        buffer = self._buffer
-        buffer += data
         found: list[tuple[bytes, Any]] = []
-        at = 0
-        size = len(buffer)
-        while size - at >= _HEAD.size:
-            kind, length = _HEAD.unpack_from(buffer, at)
+        at, size = 0, len(data)
+        while at < size:
+            if self._need:
+                take = min(self._need, size - at)
+                piece = data if (at == 0 and take == size) else data[at:at + take]
+                at += take
+                self._need -= take
+                if self._kind == AUDIO:
+                    found.append((AUDIO, piece))
+                else:
+                    self._parts.append(piece)
+                    if not self._need:
+                        self._complete(found)
+                continue
+            wanted = _HEAD.size - len(self._head)
+            self._head += data[at:at + wanted]
+            at += min(wanted, size - at)
+            if len(self._head) < _HEAD.size:
+                break
+            kind, length = _HEAD.unpack(self._head)
+            self._head = b""
             if length > self._limit:
                 raise FrameError(f"a frame of {length} bytes, over the {self._limit} a frame may hold")
-            end = at + _HEAD.size + length
-            if end > size:
-                break
-            payload = bytes(buffer[at + _HEAD.size:end])
-            at = end
-            if kind == AUDIO:
-                found.append((kind, payload))
-            elif kind in (TIMINGS, DONE):
-                try:
-                    found.append((kind, json.loads(payload)))
-                except ValueError:
-                    raise FrameError("a frame's JSON is not JSON") from None
-        del buffer[:at]
+            self._kind, self._need = kind, length
+            if not length and kind != AUDIO:
+                self._complete(found)
         return found
+
+    def _complete(self, found: list[tuple[bytes, Any]]) -> None:
+        payload, self._parts = b"".join(self._parts), []
+        if self._kind in (TIMINGS, DONE):
+            try:
+                found.append((self._kind, json.loads(payload)))
+            except ValueError:
+                raise FrameError("a frame's JSON is not JSON") from None
+        # A frame of a kind not named here is a newer worker's: skipped.

@@ -189,7 +189,8 @@ def clean_text_mapped(
     worker uses to give timings offsets into the text it was sent, not the text it spoke.
     The cleaned text is always exactly L{clean_text}'s.
     """
-    kept = [i for i, ch in enumerate(text) if ch != "\x00"]
+    # Where each character left by the translation stood (it drops only NUL).
+    kept: Sequence[int] = [i for i, ch in enumerate(text) if ch != "\x00"] if "\x00" in text else range(len(text))
     translated = text.translate(_SPACING)
     # Each piece between two removals: its text, and each character's source span.
     pieces: list[tuple[list[str], list[int], list[int]]] = [([], [], [])]
@@ -203,7 +204,10 @@ def clean_text_mapped(
     def add_source(start: int, end: int) -> None:
         if end > start:
             origins = kept[start:end]
-            add(translated[start:end], origins, [k + 1 for k in origins])
+            if isinstance(origins, range):
+                add(translated[start:end], list(origins), list(range(origins.start + 1, origins.stop + 1)))
+            else:
+                add(translated[start:end], list(origins), [k + 1 for k in origins])
 
     position = 0
     for start, end, replacement in _removals(translated, frozenset(claimed), private_patterns):

@@ -61,7 +61,7 @@ from ._engine import (
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
-from ._timing import Framing, Source, Timeline, framing_for
+from ._timing import Framing, LazyMap, Source, Timeline, framing_for
 
 #: A voice upload's cap (protocol.md section 7), refused at the head when declared and
 #: as it arrives when chunked (rhapsode_protocol.http.site).
@@ -320,7 +320,8 @@ class _FramedSink:
 
     def write(self, data: bytes) -> None:
         if data:
-            self._request.write(self._framing.audio(data))
+            for piece in self._framing.audio(data):
+                self._request.write(piece)
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         self._request.registerProducer(producer, streaming)  # type: ignore[attr-defined]
@@ -721,6 +722,10 @@ class WorkerApp:
     def _clean(self, text: str, variant: Variant) -> str:
         return clean_text(text, variant.cues, self.engine.private_tag_patterns)
 
+    def _text_map(self, text: str, variant: Variant) -> LazyMap:
+        patterns = self.engine.private_tag_patterns
+        return LazyMap(lambda: clean_text_mapped(text, variant.cues, patterns)[1])
+
     def _ceiling(self, variant: str) -> int:
         return self.variants[variant].max_characters or self.engine.max_characters
 
@@ -775,11 +780,11 @@ class WorkerApp:
                 )
             timed = self._timed(request, body, variant)
             unit = timed[0] if timed is not None else None
-            if unit is None:
-                text = self._clean(body["text"], v)
-            else:
-                # Timed: where each character came from, to give offsets in the caller's text.
-                text, cleaned = clean_text_mapped(body["text"], v.cues, self.engine.private_tag_patterns)
+            text = self._clean(body["text"], v)
+            if unit is not None:
+                # Timed: where each character came from, to give offsets in the caller's
+                # text, mapped once the first timing needs it.
+                cleaned = self._text_map(body["text"], v)
             if not is_speakable(text):
                 raise BadRequest(_UNSPEAKABLE.format(what="text"), field="text")
             ceiling = self._ceiling(variant)
@@ -824,11 +829,9 @@ class WorkerApp:
             turns = []
             sources: list[Source] = []
             for i, turn in enumerate(body["turns"]):
-                if unit is None:
-                    text = self._clean(turn["text"], v)
-                else:
-                    text, cleaned = clean_text_mapped(turn["text"], v.cues, self.engine.private_tag_patterns)
-                    sources.append(Source(turn["text"], cleaned, speaker=turn["speaker"]))
+                text = self._clean(turn["text"], v)
+                if unit is not None:
+                    sources.append(Source(turn["text"], self._text_map(turn["text"], v), speaker=turn["speaker"]))
                 if not is_speakable(text):
                     raise BadRequest(_UNSPEAKABLE.format(what=f"turn {i}"), field=f"turns[{i}].text")
                 turns.append(Turn(speaker=turn["speaker"], text=text))

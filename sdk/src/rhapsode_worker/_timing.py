@@ -29,7 +29,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from twisted.web.iweb import IRequest
 
@@ -42,10 +42,33 @@ from rhapsode_protocol.vocab import TextMap
 
 from ._engine import Timing
 
-__all__ = ["EVENTS", "FRAMED", "Framing", "Source", "Timeline", "framing_for", "sse_event"]
+__all__ = ["EVENTS", "FRAMED", "Framing", "LazyMap", "Source", "Timeline", "framing_for", "sse_event"]
 
 #: Seconds are written to the microsecond: below a sample at any rate an engine makes.
 _PLACES = 6
+
+
+class Spans(Protocol):
+    """Where a cleaned text's spans came from (L{TextMap})."""
+
+    def span(self, start: int, end: int) -> tuple[int, int]: ...
+
+
+class LazyMap:
+    """
+    A L{TextMap} made the first time a timing needs it, off the path to first audio: the
+    synthesis starts on the cleaned text, and the map (several times the cleaning's
+    work) is made while the engine makes its first audio.
+    """
+
+    def __init__(self, make: Callable[[], TextMap]) -> None:
+        self._make = make
+        self._map: TextMap | None = None
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        if self._map is None:
+            self._map = self._make()
+        return self._map.span(start, end)
 
 
 @dataclass(frozen=True)
@@ -56,7 +79,7 @@ class Source:
     """
 
     caller: str
-    cleaned: TextMap
+    cleaned: Spans
     piece: Piece | None = None
     speaker: str | None = None
 
@@ -243,7 +266,8 @@ class Framing:
     stream_type = ""
     document_type = ""
 
-    def audio(self, data: bytes) -> bytes:
+    def audio(self, data: bytes) -> Sequence[bytes]:
+        """The bytes to write for a piece of audio, in order."""
         raise NotImplementedError
 
     def timings(self, entries: Sequence[Mapping[str, Any]]) -> bytes:
@@ -265,13 +289,13 @@ class _Events(Framing):
     stream_type = TIMED_EVENTS
     document_type = TIMED_JSON
 
-    def audio(self, data: bytes) -> bytes:
+    def audio(self, data: bytes) -> Sequence[bytes]:
         # Base64's alphabet needs no escaping: spliced in rather than encoded as JSON.
-        return b"".join((
+        return (b"".join((
             b'event: speech.audio.delta\ndata: {"type":"speech.audio.delta","audio":"',
             base64.b64encode(data),
             b'"}\n\n',
-        ))
+        )),)
 
     def timings(self, entries: Sequence[Mapping[str, Any]]) -> bytes:
         return sse_event("speech.timestamps.delta", {"alignment": list(entries)})
@@ -293,8 +317,9 @@ class _Frames(Framing):
 
     stream_type = document_type = frames.FRAMES
 
-    def audio(self, data: bytes) -> bytes:
-        return frames.frame(frames.AUDIO, data)
+    def audio(self, data: bytes) -> Sequence[bytes]:
+        # The head, then the audio itself: never copied into one frame.
+        return frames.head(frames.AUDIO, len(data)), data
 
     def timings(self, entries: Sequence[Mapping[str, Any]]) -> bytes:
         return frames.frame(frames.TIMINGS, _json(list(entries)))
