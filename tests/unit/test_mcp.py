@@ -33,7 +33,7 @@ from rhapsode._fleet.registry import EngineHandle, Registry
 from rhapsode._service import build_core
 from rhapsode_protocol import contract
 
-from _fakes import FakeClient, FakeSupervisor
+from _fakes import FakeClient, FakeResponse, FakeSupervisor
 
 VARIANT = {
     "cues": ["laugh"],
@@ -70,22 +70,6 @@ def wav_of(frames: int, rate: int = 24000) -> bytes:
         writer.setframerate(rate)
         writer.writeframes(b"\x01\x00" * frames)
     return out.getvalue()
-
-
-class FakeResponse:
-    """
-    A worker's HTTP response, its body delivered at once when a reader asks for it.
-    """
-
-    def __init__(self, code: int, body: bytes, headers: dict[bytes, bytes]) -> None:
-        self.code = code
-        self.headers = Headers({name: [value] for name, value in headers.items()})
-        self._body = body
-
-    def deliverBody(self, protocol: Any) -> None:
-        protocol.makeConnection(StringTransport())
-        protocol.dataReceived(self._body)
-        protocol.connectionLost(Failure(ResponseDone()))
 
 
 class FakeWorker(FakeClient):

@@ -86,11 +86,12 @@ def test_the_fields_become_a_native_request() -> None:
     assert native(target, model="tone:fast", input="Hi.", voice={"id": "alto"}, response_format="wav", speed=1) == {
         "engine": "tone", "text": "Hi.", "format": "wav", "stream": True, "variant": "fast", "voice": "alto"}
     assert native(target, model="tone:fast", input="Hi.", voice="alto", speed=1.5)["params"] == {"speed": 1.5}
-    assert native(target, model="tone", input="Hi.", instructions="")["text"] == "Hi."
+    assert "instructions" not in native(target, model="tone", input="Hi.", instructions="")
+    # Passed on as the native field: the preflight refuses it for a variant that takes none.
+    assert native(target, model="tone", input="Hi.", instructions="Slowly.")["instructions"] == "Slowly."
 
 
 @pytest.mark.parametrize("body, kind, field", [
-    ({"instructions": "Say it slowly."}, Unsupported, "instructions"),
     ({"response_format": "aac"}, Unsupported, "response_format"),
     ({"speed": 1.5}, Unsupported, "speed"),
     ({"voice": {"id": "alto", "name": "x"}}, BadRequest, "voice.name"),
@@ -98,8 +99,8 @@ def test_the_fields_become_a_native_request() -> None:
 ])
 def test_what_has_no_equivalent_is_refused_not_dropped(body: dict[str, Any], kind: type[SpeechError], field: str) -> None:
     """
-    Non-empty instructions, aac, a speed on a variant with no speed dial (the default
-    variant here has none), and a malformed voice object are refused naming the field.
+    aac, a speed on a variant with no speed dial (the default variant here has none),
+    and a malformed voice object are refused naming the field.
     """
     error = refused(shim("tone"), kind, model="tone", input="Hi.", **body)
     assert error.field == field

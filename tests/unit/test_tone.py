@@ -702,3 +702,22 @@ def test_a_voice_cloned_through_the_worker_speaks_at_its_pitch(worker: WorkerHar
     assert 1.85 < heard[1] / heard[0] < 2.15
     refused = worker.post("/speak", {"text": "hi", "voice": "nobody"})
     assert refused.code == 404 and refused.json()["error"]["code"] == "unknown_voice"
+
+
+def test_a_paced_tone_sleeps_each_chunks_length_in_audio_times_the_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    RHAPSODE_TONE_PACE makes tone a fixed-cost engine: before each chunk it sleeps the
+    chunk's length in audio times the pace; unset or 0, it never sleeps; a pace that is
+    not a number from 0 to 10 is refused naming the variable.
+    """
+    from rhapsode_engine_tone import _engine
+
+    slept: list[float] = []
+    monkeypatch.setattr(_engine.time, "sleep", slept.append)
+    chunks = [b"\x00" * 9600, b"\x00" * 4800]
+    assert list(_engine._paced(iter(chunks), 0.5)) == chunks
+    assert slept == [pytest.approx(0.1), pytest.approx(0.05)]
+    assert _engine.pace_of({}) == 0.0 and _engine.pace_of({"RHAPSODE_TONE_PACE": "1.5"}) == 1.5
+    for bad in ("fast", "-1", "11"):
+        with pytest.raises(ValueError, match="RHAPSODE_TONE_PACE"):
+            _engine.pace_of({"RHAPSODE_TONE_PACE": bad})

@@ -566,6 +566,48 @@ def check_dialogue(ctx: Context) -> list[Result]:
     return results
 
 
+def check_instructions(ctx: Context) -> list[Result]:
+    # Section 4: a variant that declares instructions takes them, within its ceiling
+    # (and refuses their absence where it requires them); every other refuses them as
+    # unsupported rather than dropping what the client believes it asked for.
+    results = []
+    words = "Read it warmly, a little slowly."
+    for variant, caps in ctx.variants().items():
+        declared = caps.get("instructions")
+        if not isinstance(declared, dict):
+
+            def refused_here(variant: str = variant) -> None:
+                response = ctx.speak(text=BASE_TEXT, variant=variant, instructions=words, stream=False)
+                refused(response, 422, "unsupported", "instructions")
+
+            results.append(ctx.probe(f"instructions are unsupported in variant {variant}, which takes none",
+                                     refused_here))
+            continue
+
+        def taken(variant: str = variant) -> None:
+            response = ctx.speak(text=BASE_TEXT, variant=variant, instructions=words, format="wav", stream=False)
+            if response.status != 200:
+                raise Failed(f"answered {response.describe()}")
+            audible(decode_wav(response.body), "the audio")
+
+        def too_long(variant: str = variant, most: int = int(declared.get("maxCharacters", 0))) -> None:
+            response = ctx.speak(text=BASE_TEXT, variant=variant, instructions="x" * (most + 1), stream=False)
+            refused(response, 400, "bad_request", "instructions")
+
+        results += [
+            ctx.probe(f"instructions are taken in variant {variant}", taken),
+            ctx.probe(f"instructions over maxCharacters are refused in variant {variant}", too_long),
+        ]
+        if declared.get("required"):
+
+            def missing(variant: str = variant) -> None:
+                refused(ctx.speak(text=BASE_TEXT, variant=variant, stream=False), 400, "bad_request", "instructions")
+
+            results.append(ctx.probe(f"a request without instructions is refused in variant {variant}, "
+                                     "which requires them", missing))
+    return results
+
+
 def _create_voice(ctx: Context, voice_id: str, part: tuple[str, str | None, bytes]) -> Response:
     """POST /voices; a voice it creates is remembered, to be deleted however the check ends."""
     body, content_type = multipart([("id", None, voice_id.encode()), part])
@@ -761,6 +803,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("text is checked", check_text),
     ("an unknown request field is refused", check_unknown_field),
     ("dialogue is as declared", check_dialogue),
+    ("instructions are as declared", check_instructions),
     ("cloning is as declared", check_cloning),
     ("blending is as declared", check_blending),
     ("timestamps are as declared", check_timestamps),

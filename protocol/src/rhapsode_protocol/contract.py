@@ -33,12 +33,14 @@ from .schemas import (
     FETCH_REQUEST,
     FETCH_RESPONSE,
     HEALTH,
+    INSTRUCTION_KINDS,
     INSTALL_JOB,
     INSTALL_JOB_LIST,
     JOB_STEPS,
     LANGUAGE_PATTERN,
     LICENSE,
     LOAD_REQUEST,
+    MAX_INSTRUCTION_CHARACTERS,
     MAX_KEEP_ALIVE_SECONDS,
     MAX_NAME_CHARACTERS,
     MAX_PARAMS,
@@ -77,12 +79,14 @@ from .schemas import (
     VOICE_LIST,
     Schema,
 )
-from .validation import check_voice_id, choose_language, parse_json_body, validate
+from .validation import check_instructions, check_voice_id, choose_language, parse_json_body, validate
 
 __all__ = [
     "AUDIO_DELTA_EVENT",
     "AUDIO_DONE_EVENT",
+    "INSTRUCTION_KINDS",
     "LANGUAGE_PATTERN",
+    "MAX_INSTRUCTION_CHARACTERS",
     "MAX_KEEP_ALIVE_SECONDS",
     "MAX_NAME_CHARACTERS",
     "MAX_PARAMS",
@@ -140,6 +144,7 @@ __all__ = [
     "VOICE_DELETED",
     "VOICE_ID_PATTERN",
     "VOICE_LIST",
+    "check_instructions",
     "check_voice_id",
     "choose_language",
     "main",

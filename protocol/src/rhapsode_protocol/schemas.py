@@ -46,6 +46,11 @@ MAX_KEEP_ALIVE_SECONDS = 7 * 24 * 3600
 MAX_SEED = 2**32 - 1
 #: Names: a variant, a speaker label, a dial.
 MAX_NAME_CHARACTERS = 64
+#: Instructions (section 4): the most any variant's instructions.maxCharacters may be.
+MAX_INSTRUCTION_CHARACTERS = 4096
+#: What an instructions capability says its words are: how the voice reads (style), or
+#: the voice itself (design).
+INSTRUCTION_KINDS: tuple[str, ...] = ("style", "design")
 #: Dials one request may set, and turns and speakers one dialogue may carry.
 MAX_PARAMS = 32
 MAX_TURNS = 256
@@ -237,6 +242,13 @@ SPEAK_REQUEST: Schema = _object(
         ),
         "params": _params_field(),
         "seed": _seed_field(),
+        "instructions": _string(
+            "Words for the model: how to read the text on a variant whose instructions are "
+            "style, the voice to read it in on one whose instructions are design. Only where "
+            "the effective variant declares instructions; anywhere else unsupported.",
+            minLength=1,
+            maxLength=MAX_INSTRUCTION_CHARACTERS,
+        ),
         "stream": _stream_field(),
         "timestamps": _timestamps_field(),
     },
@@ -351,6 +363,11 @@ HEALTH: Schema = _object(
             minimum=1,
         ),
         "vramBytes": _integer("What the device holds in all; absent where unmeasured.", minimum=1),
+        "unreachable": _map(
+            _string(),
+            "Variants whose model, served elsewhere (their remote), cannot be reached now, "
+            "each with why; absent while every one can.",
+        ),
     },
     required=["process", "model", "engine", "contract", "device", "draining"],
     description="GET /health: process and model state. Never loads, never blocks.",
@@ -423,6 +440,30 @@ VARIANT_CAPS: Schema = _object(
             },
             required=["units", "source", "textOffsets"],
             description="Present only where the variant can time its audio.",
+        ),
+        "instructions": _object(
+            {
+                "kind": _enum(
+                    INSTRUCTION_KINDS,
+                    "style: how the voice reads (emotion, pace, emphasis); design: the "
+                    "voice itself, described in words, for a variant with no voices of its own.",
+                ),
+                "maxCharacters": _integer("The most instructions one request may carry.", minimum=1),
+                "required": _boolean("Whether a request without instructions is refused (bad_request)."),
+            },
+            required=["kind", "maxCharacters", "required"],
+            description="Present only where the variant takes /speak's instructions; a "
+            "request with instructions to any other variant is unsupported.",
+        ),
+        "remote": _object(
+            {
+                "server": _string("The origin of the server that holds the model (scheme, host and port)."),
+                "model": _string("The model as that server names it."),
+            },
+            required=["server"],
+            description="Present where the variant's model is served by a server this "
+            "worker calls rather than loaded in it: it takes no room on this box, never "
+            "expires, and cannot be unloaded from here.",
         ),
     },
     required=[
@@ -640,6 +681,12 @@ ENGINE_STATE: Schema = _object(
             "Names no path on the box; the worker's own words are in the server's log."
         ),
         "remote": _boolean("A worker at a URL: this server does not run its process."),
+        "unreachable": _map(
+            _string(),
+            "Variants whose model is served elsewhere by a server the worker cannot reach "
+            "now (its last health check), each with why: refused, 503 and retryable, until "
+            "it answers again.",
+        ),
         "adapter": _string(
             "The adapter's own engine id, where the server's id for it differs "
             "(two engines on one adapter); known once the worker has answered."
@@ -674,6 +721,14 @@ ENGINE_SUMMARY: Schema = _object(
         "defaultVariant": _string(),
         **ENGINE_STATE["properties"],
         **_version_fields(),
+        "nodes": _array(
+            _object(
+                {"node": _string(), "variant": _string(), "leases": _integer(minimum=0)},
+                required=["node", "variant", "leases"],
+            ),
+            "At a cluster's front, for an engine its nodes serve: each node holding one of "
+            "its models now (docs/cluster.md).",
+        ),
     },
     required=["id", *ENGINE_STATE["required"]],
     description="One entry of GET /engines and of GET /health. displayName, license and "
@@ -685,7 +740,10 @@ ENGINE_LIST: Schema = _array(_ref("EngineSummary"))
 
 RESIDENCY_SUMMARY: Schema = _object(
     {
-        "resident": _integer("Models on the device now.", minimum=0),
+        "resident": _integer(
+            "Models on this box now; a model served elsewhere is listed in models but not counted.",
+            minimum=0,
+        ),
         "max": _integer("residency.maxResidentModels.", minimum=1),
         "waiting": _integer("Requests waiting for room.", minimum=0),
     },
@@ -702,13 +760,37 @@ RESIDENT_MODEL: Schema = _object(
         "expiresAt": _string("ISO 8601, UTC; absent while it speaks, or when its keep-alive says never."),
         "keepAliveSeconds": _integer("The keep-alive in force: request, then engine, then server.", minimum=-1),
         "sizeBytes": _integer("What the worker measured it taking, where it could.", minimum=1),
+        "node": _string("At a cluster's front: the node holding it (docs/cluster.md)."),
+        "server": _string(
+            "Where a model served elsewhere runs (its variant's remote.server): it takes no "
+            "room here and is not counted in resident, never expires (keepAliveSeconds -1) "
+            "and cannot be unloaded from here."
+        ),
     },
     required=["engine", "variant", "leases", "lastUsedAt", "keepAliveSeconds"],
 )
 
 RESIDENCY: Schema = _extend(
     RESIDENCY_SUMMARY,
-    {"models": _array(_ref("ResidentModel"))},
+    {
+        "models": _array(_ref("ResidentModel")),
+        "nodes": _array(
+            _object(
+                {
+                    "node": _string(),
+                    "url": _string(),
+                    "answering": _boolean(),
+                    "engines": _array(_string()),
+                    "resident": _integer(minimum=0),
+                    "max": _integer(minimum=0),
+                    "waiting": _integer(minimum=0),
+                },
+                required=["node", "url", "answering", "engines", "resident", "max", "waiting"],
+            ),
+            "At a cluster's front: each node as it last said; its models are in models, "
+            "each with its node, and the counts above add every node's to the front's own.",
+        ),
+    },
     required=["models"],
     description="GET /residency (protocol.md section 3).",
 )
@@ -785,6 +867,11 @@ CATALOG_ENTRY: Schema = _object(
             "the operator configured is installed: yes, managed: false."
         ),
         **_version_fields(),
+        "nodes": _array(
+            _string(),
+            "At a cluster's front, for an engine its nodes serve: the nodes that have it "
+            "installed (an install runs on each node, docs/cluster.md).",
+        ),
     },
     required=["id", "displayName", "license", "installed", "managed"],
     description="One engine that exists, installed or not (protocol.md section 10). "

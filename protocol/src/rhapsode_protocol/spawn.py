@@ -14,6 +14,7 @@ __all__ = [
     "CONTRACT_VARIABLE",
     "CORES_VARIABLE",
     "CORE_DIR_VARIABLE",
+    "DEVICE_VARIABLE",
     "ENGINE_VARIABLE",
     "LISTEN_VARIABLE",
     "LOG_LEVEL_VARIABLE",
@@ -35,6 +36,10 @@ LOG_LEVEL_VARIABLE = "RHAPSODE_WORKER_LOG_LEVEL"
 CORES_VARIABLE = "RHAPSODE_WORKER_CORES"
 #: The folder of lock files every worker of one core shares to count those cores.
 CORE_DIR_VARIABLE = "RHAPSODE_WORKER_CORE_DIR"
+#: The device a torch worker puts its model on: C{cpu}, C{mps}, C{cuda} or C{cuda:N}
+#: (the core's config for the engine; unset, the worker takes the first card it sees,
+#: else the CPU).  A worker whose runtime has one device only ignores it.
+DEVICE_VARIABLE = "RHAPSODE_WORKER_DEVICE"
 
 
 def machine_cores() -> int:

@@ -15,7 +15,7 @@ import functools
 import json
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .errors import BadRequest, Unsupported
 from .schemas import _COMPONENTS, _REF_PREFIX, VOICE_ID_PATTERN, Schema
@@ -344,3 +344,35 @@ def choose_language(requested: str | None, languages: Sequence[str], variant: st
         f'language "{requested[:35]}" is not spoken by variant "{variant}" ({", ".join(languages)})',
         field="language",
     )
+
+
+def check_instructions(given: str | None, declared: Mapping[str, Any] | None, variant: str) -> str | None:
+    """
+    A request's instructions against what its variant declares (protocol.md section 4),
+    the same on both sides of the worker socket: absent where the variant does not
+    require them, at most its C{maxCharacters}, and refused by every variant that
+    declares none rather than dropped (the client believes it asked for something).
+
+    @param declared: the variant's C{instructions} capability, None where it has none.
+    @raise Unsupported: instructions for a variant that takes none.
+    @raise BadRequest: too long, or missing where the variant requires them.
+    """
+    if given is None:
+        if declared is not None and declared.get("required"):
+            raise BadRequest(
+                f'variant "{variant}" speaks in the voice its instructions describe: give instructions',
+                field="instructions",
+            )
+        return None
+    if declared is None:
+        raise Unsupported(
+            f'variant "{variant}" takes no instructions: it reads in its voices as they are',
+            field="instructions",
+        )
+    most = declared.get("maxCharacters")
+    if isinstance(most, int) and len(given) > most:
+        raise BadRequest(
+            f"instructions are {len(given)} characters; variant \"{variant}\" takes at most {most}",
+            field="instructions",
+        )
+    return given

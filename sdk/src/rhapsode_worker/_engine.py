@@ -32,6 +32,7 @@ from zope.interface import Attribute, Interface, implementer
 
 from rhapsode_protocol.errors import Unsupported
 from rhapsode_protocol.schemas import TIMESTAMP_SOURCES, TIMESTAMP_UNITS
+from rhapsode_protocol.schemas import INSTRUCTION_KINDS, MAX_INSTRUCTION_CHARACTERS
 from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES
 
 from ._context import WorkerContext
@@ -173,6 +174,45 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class Instructions:
+    """
+    That a variant takes a request's C{instructions}, words for the model (section 4).
+
+    @ivar kind: C{"style"}, how the voice reads (emotion, pace, emphasis: Qwen3-TTS
+        CustomVoice, OpenAI's gpt-4o-mini-tts), or C{"design"}, the voice itself
+        described in words, for a build with no voices of its own (Qwen3-TTS VoiceDesign).
+    @ivar max_characters: the most one request may carry.
+    @ivar required: whether a request without them is refused (a design build that has
+        no voice to fall back on).
+    """
+
+    kind: str = "style"
+    max_characters: int = 1000
+    required: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in INSTRUCTION_KINDS:
+            raise ValueError(f"instructions are {' or '.join(INSTRUCTION_KINDS)}, not {self.kind!r}")
+        if not 1 <= self.max_characters <= MAX_INSTRUCTION_CHARACTERS:
+            raise ValueError(f"instructions max_characters must be from 1 to {MAX_INSTRUCTION_CHARACTERS}")
+
+
+@dataclass(frozen=True)
+class Remote:
+    """
+    That a variant's model is served elsewhere, by a server the adapter calls: it takes
+    no room on this box, so the SDK measures nothing across its load and the core counts
+    it against no budget, never expires it and does not pretend to unload it.
+
+    @ivar server: the server's origin (scheme, host and port), never a key or a path.
+    @ivar model: the model as that server names it, where it names one.
+    """
+
+    server: str
+    model: str | None = None
+
+
+@dataclass(frozen=True)
 class Variant:
     """
     One loadable build of an engine and what it performs.
@@ -189,6 +229,10 @@ class Variant:
         only if it is true: the conformance checker tests it.
     @ivar timestamps: what it can time, if anything (L{Timestamps}); a request asking
         for a unit it does not list is refused before the adapter sees it.
+    @ivar instructions: whether, and how, the variant takes a request's instructions
+        (L{Instructions}); None refuses them.
+    @ivar remote: where the variant's model is served, for an adapter that fronts a
+        server elsewhere (L{Remote}); None for a model this worker loads.
     """
 
     cues: Sequence[str] = ()
@@ -202,6 +246,8 @@ class Variant:
     seed_reproducible: bool = False
     reference_seconds: tuple[float, float] | None = None
     timestamps: Timestamps | None = None
+    instructions: Instructions | None = None
+    remote: Remote | None = None
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.cues if c not in ALL_CUES]
@@ -242,6 +288,7 @@ class SpeakRequest:
 
     C{params} holds every dial of the variant, defaults filled in.  C{text} carries only
     cues the variant claims, written C{[cue]}; the adapter translates them.
+    C{instructions} reaches only a variant that declares L{Instructions}, checked.
     """
 
     text: str
@@ -251,6 +298,7 @@ class SpeakRequest:
     delivery: str | None = None
     params: Mapping[str, float] = field(default_factory=dict)
     seed: int | None = None
+    instructions: str | None = None
     segment_index: int = 0
     segment_count: int = 1
     #: The unit the request asks to have timed ("word" or "phoneme"), only ever one
@@ -312,6 +360,7 @@ class IEngine(Interface):
     concurrency = Attribute("Generations that may run at once (default 1)")
     reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")
     private_tag_patterns = Attribute("Regexes of the engine's own tag syntax, stripped")
+    relays = Attribute("Whether speak() relays audio made elsewhere, paced by the reader")
 
     def variants() -> Mapping[str, Variant]:
         """Every variant this worker can load on this machine."""
@@ -345,6 +394,12 @@ class IEngine(Interface):
 
     def memory_bytes() -> int | None:
         """What the loaded model holds, when the adapter knows better than a delta."""
+
+    def unreachable() -> Mapping[str, str]:
+        """
+        Variants whose model, served elsewhere, cannot be reached now, with why.  Called
+        on the reactor thread for every C{/health}: it reads state and never blocks.
+        """
 
 
 #: The catalog record's file, in an adapter's package.
@@ -465,6 +520,12 @@ class Engine:
     concurrency: int = 1
     reference_formats: Sequence[str] = ()
     private_tag_patterns: Sequence[str] = ()
+    #: An adapter that relays audio made elsewhere (a remote server's stream) says so:
+    #: while its reader is paused the SDK stops drawing from speak(), whose thread waits,
+    #: so the audio waits where it is made and the reader's pause reaches that server.
+    #: An engine that computes leaves it off: its segment runs on into memory, so that a
+    #: slow reader never holds the model from the others.
+    relays: bool = False
 
     def __init__(self, context: WorkerContext | None = None) -> None:
         """
@@ -521,6 +582,9 @@ class Engine:
 
     def memory_bytes(self) -> int | None:
         return None
+
+    def unreachable(self) -> Mapping[str, str]:
+        return {}
 
 
 def overrides(engine: object, name: str) -> bool:

@@ -50,6 +50,11 @@ class ModelState:
         self.state = UNLOADED
         self.variant: str | None = None
         self.model_bytes: int | None = None
+        #: The variants served elsewhere (read once, when first asked).
+        self._remote: set[str] | None = None
+        #: Those of them loaded (probed) since the last unload: each sits beside the
+        #: others and beside a local model, since none holds anything here.
+        self.remote_loaded: set[str] = set()
 
     def _become(self, state: str, variant: str | None, model_bytes: int | None = None) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -60,14 +65,30 @@ class ModelState:
         return in_pool(self._reactor, self._pool, fn, *args)
 
     def resident(self, variant: str) -> bool:
-        return self.state == LOADED and self.variant == variant
+        return (self.state == LOADED and self.variant == variant) or variant in self.remote_loaded
+
+    def served_elsewhere(self, variant: str) -> bool:
+        """
+        Whether C{variant}'s model is served by a server the adapter calls (its
+        L{rhapsode_worker.Remote}).
+        """
+        if self._remote is None:
+            self._remote = {name for name, v in self._engine.variants().items() if v.remote is not None}
+        return variant in self._remote
 
     async def ensure(self, variant: str) -> None:
         """
         Make C{variant} the resident model: unload another, then load, and if the load
         fails, unload and load exactly once more (a failed load strands memory).
+
+        A variant served elsewhere is loaded beside what is resident, once, and not
+        retried: its load holds nothing here (the adapter asks its server whether it is
+        there), so there is nothing to unload first and nothing stranded to free.
         """
         if self.resident(variant):
+            return
+        if self.served_elsewhere(variant):
+            await self._load_remote(variant)
             return
         if self.state == LOADED:
             await self.unload()
@@ -101,7 +122,22 @@ class ModelState:
             return told
         return _memory.load_delta(before, _memory.device_bytes())
 
+    async def _load_remote(self, variant: str) -> None:
+        self.log.info("asking the server of {variant} whether it is there", variant=variant)
+        try:
+            await self._in_pool(self._engine.load, variant)
+        except BaseException as exc:
+            raise as_speech_error(exc) from exc
+        self.remote_loaded.add(variant)
+        if self.state == UNLOADED:
+            # Nothing measured: whatever this process grew by is not the model.
+            self._become(LOADING, variant)
+            self._become(LOADED, variant, None)
+        elif self.state == LOADED and self.variant in self.remote_loaded:
+            self.variant = variant  # /health names the one loaded last
+
     async def unload(self) -> None:
+        self.remote_loaded.clear()
         if self.state == UNLOADED:
             return
         previous = self.variant

@@ -40,7 +40,7 @@ from rhapsode_protocol.http.answers import (
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
 from rhapsode_protocol.text import split_pieces, split_text
-from rhapsode_protocol.validation import choose_language
+from rhapsode_protocol.validation import check_instructions, choose_language
 from rhapsode_protocol.vocab import clean_text, clean_text_mapped, is_speakable
 
 from . import _memory
@@ -123,6 +123,16 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
             "source": variant.timestamps.source,
             "textOffsets": variant.timestamps.text_offsets,
         }
+    if variant.instructions is not None:
+        doc["instructions"] = {
+            "kind": variant.instructions.kind,
+            "maxCharacters": variant.instructions.max_characters,
+            "required": variant.instructions.required,
+        }
+    if variant.remote is not None:
+        doc["remote"] = {"server": variant.remote.server}
+        if variant.remote.model:
+            doc["remote"]["model"] = variant.remote.model
     return doc
 
 
@@ -473,6 +483,9 @@ class WorkerApp:
         vram = _memory.vram_in_use()
         if vram:
             doc["vramBytes"] = vram
+        unreachable = {name: why for name, why in self.engine.unreachable().items() if name in self.variants}
+        if unreachable:
+            doc["unreachable"] = unreachable
         return doc
 
     def capabilities(self) -> dict[str, Any]:
@@ -790,6 +803,8 @@ class WorkerApp:
             ceiling = self._ceiling(variant)
             if len(text) > ceiling:
                 raise BadRequest(f"text is {len(text)} characters; the most is {ceiling}", field="text")
+            declared = variant_capabilities(self.engine, v).get("instructions")
+            instructions = check_instructions(body.get("instructions"), declared, variant)
             voice = body.get("voice")
             if voice is not None:
                 await self._check_voice(voice, "voice")
@@ -802,6 +817,7 @@ class WorkerApp:
                 params=params,
                 seed=body.get("seed"),
                 timestamps=unit,
+                instructions=instructions,
             )
             stream = body.get("stream", True)
             if timed is None:

@@ -412,7 +412,7 @@ async def _run(
     files.start()
     reactor.addSystemEventTrigger("during", "shutdown", files.stop)
     model = ModelState(engine, reactor, pool)
-    scheduler = Scheduler(reactor, pool, model, engine.concurrency)
+    scheduler = Scheduler(reactor, pool, model, engine.concurrency, relays=bool(getattr(engine, "relays", False)))
     connections = _Connections()
     lifecycle = WorkerLifecycle(idle=scheduler.when_idle, close_connections=connections.close_all)
     worker = WorkerApp(

@@ -89,12 +89,18 @@ class Job:
         self.cancelled = False
         self.done: Deferred[None] = Deferred()
         self._scheduler: Scheduler | None = None
+        #: Set while the reader takes audio (and once the job is cancelled): what a
+        #: relaying engine's synthesis thread waits on before it draws another chunk.
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     def pauseProducing(self) -> None:
         self.paused = True
+        self._flowing.clear()
 
     def resumeProducing(self) -> None:
         self.paused = False
+        self._flowing.set()
         if self._scheduler is not None:
             self._scheduler._wake(self)
 
@@ -108,6 +114,7 @@ class Job:
         if self.cancelled or self.done.called:
             return
         self.cancelled = True
+        self._flowing.set()
         if self._scheduler is not None:
             self._scheduler._wake(self)
 
@@ -132,11 +139,17 @@ class _Exclusive:
 class Scheduler:
     """
     Round-robin turns over a thread pool of C{concurrency} threads.
+
+    @param relays: the engine relays audio made elsewhere (L{rhapsode_worker.Engine.relays}):
+        a paused job's running step waits on its thread before drawing the next chunk,
+        so the reader's pause reaches the server that makes the audio.  Otherwise a
+        step runs on and only the job's next turn waits.
     """
 
     def __init__(
-        self, reactor: Any, pool: WorkerPool, model: ModelState, concurrency: int = 1
+        self, reactor: Any, pool: WorkerPool, model: ModelState, concurrency: int = 1, relays: bool = False
     ) -> None:
+        self._relays = relays
         self._reactor = reactor
         self._pool = pool
         self._model = model
@@ -317,6 +330,12 @@ class Scheduler:
                     else:
                         deliver(_deliver, job, pcm)
                     batch, size, last = [], 0, now
+                if self._relays and job.paused:
+                    # Nothing more is drawn, so nothing more is read from the server
+                    # that makes it, until the reader catches up or goes.
+                    job._flowing.wait()
+                    if job.cancelled:
+                        return None
             if job.cancelled:
                 return None
             if marks:

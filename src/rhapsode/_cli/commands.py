@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from rhapsode_protocol.errors import BadRequest, SpeechError
 
 from .. import __version__
+from .._cluster.commands import main as cluster_main
 from .install import COMMANDS as _INSTALL_COMMANDS
 from .install import add_parsers as _install_parsers
 from .render import (
@@ -164,6 +165,7 @@ def parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print the server's JSON as it is")
     commands.add_parser("serve", help="run the server: rhapsode serve [--config FILE]")
     commands.add_parser("web", help="serve the web page: rhapsode web [--core URL] [--port N] (docs/web.md)")
+    commands.add_parser("cluster", help="run Rhapsode on a Ray cluster: rhapsode cluster up|status|down (docs/cluster.md)")
     commands.add_parser("engines", parents=[client, listing], help="the engines this server has")
     voices = commands.add_parser("voices", parents=[client, listing], help="an engine's voices")
     voices.add_argument("engine")
@@ -355,6 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] == "web":
         _web(args[1:])
         return
+    if args and args[0] == "cluster":
+        # Ray's own commands and serve.run, blocking: no reactor of ours is needed.
+        raise SystemExit(cluster_main(args))
     options = parser()
     if not args:
         options.print_usage(sys.stderr)

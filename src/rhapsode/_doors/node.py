@@ -26,8 +26,8 @@ from rhapsode_protocol.http.answers import InFlight, answer, json_response, read
 
 from .._fleet.registry import Registry
 from .._fleet.residency import Residency
-from .._http.site import admitted_of, require_guard
 from .._http.sinks import HttpSink, timed_sink
+from .._http.site import admitted_of, require_guard
 from .._http.table import JSON_BODY
 from .._interfaces import IPublicRoutes, ISpeech
 from .._speech.relay import KEEP_ALIVE_HEADER, NODE_HEADER
@@ -83,6 +83,9 @@ class NodeDoor:
         self.routes = routes
         self.requests = requests
         self._memory = memory
+        #: How many times the node has said its state: a router tells a report newer than
+        #: what it last acted on by it.
+        self._reports = 0
 
     def handlers(self) -> dict[str, Callable[..., Any]]:
         """
@@ -112,8 +115,10 @@ class NodeDoor:
         is resident and leased, how much room is left, and the machine's memory.
         """
         snapshot = self.residency.snapshot()
+        self._reports += 1
         return {
             "node": self.name,
+            "report": self._reports,
             "engines": self.registry.ids(),
             "residency": snapshot,
             "slots": max(0, snapshot["max"] - snapshot["resident"]),

@@ -50,6 +50,9 @@ class EngineHandle:
         self.unresponsive: str | None = None
         #: For a remote worker: whether its last health check was answered (None: never asked).
         self.answering: bool | None = None
+        #: The variants whose model, served elsewhere, the worker's last health check
+        #: said it cannot reach, with why: refused (503, retryable) until it can.
+        self.unreachable: dict[str, str] = {}
         #: Set once an uninstall or a reinstall has taken this handle out of the
         #: registry: a request that found it before then starts no process with it.
         self.retired = False
@@ -108,7 +111,25 @@ class EngineHandle:
             state = {"process": "down" if self.answering is False else "up", "restarts": 0, "remote": True}
         if self.unresponsive is not None:
             state["lastError"] = self.unresponsive
+        elif self.unreachable:
+            state["lastError"] = "; ".join(f"{variant}: {why}" for variant, why in sorted(self.unreachable.items()))
+        if self.unreachable:
+            state["unreachable"] = dict(self.unreachable)
         return state
+
+    def check_reachable(self, variant: str) -> None:
+        """
+        Refuse a request for C{variant} while the server its model is served by is not
+        answering the worker (the watchdog's finding), so nothing waits on a server
+        that is down and no lease is taken for it.
+
+        @raise ModelUnavailable: naming the variant and why.
+        """
+        why = self.unreachable.get(variant)
+        if why is not None:
+            raise ModelUnavailable(
+                f'engine "{self.id}" variant "{variant}" is unavailable: {why}; try again once it answers'
+            )
 
     def cached_capabilities(self) -> dict[str, Any] | None:
         return self._capabilities

@@ -9,6 +9,13 @@ recently used model without a lease, by terminating that model's worker; when ev
 resident model is leased it waits, up to C{evictionWaitSeconds}, for one to let go.
 An idle model is terminated when its keep-alive runs out.
 
+A model served elsewhere (a variant whose capability names a C{remote} server) is
+leased as any other, so /residency shows who speaks with it and through which server,
+but it holds no room here: it is not counted against C{maxResidentModels}, never evicted,
+never expired (terminating the worker that calls it would free nothing) and never the
+reason a local model waits.  Each such variant is its own entry, since each is a model
+of its own on a server of its own; unloading one is unsupported, which is the truth.
+
 Admissions, evictions, expiries and unloads are serialised by one lock, so an unload
 cannot slip between an admission decision and the lease it grants.  The lock is held
 while a worker is being terminated (the card is not free until it has gone), and never
@@ -28,7 +35,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rhapsode_protocol.errors import BadRequest, Conflict, ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import BadRequest, Conflict, ModelUnavailable, SpeechError, Unsupported
 
 from .._interfaces import IResidencySettings
 
@@ -117,6 +124,8 @@ class _Model:
         #: When it was admitted to load (for how long the load took).
         self.admitted = 0.0
         self.expiry: IDelayedCall | None = None
+        #: Where a model served elsewhere runs; None for one on this box.
+        self.server: str | None = None
 
     def disarm(self) -> None:
         if self.expiry is not None:
@@ -197,6 +206,8 @@ class Residency:
         self._lock = _Turns()
         # Least recently used first: the order evictions take them in.
         self._models: OrderedDict[str, _Model] = OrderedDict()
+        #: Models served elsewhere, by engine and variant: outside every budget.
+        self._remote: dict[tuple[str, str], _Model] = {}
         self._tickets: list[_Ticket] = []
         self._room: list[Deferred[bool]] = []
         #: Told of loads and evictions (the core's metrics); None tells nobody.
@@ -204,7 +215,9 @@ class Residency:
 
     # -- what the router calls ----------------------------------------------------------
 
-    async def acquire(self, engine: str, variant: str, keep_alive: int | None = None) -> Lease:
+    async def acquire(
+        self, engine: str, variant: str, keep_alive: int | None = None, server: str | None = None
+    ) -> Lease:
         """
         A lease on C{engine}'s model in C{variant}, making it resident if it is not.
 
@@ -214,8 +227,12 @@ class Residency:
         takes nothing (an eviction already under way still finishes).
 
         @param keep_alive: the request's C{keepAliveSeconds}, C{None} if it gave none.
+        @param server: where C{variant}'s model is served, for one served elsewhere: it
+            is leased at once, outside the budget, and waits on nothing.
         @raise ModelUnavailable: no room came within C{evictionWaitSeconds}.
         """
+        if server is not None:
+            return self._remote_lease(engine, variant, server)
         model = self._models.get(engine)
         if model is not None and model.variant == variant and not self._lock.locked:
             # What the lock would decide at once, without the round trip through it: the
@@ -244,6 +261,9 @@ class Residency:
         """
         if mode not in UNLOAD_MODES:
             raise BadRequest(f'mode must be terminate or unload, not "{mode}"', field="mode")
+        served = self.served_elsewhere(engine)
+        if served:
+            raise served_elsewhere_refusal(engine, served)
         await self._exclusively(lambda: self._unload_now(engine, mode))
 
     async def quiet(self, engine: str, work: Callable[[], Coroutine[Any, Any, _T]], wait: float | None) -> _T:
@@ -287,6 +307,23 @@ class Residency:
             return await work()
         finally:
             self._wake()
+
+    def served_elsewhere(self, engine: str) -> dict[str, str]:
+        """
+        The variants of C{engine} leased as models served elsewhere, with their servers.
+        """
+        return {variant: model.server or "" for (name, variant), model in self._remote.items() if name == engine}
+
+    def _remote_lease(self, engine: str, variant: str, server: str) -> Lease:
+        model = self._remote.get((engine, variant))
+        if model is None:
+            model = self._remote[(engine, variant)] = _Model(engine, variant)
+            model.loaded = True
+            self.log.info("{engine} ({variant}) is served by {server}", engine=engine, variant=variant, server=server)
+        model.server = server
+        model.leases += 1
+        model.last_used = self._clock.seconds()
+        return Lease(self, model)
 
     def record_size(self, engine: str, variant: str, size_bytes: int | None) -> None:
         """
@@ -339,10 +376,17 @@ class Residency:
         What the manager holds about C{engine}: whether its model is resident, which
         variant, how many streams hold it, and its size where measured.
         """
+        state: dict[str, Any]
         model = self._models.get(engine)
         if model is None:
-            return {"resident": False, "leases": 0}
-        state: dict[str, Any] = {
+            state = {"resident": False, "leases": 0}
+            served = sorted((m for (name, _), m in self._remote.items() if name == engine), key=lambda m: m.last_used)
+            if served:
+                # Nothing on this box; what is served elsewhere, the last used last.
+                state["served"] = {m.variant: m.server for m in served}
+                state["leases"] = sum(m.leases for m in served)
+            return state
+        state = {
             "resident": True,
             "variant": model.variant,
             "leases": model.leases,
@@ -380,6 +424,15 @@ class Residency:
             if model.size_bytes is not None:
                 entry["sizeBytes"] = model.size_bytes
             models.append(entry)
+        for model in sorted(self._remote.values(), key=lambda m: (m.engine, m.variant)):
+            models.append({
+                "engine": model.engine,
+                "variant": model.variant,
+                "leases": model.leases,
+                "lastUsedAt": iso_utc(model.last_used),
+                "keepAliveSeconds": -1,
+                "server": model.server,
+            })
         return {
             "resident": len(self._models),
             "max": self._settings.max_resident_models(),
@@ -518,6 +571,10 @@ class Residency:
         return Lease(self, model)
 
     def _released(self, model: _Model) -> None:
+        if model.server is not None:
+            model.leases -= 1
+            model.last_used = self._clock.seconds()
+            return
         if self._models.get(model.engine) is not model:
             return  # its worker has gone since
         model.leases -= 1
@@ -617,3 +674,16 @@ def _shielded(running: Deferred[_T], orphaned: Callable[[Failure], None]) -> Def
 
     running.addBoth(deliver)
     return out
+
+
+def served_elsewhere_refusal(engine: str, served: dict[str, str]) -> Unsupported:
+    """
+    What an unload of an engine whose models are served elsewhere answers: there is
+    nothing here to give back, and the server that holds them is not this core's.
+    """
+    where = ", ".join(f"{variant} on {server}" for variant, server in sorted(served.items()))
+    return Unsupported(
+        f'engine "{engine}" speaks through models served elsewhere ({where}); this server holds '
+        "none of their memory and cannot unload them: the server that runs them does",
+        field="engine",
+    )

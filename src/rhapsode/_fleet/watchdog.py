@@ -9,6 +9,11 @@ answers; one that leaves it unanswered for C{patience} seconds is stopped (SIGST
 deadlocked or gone.  A local one is then killed through its supervisor, which ends its
 streams, forgets its model and starts a new one on the next request; a remote one has
 its connections aborted and is refused (503, retryable) until it answers again.
+
+A worker that answers may still say, in its health's C{unreachable}, that the server one
+of its variants is served by (vLLM-Omni on another box) does not answer it: that variant
+is fenced the same way, refused (503, retryable) without a lease, until a later check
+finds it reachable again.  The worker is not killed for it, since it is not what is down.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class Watchdog:
         question = ensureDeferred(handle.client.json(b"GET", "/health"))
         question.addTimeout(self._patience, self._clock)
         try:
-            code, _ = await question
+            code, health = await question
         except (DeferredTimeout, CancelledError):
             # Timed out, or cancelled by a stop (then there is nobody left to tell).
             if self._loop.running:
@@ -86,6 +91,23 @@ class Watchdog:
                 handle.forget_capabilities()
             handle.answering = True
             handle.unresponsive = None
+        if code == 200 and isinstance(health, dict):
+            self._fence(handle, health.get("unreachable"))
+
+    def _fence(self, handle: EngineHandle, told: object) -> None:
+        """
+        Fence the variants whose server the worker cannot reach, and lift the fence from
+        those it reaches again.
+        """
+        unreachable = {
+            str(variant): str(why) for variant, why in (told.items() if isinstance(told, dict) else ())
+        }
+        for variant in sorted(unreachable.keys() - handle.unreachable.keys()):
+            self.log.error("engine {engine} cannot reach the server of {variant}: {why}",
+                           engine=handle.id, variant=variant, why=unreachable[variant])
+        for variant in sorted(handle.unreachable.keys() - unreachable.keys()):
+            self.log.info("engine {engine} reaches the server of {variant} again", engine=handle.id, variant=variant)
+        handle.unreachable = unreachable
 
     def _unanswered(self, handle: EngineHandle, why: str) -> None:
         supervisor: Any = handle.supervisor

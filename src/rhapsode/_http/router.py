@@ -25,12 +25,13 @@ from rhapsode_protocol.errors import Conflict, Forbidden, Internal, Unsupported
 from rhapsode_protocol.http.answers import InFlight, answer, error_response, json_response, read_json
 
 from .._fleet.catalog import Catalog
+from .._fleet.cluster import ClusterView
 from .._fleet.registry import EngineHandle, Registry
-from .._fleet.residency import Residency
+from .._fleet.residency import Residency, served_elsewhere_refusal
 from .._interfaces import IPublicRoutes, ISpeech, Utterance
 from .._speech.metrics import CONTENT_TYPE as METRICS_TYPE
 from .._speech.metrics import Metrics
-from .._speech.relay import ERROR_LIMIT
+from .._speech.relay import ERROR_LIMIT, remote_server
 from .._upstream import collect
 from .sinks import HttpSink, timed_sink
 from .site import CoreRequest, admitted_of, require_guard
@@ -65,8 +66,11 @@ class CoreApp:
         version: str,
         contract_version: int,
         metrics_public: bool = False,
+        cluster: ClusterView | None = None,
     ) -> None:
         self.registry = registry
+        #: At a cluster's front, what the cluster's nodes last said of themselves.
+        self.cluster = cluster
         self.residency = residency
         self.speech = speech
         self.catalog = catalog
@@ -128,12 +132,23 @@ class CoreApp:
         summary.update(handle.health())
         # Section 9's pair, read when the engine was declared: nothing is asked per request.
         summary.update(self.catalog.versions(handle.id))
+        if handle.elsewhere and self.cluster is not None:
+            # A cluster's nodes own its models: what they last said, from memory.
+            holding = self.cluster.holding(handle.id)
+            summary["model"] = "loaded" if holding else "unloaded"
+            summary["nodes"] = holding
+            return summary
         # Model state is the residency manager's, so /health, /engines and /residency agree.
         model = self.residency.state(handle.id)
         summary["model"] = "unloaded"
         if model["resident"]:
             summary["model"] = "loaded" if model["loaded"] else "loading"
             summary["variant"] = model["variant"]
+            summary["leases"] = model["leases"]
+        elif model.get("served"):
+            # Served elsewhere and spoken with: loaded as far as this core can tell.
+            summary["model"] = "loaded"
+            summary["variant"] = list(model["served"])[-1]
             summary["leases"] = model["leases"]
         return summary
 
@@ -164,7 +179,9 @@ class CoreApp:
     def _health(self, request: IRequest) -> bytes:
         engines = self.engines()
         residency = self.residency.snapshot()
-        degraded = any(e["process"] == "failed" or h.unresponsive for e, h in zip(engines, self.registry))
+        degraded = any(
+            e["process"] == "failed" or h.unresponsive or h.unreachable for e, h in zip(engines, self.registry)
+        )
         return json_response(
             request,
             200,
@@ -184,13 +201,32 @@ class CoreApp:
         request.setHeader(b"Content-Type", METRICS_TYPE)
         return self.metrics.render()
 
+    def residency_document(self) -> dict[str, Any]:
+        """
+        GET /residency: the core's own state and, at a cluster's front, every node's as
+        it last said, each model tagged with its node.
+        """
+        snapshot = self.residency.snapshot()
+        if self.cluster is not None and self.cluster.urls:
+            nodes = self.cluster.summaries()
+            snapshot["models"] = snapshot["models"] + self.cluster.models()
+            for key in ("resident", "max", "waiting"):
+                snapshot[key] += sum(node[key] for node in nodes)
+            snapshot["nodes"] = nodes
+        return snapshot
+
     def _residency(self, request: IRequest) -> bytes:
         # The core's own state: spawns nothing, loads nothing, waits on no worker.
-        return json_response(request, 200, self.residency.snapshot())
+        return json_response(request, 200, self.residency_document())
 
     def _catalog(self, request: IRequest) -> bytes:
         # Open to everybody (protocol.md section 10): it only reads.
-        return json_response(request, 200, self.catalog.entries())
+        entries = self.catalog.entries()
+        if self.cluster is not None:
+            for entry in entries:
+                if entry["id"] in self.registry and self.registry.get(entry["id"]).elsewhere:
+                    entry["nodes"] = self.cluster.offering(entry["id"])
+        return json_response(request, 200, entries)
 
     def _openapi(self, request: IRequest) -> bytes:
         # Generated from the contract and the route table at the running version: it
@@ -212,6 +248,11 @@ class CoreApp:
                 raise Conflict(
                     f'engine "{engine.id}" is receiving a voice upload; unload it once that has finished'
                 )
+            caps = engine.cached_capabilities()
+            served = {v: remote_server(caps, v) for v in caps["variants"]} if caps is not None else {}
+            if served and all(served.values()):
+                # Every model it has lives elsewhere: nothing here to give back.
+                raise served_elsewhere_refusal(engine.id, {v: s or "" for v, s in served.items()})
             await self.residency.unload(engine.id, raw.decode("utf-8", "replace")[:20])
             return json_response(request, 200, self.summary(engine))
 

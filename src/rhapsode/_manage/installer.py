@@ -519,6 +519,8 @@ class EngineHost(Protocol):
 
     def operator_engines(self) -> set[str]: ...
 
+    def cluster_of(self, engine_id: str) -> str | None: ...
+
     def declare(self, engine_id: str, entry: Mapping[str, Any]) -> None: ...
 
     def retire(self, engine_id: str) -> "Deferred[None]": ...
@@ -673,6 +675,10 @@ class Installer:
         """
         record = self._record(engine_id)
         self._database()
+        cluster = self.host.cluster_of(engine_id)
+        if cluster is not None:
+            raise Conflict(f'engine "{engine_id}" runs on the cluster at {cluster}: install it on every node '
+                           "(rhapsode install --url http://NODE:PORT on each), not on its front", field="engine")
         if engine_id in self.host.operator_engines():
             raise Conflict(f'engine "{engine_id}" is configured in the operator\'s config file; '
                            "it is theirs to change there", field="engine")

@@ -28,6 +28,7 @@ from zope.interface import implementer
 from rhapsode_protocol.errors import ERROR_TABLE
 from rhapsode_protocol.http.answers import InFlight
 
+from .._fleet.cluster import ClusterView
 from .._fleet.registry import Registry
 from .._fleet.residency import Residency
 from .._interfaces import IResidencyObserver
@@ -96,6 +97,7 @@ class Metrics:
         residency: Residency,
         turnstile: Turnstile,
         requests: InFlight,
+        cluster: ClusterView | None = None,
     ) -> None:
         # The _created series say when a label set was first seen, which nobody reads.
         disable_created_metrics()
@@ -129,7 +131,7 @@ class Metrics:
         self.jobs = Counter(
             "rhapsode_install_jobs", "Install, reinstall and pull jobs finished, by kind, engine and outcome.",
             ["kind", "engine", "outcome"], registry=registry)
-        registry.register(_StateCollector(self.engines, residency, turnstile, requests))
+        registry.register(_StateCollector(self.engines, residency, turnstile, requests, cluster))
 
     def engine_label(self, engine_id: str) -> str:
         return engine_id if engine_id in self.engines else UNKNOWN
@@ -182,11 +184,19 @@ class _StateCollector(Collector):
     What is a state rather than an event, read from the core at scrape time.
     """
 
-    def __init__(self, engines: Registry, residency: Residency, turnstile: Turnstile, requests: InFlight) -> None:
+    def __init__(
+        self,
+        engines: Registry,
+        residency: Residency,
+        turnstile: Turnstile,
+        requests: InFlight,
+        cluster: ClusterView | None = None,
+    ) -> None:
         self._engines = engines
         self._residency = residency
         self._turnstile = turnstile
         self._requests = requests
+        self._cluster = cluster
 
     def collect(self) -> Iterator[Metric]:
         speaking = GaugeMetricFamily("rhapsode_requests_speaking", "Speech requests holding a turn, by engine.",
@@ -222,3 +232,21 @@ class _StateCollector(Collector):
         in_flight = GaugeMetricFamily("rhapsode_requests_in_flight", "Requests being answered, every route.",
                                       value=float(self._requests.count))
         yield from (speaking, queued, up, restarts, resident, size, leases, in_flight)
+        if self._cluster is not None and self._cluster.urls:
+            yield from self._nodes(self._cluster)
+
+    def _nodes(self, cluster: ClusterView) -> Iterator[Metric]:
+        # At a cluster's front: each node as it last said (names are the directory's).
+        answering = GaugeMetricFamily("rhapsode_cluster_node_up", "1 where a cluster node answered its last ask.",
+                                      labels=["node"])
+        resident = GaugeMetricFamily("rhapsode_cluster_model_resident", "1 for each model resident on a node.",
+                                     labels=["node", "engine", "variant"])
+        leases = GaugeMetricFamily("rhapsode_cluster_model_leases", "Requests holding a model, by node.",
+                                   labels=["node", "engine", "variant"])
+        for node in cluster.summaries():
+            answering.add_metric([node["node"]], 1.0 if node["answering"] else 0.0)
+        for model in cluster.models():
+            labels = [model["node"], model["engine"], model["variant"]]
+            resident.add_metric(labels, 1.0)
+            leases.add_metric(labels, float(model.get("leases", 0)))
+        yield from (answering, resident, leases)

@@ -6,8 +6,9 @@ once its model is resident, and making it resident may evict another engine's mo
 (section 3).  So everything the capability document lets the core decide is decided
 here, against the effective variant, before a residency lease is taken: the variant
 exists, the format is produced, the language is spoken, every dial is known and in
-range, the text has something to say and fits the ceiling, and for a dialogue the
-variant performs one with that many speakers.  What the core alone applies happens here
+range, the text has something to say and fits the ceiling, instructions go only to a
+variant that declares them (section 4), and for a dialogue the variant performs one with
+that many speakers.  What the core alone applies happens here
 too: cues the variant does not claim are stripped and an unclaimed delivery dropped.
 
 Whether a voice exists is the worker's to say (it owns its voice store); the router asks
@@ -24,7 +25,7 @@ import math
 from typing import Any, Mapping
 
 from rhapsode_protocol.errors import BadRequest, Unsupported
-from rhapsode_protocol.validation import check_voice_id, choose_language
+from rhapsode_protocol.validation import check_instructions, check_voice_id, choose_language
 from rhapsode_protocol.vocab import clean_text, is_speakable
 
 __all__ = ["check_timestamps", "forward_dialogue", "forward_speak", "voices_to_check"]
@@ -107,6 +108,8 @@ def forward_speak(body: Mapping[str, Any], caps: Mapping[str, Any], variant: str
         raise BadRequest(f"text is {len(text)} characters; the most is {ceiling}", field="text")
     if forward.get("delivery") not in performs.get("deliveries", ()):
         forward.pop("delivery", None)
+    # Refused, never dropped, where the variant takes none: the client believes it asked.
+    check_instructions(body.get("instructions"), performs.get("instructions"), variant)
     return forward
 
 

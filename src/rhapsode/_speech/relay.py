@@ -58,6 +58,7 @@ __all__ = [
     "SpeechRelay",
     "StreamRelay",
     "buffered_limit",
+    "remote_server",
 ]
 
 #: Under this many bytes a body is not audio, whatever its status said.
@@ -93,6 +94,16 @@ def _duration_ms(fmt: str, native: Mapping[str, Any], byte_count: int) -> int | 
     if fmt == "wav":
         return round((max(byte_count - 44, 0) // frame) * 1000 / rate)
     return None
+
+
+def remote_server(caps: Mapping[str, Any], variant: str) -> str | None:
+    """
+    Where C{variant}'s model is served, for one served elsewhere (its capability's
+    C{remote.server}); None for a model its worker loads.
+    """
+    remote = caps.get("variants", {}).get(variant, {}).get("remote")
+    server = remote.get("server") if isinstance(remote, Mapping) else None
+    return server if isinstance(server, str) and server else None
 
 
 def buffered_limit(caps: Mapping[str, Any], variant: str, turns: int = 1) -> int:
@@ -245,7 +256,7 @@ class SpeechRelay:
                 raise BadRequest("this route's answer has no place for timestamps", field="timestamps")
             # In frames: the audio as it is, beside the timings (rhapsode._speech.timed).
             extra[b"Accept"] = [WORKER_ACCEPT]
-        async with self._speaking(engine, variant, keep_alive):
+        async with self._speaking(engine, variant, keep_alive, remote_server(caps, variant)):
             response = await self._ask(engine, sink.finished, b"POST", path, body, extra)
             if not self._answered(engine, variant, response.code):
                 await self._relay_error(response)
@@ -268,7 +279,7 @@ class SpeechRelay:
         """
         A voice's preview, which speaks, so takes a turn and a lease as speech does.
         """
-        async with self._speaking(engine, variant, None):
+        async with self._speaking(engine, variant, None, remote_server(caps, variant)):
             response = await self._ask(
                 engine, sink.finished, b"GET", f"/voices/{voice_id}/preview", None, _elsewhere(engine, variant, None)
             )
@@ -276,11 +287,15 @@ class SpeechRelay:
             await self.buffered(sink, response, buffered_limit(caps, variant))
 
     @asynccontextmanager
-    async def _speaking(self, handle: EngineHandle, variant: str, keep_alive: int | None) -> AsyncIterator[None]:
+    async def _speaking(
+        self, handle: EngineHandle, variant: str, keep_alive: int | None, server: str | None = None
+    ) -> AsyncIterator[None]:
         """
-        A turn on the engine, then a lease on its model in C{variant}, both held until
-        the block ends, however it ends; neither for an engine whose models are another
-        core's to keep (a cluster's nodes take their own).
+        A turn on the engine, then a lease on its model in C{variant} (outside the budget
+        for a model served elsewhere, on C{server}), both held until the block ends,
+        however it ends; neither for an engine whose models are another core's to keep
+        (a cluster's nodes take their own).  The turn is what keeps a remote server from
+        more of this core's requests at once than the engine's limits allow.
         """
         if handle.elsewhere:
             yield
@@ -288,7 +303,7 @@ class SpeechRelay:
         engine = handle.id
         turn = await self.turnstile.enter(engine)
         try:
-            lease = await self.residency.acquire(engine, variant, keep_alive)
+            lease = await self.residency.acquire(engine, variant, keep_alive, server)
             try:
                 yield
             finally:

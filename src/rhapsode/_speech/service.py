@@ -25,7 +25,7 @@ from .._fleet.residency import Residency
 from .._interfaces import IAudioSink, ISpeech, Prepared, Utterance
 from .metrics import Metrics
 from .preflight import forward_dialogue, forward_speak, voices_to_check
-from .relay import SpeechRelay
+from .relay import SpeechRelay, remote_server
 
 __all__ = ["SpeechService"]
 
@@ -54,7 +54,8 @@ class SpeechService:
         variant = engine.effective_variant(body.get("variant"), self.resident(engine.id))
         forward = forward_dialogue if utterance.dialogue else forward_speak
         forwarded = forward(body, caps, variant)
-        await self._check_voices(engine, forwarded)
+        engine.check_reachable(forwarded["variant"])
+        await self._check_voices(engine, forwarded, caps)
         return Prepared(utterance, caps, variant, forwarded)
 
     async def speak(self, sink: IAudioSink, utterance: Utterance) -> None:
@@ -88,7 +89,7 @@ class SpeechService:
             if forwarded["variant"] not in caps.get("variants", {}):
                 known = ", ".join(sorted(caps.get("variants", {})))
                 raise Unsupported(f'no variant "{forwarded["variant"]}" (variants: {known})', field="variant")
-            await self._check_voices(engine, forwarded)
+            await self._check_voices(engine, forwarded, caps)
             path = "/dialogue" if dialogue else "/speak"
             await self._relay.dispatch(sink, engine, path, forwarded, caps, keep_alive, measured)
         except CancelledError:
@@ -104,20 +105,24 @@ class SpeechService:
         engine = self._registry.get(engine_id)
         caps = await engine.capabilities()
         variant = engine.effective_variant(None, self.resident(engine.id))
+        engine.check_reachable(variant)
         # A preview speaks: an unknown voice is refused before it costs a load.
-        await self._check_voices(engine, {"voice": voice_id, "variant": variant})
+        await self._check_voices(engine, {"voice": voice_id, "variant": variant}, caps)
         await self._relay.preview(sink, engine, voice_id, caps, variant)
 
-    async def _check_voices(self, engine: EngineHandle, forward: Mapping[str, Any]) -> None:
+    async def _check_voices(self, engine: EngineHandle, forward: Mapping[str, Any], caps: Mapping[str, Any]) -> None:
         """
         Ask the worker whether the voices a request names exist, when finding out at
         the worker would first cost a load: a model that is already resident in the
-        variant asked for loses nothing, and its worker refuses an unknown voice itself.
+        variant asked for loses nothing, and its worker refuses an unknown voice itself,
+        as does one whose model is served elsewhere (its load costs nothing here).
         """
         wanted = voices_to_check(forward)
         model = self._residency.state(engine.id)
         if not wanted or engine.elsewhere or (model["resident"] and model["variant"] == forward["variant"]):
             # A cluster's node checks for itself, knowing what its card holds.
+            return
+        if remote_server(caps, forward["variant"]) is not None:
             return
         client = await engine.ready()
         code, voices = await client.json(b"GET", "/voices")

@@ -63,17 +63,19 @@ class OpenAITranslation:
         """
         The C{/speak} body a checked OpenAI request becomes (section 11's table).
 
-        @raise Unsupported: non-empty instructions, aac, or a speed other than 1 on a
-            variant with no speed dial.
+        Non-empty C{instructions} are passed on as the native field, which the preflight
+        refuses (unsupported) for a variant that declares none; OpenAI's empty string is
+        its default, nothing asked.
+
+        @raise Unsupported: aac, or a speed other than 1 on a variant with no speed dial.
         """
         engine_id, variant = self.resolve_model(body["model"])
         fmt = body.get("response_format", "mp3")
         if fmt == "aac":
             raise Unsupported('response_format "aac" is not produced by any engine here', field="response_format")
-        if body.get("instructions"):
-            raise Unsupported("instructions are not supported: no engine here takes a spoken direction in prose",
-                              field="instructions")
         native: dict[str, Any] = {"engine": engine_id, "text": body["input"], "format": fmt, "stream": stream}
+        if body.get("instructions"):
+            native["instructions"] = body["instructions"]
         if variant is not None:
             native["variant"] = variant
         voice = _voice(body.get("voice"))

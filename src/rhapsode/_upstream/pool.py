@@ -145,11 +145,8 @@ class WorkerClient:
     over kept-alive connections (at most L{MAX_IDLE} of them idle).
     """
 
-    def __init__(self, reactor: Any, address: str, headers: Mapping[bytes, list[bytes]] | None = None) -> None:
+    def __init__(self, reactor: Any, address: str) -> None:
         self.address = address
-        #: Sent with every request, before the request's own (which win): a cluster's
-        #: upstream names the engine its requests are for.
-        self._headers = dict(headers or {})
         self._idle: list[Connection] = []
         #: Every connection open to the worker, idle or carrying a request.
         self._open: set[Connection] = set()
@@ -215,9 +212,7 @@ class WorkerClient:
         length = None if body is None else body.length
         if length is None and method in (b"POST", b"PUT"):
             length = 0
-        head = encode_request(
-            method, self._prefix + path.encode("utf-8"), self._host, {**self._headers, **(headers or {})}, length
-        )
+        head = encode_request(method, self._prefix + path.encode("utf-8"), self._host, dict(headers or {}), length)
         payload: Any = body.data if isinstance(body, BytesProducer) else body
         retry = method in _REPEATABLE and body is None
         attempt = _Attempt(self, method, head, payload, retry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import time
 import zlib
 from array import array
 from dataclasses import dataclass, replace
@@ -98,6 +99,39 @@ def _little_endian(pcm: bytes) -> bytes:
     return swapped.tobytes()
 
 
+#: Seconds of wall time each second of audio takes, where the operator asked tone to be a
+#: fixed-cost engine (engines.<id>.env); 0, the default, is as fast as arithmetic goes.
+PACE_VARIABLE = "RHAPSODE_TONE_PACE"
+
+
+def pace_of(environ: Mapping[str, str]) -> float:
+    """
+    The pace asked for in C{environ}: a number from 0 to 10.
+
+    @raise ValueError: naming the variable, when it is anything else.
+    """
+    raw = environ.get(PACE_VARIABLE, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        pace = float(raw)
+    except ValueError:
+        pace = -1.0
+    if not 0.0 <= pace <= 10.0:
+        raise ValueError(f"{PACE_VARIABLE} must be a number from 0 to 10, not {raw!r}")
+    return pace
+
+
+def _paced(chunks: Iterator[bytes | Timing], pace: float) -> Iterator[bytes | Timing]:
+    # On the synthesis thread: each chunk costs its length in audio times the pace, as
+    # a model would that runs at a fixed speed whatever the cores (bench/cluster.py); a
+    # timing costs nothing.
+    for chunk in chunks:
+        if not isinstance(chunk, Timing):
+            time.sleep(len(chunk) / 2 / SAMPLE_RATE * pace)
+        yield chunk
+
+
 def _chunked(pieces: Iterable[bytes | Timing]) -> Iterator[bytes | Timing]:
     buffer = bytearray()
     for piece in pieces:
@@ -146,8 +180,13 @@ class ToneEngine(Engine):
         return _VARIANTS
 
     def load(self, variant: str) -> None:
+        pace_of(self.context.environ)  # a pace that cannot be read fails the load, not a request
         brightnesses = tuple(sorted({v.brightness for v in BUILTINS.values()}))
         self._palette = Palette(tuple(_VARIANTS[variant].languages), brightnesses)
+
+    def _pace(self, chunks: Iterator[bytes | Timing]) -> Iterator[bytes | Timing]:
+        pace = pace_of(self.context.environ)
+        return _paced(chunks, pace) if pace else chunks
 
     def unload(self) -> None:
         # Also called after a failed load, which may have set nothing.
@@ -177,7 +216,7 @@ class ToneEngine(Engine):
         events = parse(request.text, frozenset(variant.cues))
         rng = _generator(request.seed)
         # Everything that can refuse the request has run by now, before the first byte.
-        return _chunked(reader.perform(events, rng, request.timestamps))
+        return self._pace(_chunked(reader.perform(events, rng, request.timestamps)))
 
     def dialogue(self, request: DialogueRequest) -> Iterator[bytes | Timing]:
         palette = self._palette
@@ -213,7 +252,7 @@ class ToneEngine(Engine):
                         samples += len(piece) // 2
                         yield piece
 
-        return _chunked(conversation())
+        return self._pace(_chunked(conversation()))
 
     def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
         if reference.extension.lower() != "wav":

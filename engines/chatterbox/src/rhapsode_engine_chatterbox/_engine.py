@@ -1,0 +1,292 @@
+"""
+The Chatterbox engine's adapter: Resemble AI's Chatterbox (English), through chatterbox-tts
+on torch, on the device the core gives the worker.
+
+The model is three networks and a tokenizer, loaded by chatterbox-tts's own
+C{ChatterboxTTS.from_local} from a snapshot of C{ResembleAI/chatterbox} pinned to one
+commit, fetched through the hub's client (L{rhapsode_worker.hub}): a 0.5B Llama (T3)
+makes speech tokens from text, S3Gen makes 24 kHz audio from them, a voice encoder and
+conditioning taken from a reference clip give the voice.  Every output passes through
+Resemble's Perth watermarker inside C{generate()}: the watermark is imperceptible and is
+in every file this engine makes.
+
+Voices: the repository's built-in voice (C{conds.pt}) as C{default}, and clones from an
+uploaded clip of 5 to 20 seconds.  A clone stores the clip only; its conditioning is
+computed at its first speak, under the model's lease (section 7), and kept while the
+model is loaded.
+
+Dials: exaggeration, cfgWeight and temperature, passed to C{generate()} as they are.
+Deliveries are relative to the request's own dials (section 5): hushed halves the
+exaggeration, frantic raises it by half and lowers the CFG weight, which is what the
+model's authors suggest for faster, more dramatic reading.
+
+One generation stops at 1000 speech tokens (40 s), C{generate()}'s own limit;
+C{RHAPSODE_CHATTERBOX_MAX_TOKENS} lowers it, which is how the tests bound a model of
+random weights, whose stop token never comes.  Text is split at 300 characters (about
+19 s at an ordinary pace) by the SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from rhapsode_worker import (
+    Engine,
+    Internal,
+    License,
+    ModelUnavailable,
+    NativeFormat,
+    Reference,
+    SpeakRequest,
+    Unsupported,
+    Variant,
+    Voice,
+)
+from rhapsode_worker.audioref import decode_reference
+from rhapsode_worker.clips import ClipStore
+from rhapsode_worker.devices import TorchDevice, seeded
+from rhapsode_worker.hub import HubSnapshot, fetch, local
+from twisted.logger import Logger
+
+if TYPE_CHECKING:
+    from chatterbox.tts import ChatterboxTTS
+
+log = Logger(namespace="rhapsode_engine_chatterbox")
+
+VARIANT = "original"
+SAMPLE_RATE = 24_000
+DEFAULT_VOICE = "default"
+#: The speech tokens one generate() may make: its own hard-coded limit (40 s of audio).
+MAX_TOKENS = 1000
+MAX_TOKENS_VARIABLE = "RHAPSODE_CHATTERBOX_MAX_TOKENS"
+REFERENCE_SECONDS = (5.0, 20.0)
+
+#: ResembleAI/chatterbox at the commit chatterbox-tts 0.1.7's English files were
+#: published with (its ve, t3_cfg and s3gen safetensors, tokenizer.json and conds.pt).
+SNAPSHOTS: dict[str, HubSnapshot] = {
+    VARIANT: HubSnapshot(
+        repo="ResembleAI/chatterbox",
+        revision="5bb1f6ee58e50c3b8d408bc82a6d3740c2db6e18",
+        files=("ve.safetensors", "t3_cfg.safetensors", "s3gen.safetensors", "tokenizer.json", "conds.pt"),
+    ),
+}
+
+_VARIANTS: dict[str, Variant] = {
+    VARIANT: Variant(
+        deliveries=("hushed", "frantic"),
+        dials={
+            "exaggeration": (0.25, 2.0, 0.5),
+            "cfgWeight": (0.0, 1.0, 0.5),
+            "temperature": (0.05, 5.0, 0.8),
+        },
+        languages=("en",),
+        max_speakers=0,
+        blends=False,
+        seed_reproducible=True,
+        reference_seconds=REFERENCE_SECONDS,
+    ),
+}
+
+
+def delivered(delivery: str | None, params: Mapping[str, float]) -> tuple[float, float]:
+    """
+    The exaggeration and CFG weight a delivery reads at, relative to the request's.
+    """
+    exaggeration, cfg = float(params["exaggeration"]), float(params["cfgWeight"])
+    if delivery == "hushed":
+        return max(0.25, exaggeration * 0.5), cfg
+    if delivery == "frantic":
+        return min(2.0, exaggeration * 1.5), cfg * 0.6
+    return exaggeration, cfg
+
+
+def max_tokens(environ: Mapping[str, str]) -> int:
+    raw = environ.get(MAX_TOKENS_VARIABLE, "").strip()
+    if not raw:
+        return MAX_TOKENS
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_TOKENS:
+        raise ValueError(f"{MAX_TOKENS_VARIABLE} must be 1 to {MAX_TOKENS}, not {raw!r}")
+    return int(raw)
+
+
+class ChatterboxEngine(Engine):
+    """
+    Chatterbox (English): its built-in voice, clones from a clip, three dials, two
+    deliveries; watermarked.
+    """
+
+    id = "chatterbox"
+    display_name = "Chatterbox"
+    license = License(
+        code="MIT",
+        weights="MIT",
+        weights_commercial_use=True,
+        notes=(
+            "chatterbox-tts and its weights (ResembleAI/chatterbox) are MIT; torch BSD-3-Clause, "
+            "transformers and diffusers Apache-2.0, librosa ISC, resemble-perth MIT. Every output "
+            "carries Resemble AI's imperceptible Perth watermark, applied inside chatterbox-tts's "
+            "generate(). pykakasi (GPL-3.0-or-later), a dependency of chatterbox-tts for Japanese, is "
+            "never imported by this English variant."
+        ),
+    )
+    native_format = NativeFormat(sample_rate=SAMPLE_RATE)
+    default_variant = VARIANT
+    adapter_version = version("rhapsode-engine-chatterbox")
+    upstream_version = version("chatterbox-tts")
+    segment_characters = 300
+    joint_silence_ms = 100
+    reference_formats = ("wav", "flac", "mp3", "ogg")
+
+    def __init__(self, environ: Mapping[str, str] | None = None, device: TorchDevice | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self._cap = max_tokens(self._environ)
+        # Before serving: the device is resolved once, and /health never asks it again.
+        self._device = device if device is not None else TorchDevice.probe(self._environ)
+        self._model: ChatterboxTTS | None = None
+        self._conds: dict[str, Any] = {}
+        self._builtin: Any = None
+
+    # -- the model ------------------------------------------------------------------------
+
+    def variants(self) -> Mapping[str, Variant]:
+        return _VARIANTS
+
+    def fetch(self, variant: str) -> None:
+        fetch(self._snapshot(variant), self._environ)
+
+    def load(self, variant: str) -> None:
+        snapshot = self._snapshot(variant)
+        folder = local(snapshot, self._environ) or fetch(snapshot, self._environ)
+        # Imported here: a worker answers its handshake and lists voices without torch's
+        # model code, and torchaudio must be told first that it runs without its native half.
+        from . import _torchaudio
+
+        if _torchaudio.install():
+            log.info("torchaudio {audio} does not match torch {torch}: its native extensions are left "
+                     "out, and the Python half chatterbox-tts uses is what runs",
+                     audio=version("torchaudio"), torch=version("torch"))
+        from chatterbox.tts import ChatterboxTTS
+
+        started = time.monotonic()
+        with self._device.cores():
+            model = self._device.measured(lambda: ChatterboxTTS.from_local(folder, self._device.name))
+        if model.watermarker is None:
+            raise Internal("resemble-perth gave no watermarker (it needs setuptools<81 for pkg_resources)")
+        self._cap_tokens(model)
+        self._model = model
+        self._builtin = model.conds
+        log.info("{variant} loaded from {folder} on {device} in {seconds:.1f} s, at most {cap} speech "
+                 "tokens a generation", variant=variant, folder=str(folder), device=self._device.name,
+                 seconds=time.monotonic() - started, cap=self._cap)
+
+    def _cap_tokens(self, model: "ChatterboxTTS") -> None:
+        # generate() passes max_new_tokens=1000 itself, so a lower cap has to be applied
+        # where T3 receives it: on this model object, not in the library's files.
+        if self._cap >= MAX_TOKENS:
+            return
+        real, cap = model.t3.inference, self._cap
+
+        def capped(*args: Any, **kwargs: Any) -> Any:
+            kwargs["max_new_tokens"] = min(int(kwargs.get("max_new_tokens", cap)), cap)
+            return real(*args, **kwargs)
+
+        model.t3.inference = capped
+
+    def unload(self) -> None:
+        def drop() -> None:
+            self._model = None
+            self._builtin = None
+            self._conds.clear()
+
+        self._device.release(drop)
+
+    def memory_bytes(self) -> int | None:
+        return self._device.model_bytes
+
+    # -- speaking -------------------------------------------------------------------------
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        model = self._loaded(request.variant)
+        import numpy as np
+        import torch
+        from chatterbox.tts import Conditionals
+
+        exaggeration, cfg = delivered(request.delivery, request.params)
+        with self._device.cores():
+            seeded(request.seed)
+            conds = self._conditionals(model, request.voice or DEFAULT_VOICE, exaggeration)
+            # generate() replaces conds.t3 when the exaggeration changes: a copy each time,
+            # so a voice's stored conditioning is never altered by a request.
+            model.conds = Conditionals(conds.t3, conds.gen)
+            with torch.inference_mode():
+                wav = model.generate(request.text, exaggeration=exaggeration, cfg_weight=cfg,
+                                     temperature=float(request.params["temperature"]))
+        samples = wav.squeeze(0).detach().cpu().numpy()
+        pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2")
+        return iter((pcm.tobytes(),))
+
+    def _conditionals(self, model: "ChatterboxTTS", voice: str, exaggeration: float) -> Any:
+        if voice == DEFAULT_VOICE:
+            if self._builtin is None:
+                raise Internal("the snapshot has no built-in voice (conds.pt)")
+            return self._builtin
+        stored = self._store().get(voice)
+        key = stored.voice.spec
+        if key not in self._conds:
+            import numpy as np
+            import soundfile
+
+            # prepare_conditionals() reads a file with librosa; the clip as stored, 24 kHz.
+            folder = self._device_scratch()
+            path = folder / f"{voice}.wav"
+            soundfile.write(path, np.frombuffer(stored.samples().tobytes(), dtype="<f4"), stored.rate)
+            try:
+                model.prepare_conditionals(str(path), exaggeration=exaggeration)
+            finally:
+                path.unlink(missing_ok=True)
+            self._conds[key] = model.conds
+            log.info("conditioning for {voice} computed from its {seconds:.1f} s clip", voice=voice,
+                     seconds=len(stored.samples()) / stored.rate)
+        return self._conds[key]
+
+    def _device_scratch(self) -> Path:
+        folder = Path(self.voice_dir) / ".scratch"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    # -- voices ---------------------------------------------------------------------------
+
+    def voices(self) -> Sequence[Voice]:
+        builtin = Voice(id=DEFAULT_VOICE, label="Chatterbox default",
+                        spec=f"{DEFAULT_VOICE}@{SNAPSHOTS[VARIANT].revision[:12]}",
+                        description="The voice ResembleAI/chatterbox ships (conds.pt)", tags=("en",))
+        return [builtin, *self._store().created()]
+
+    def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
+        if reference.extension not in self.reference_formats:
+            raise Unsupported(f"a reference is one of {', '.join(self.reference_formats)}", field="reference")
+        clip = decode_reference(reference.data, SAMPLE_RATE, REFERENCE_SECONDS)
+        return self._store().save(voice_id, label, clip, reference.filename, reference.transcript)
+
+    def delete_voice(self, voice_id: str) -> None:
+        self._store().delete(voice_id)
+
+    def _store(self) -> ClipStore:
+        return ClipStore(Path(self.voice_dir), frozenset({DEFAULT_VOICE}))
+
+    # -- checks ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _snapshot(variant: str) -> HubSnapshot:
+        if variant not in SNAPSHOTS:
+            raise Unsupported(f"no variant {variant!r}", field="variant")
+        return SNAPSHOTS[variant]
+
+    def _loaded(self, variant: str) -> "ChatterboxTTS":
+        if self._model is None or variant != VARIANT:
+            raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
+        return self._model

@@ -1,0 +1,162 @@
+"""
+How a cluster's router ranks its nodes for one request (docs/cluster.md): by what each
+node reports of its own residency (its C{GET /node}), never by a residency of the
+router's own.  Pure functions of those reports, so they are tested without Ray.
+
+For the model a request is for (C{engine/variant}, or C{engine} alone for a request that
+loads nothing), the ranks are, best first:
+
+  1. nodes that hold it now (or were just sent it, until their next report says so), and
+     are not busy with it (fewer than C{spread_at} leases), fewest leases first;
+  2. nodes with room for it: a free slot (not counting those that models just sent
+     there will take; a node that has not reported yet counts one), and free memory
+     for its measured size where any node has measured it;
+  3. nodes whose least recently used model has no lease, so their own residency can
+     evict it;
+  4. nodes that hold it but are busy with it: a model in demand spreads to a node with
+     room before it waits behind its own requests, and before it evicts another's;
+  5. every other node: the request waits there as section 3 says, and that node's
+     evictionWaitSeconds decides.
+
+Eviction stays with each node's residency manager; a router never evicts by count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, Iterable, Mapping, Sequence, TypeVar
+
+__all__ = ["SPREAD_AT", "Candidate", "NodeReport", "model_of", "rank"]
+
+#: Leases on a model at which the node holding it counts as busy with it, and a node
+#: with room is preferred (a second copy loads there).
+SPREAD_AT = 2
+
+_R = TypeVar("_R")
+
+
+def model_of(model_id: str) -> tuple[str, str | None]:
+    """
+    The engine and variant a routing key names: C{engine/variant}, or C{engine}.
+    """
+    engine, _, variant = model_id.partition("/")
+    return engine, variant or None
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """
+    What one node last said of itself (its C{GET /node}), as the router reads it.
+    """
+
+    engines: frozenset[str] = frozenset()
+    #: (engine, variant) -> leases, for each model resident on the node.
+    resident: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    #: (engine, variant) -> its measured size, where the node measured it.
+    sizes: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    slots: int = 0
+    free_bytes: int | None = None
+    #: The least recently used resident model's leases, or None with nothing resident.
+    lru_leases: int | None = None
+    #: Whether the node has reported at all: one that has not (just started) is taken to
+    #: have one free slot, so a burst at a new cluster spreads over its fresh nodes.
+    known: bool = True
+    #: The node's count of its own reports: a later one has seen what was sent before it.
+    number: int = 0
+
+    @classmethod
+    def read(cls, stats: Mapping[str, Any] | None) -> "NodeReport":
+        """
+        A report from a node's C{GET /node} document; an unknown one (a node that has
+        not reported yet) where there is none.
+        """
+        if not stats:
+            return cls(slots=1, known=False)
+        residency = stats.get("residency") or {}
+        models = [m for m in residency.get("models") or () if isinstance(m, Mapping)]
+        resident = {(str(m["engine"]), str(m["variant"])): int(m.get("leases", 0)) for m in models}
+        sizes = {(str(m["engine"]), str(m["variant"])): int(m["sizeBytes"]) for m in models if m.get("sizeBytes")}
+        oldest = min(models, key=lambda m: str(m.get("lastUsedAt", "")), default=None)
+        memory = stats.get("memory") or {}
+        free = memory.get("freeBytes")
+        return cls(
+            engines=frozenset(str(e) for e in stats.get("engines") or ()),
+            resident=resident,
+            sizes=sizes,
+            slots=int(stats.get("slots", 0)),
+            free_bytes=int(free) if isinstance(free, int) else None,
+            lru_leases=int(oldest.get("leases", 0)) if oldest is not None else None,
+            number=int(stats.get("report", 0)),
+        )
+
+    def holds(self, engine: str, variant: str | None) -> int | None:
+        """
+        The leases on the model resident here (any variant of C{engine} where no
+        variant is named), or None where it is not resident.
+        """
+        leases = [n for (e, v), n in self.resident.items() if e == engine and (variant is None or v == variant)]
+        return min(leases) if leases else None
+
+
+@dataclass
+class Candidate(Generic[_R]):
+    """
+    One node as the ranking sees it: the router's own handle on it and its report.
+    """
+
+    replica: _R
+    report: NodeReport
+    #: The router sent it this model since its last report.
+    sent: bool = False
+    #: Other models the router sent it that its report does not show yet: each will
+    #: take one of the slots the report still counts free.
+    pending: int = 0
+
+
+def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT) -> list[list[_R]]:
+    """
+    The nodes for a request for C{model_id}, in the five ranks above (empty ranks left
+    out), each rank in order of fewest leases.
+    """
+    engine, variant = model_of(model_id)
+    size = _measured(candidates, engine, variant)
+    held: list[tuple[int, Candidate[_R]]] = []
+    busy: list[tuple[int, Candidate[_R]]] = []
+    room: list[Candidate[_R]] = []
+    evictable: list[Candidate[_R]] = []
+    rest: list[Candidate[_R]] = []
+    for candidate in candidates:
+        report = candidate.report
+        leases = report.holds(engine, variant)
+        if leases is not None and leases >= spread_at:
+            busy.append((leases, candidate))
+        elif leases is not None or candidate.sent:
+            held.append((leases or 0, candidate))
+        elif report.slots - candidate.pending > 0 and (
+            size is None or report.free_bytes is None or report.free_bytes >= size
+        ):
+            room.append(candidate)
+        elif report.lru_leases == 0:
+            evictable.append(candidate)
+        else:
+            rest.append(candidate)
+    ranks = [
+        [c.replica for _, c in sorted(held, key=lambda pair: pair[0])],
+        [c.replica for c in _by_leases(room)],
+        [c.replica for _, c in sorted(busy, key=lambda pair: pair[0])],
+        [c.replica for c in _by_leases(evictable)],
+        [c.replica for c in _by_leases(rest)],
+    ]
+    return [r for r in ranks if r]
+
+
+def _by_leases(candidates: Iterable[Candidate[_R]]) -> list[Candidate[_R]]:
+    return sorted(candidates, key=lambda c: sum(c.report.resident.values()))
+
+
+def _measured(candidates: Sequence[Candidate[_R]], engine: str, variant: str | None) -> int | None:
+    for candidate in candidates:
+        for (e, v), size in candidate.report.sizes.items():
+            if e == engine and (variant is None or v == variant):
+                return size
+    return None

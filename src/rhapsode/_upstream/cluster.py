@@ -1,0 +1,133 @@
+"""
+A cluster engine's upstream (docs/cluster.md): each request asks the cluster's Serve app
+where its model should go (C{GET <app>/_route}, which the cluster's residency router
+sends to the best node's replica, which answers with its node core's address), then goes
+to that node core itself, over a kept-alive connection of its own.
+
+Asking through Ray and speaking directly keeps what a worker connection gives: a reader
+that falls behind pauses the node's socket (Ray Serve's proxy buffers a streamed answer
+whole, measured with a client that read nothing), the duration trailer arrives, and a node
+that dies mid-answer cuts the connection, never ending it cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping
+
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.iweb import IBodyProducer
+from zope.interface import implementer
+
+from rhapsode_protocol.errors import ModelUnavailable
+
+from .._interfaces import IWorkerClient
+from .body import collect
+
+__all__ = ["ROUTE_PATH", "ClusterClient"]
+
+#: Where a cluster's Serve app answers which node a request's model should go to.
+ROUTE_PATH = "/_route"
+_ROUTE_LIMIT = 64 * 1024
+#: How long the cluster's answer for a model stands: a request through Ray Serve costs a
+#: proxy hop and two actor calls (20 ms p50 on a loaded 2-core box, bench/cluster.py),
+#: and the node holding a model stays the one to send it to while it is used.  A request
+#: that fails before the node answers drops the answer, so a node that went asks again.
+ROUTE_SECONDS = 1.0
+
+
+@implementer(IWorkerClient)
+class ClusterClient:
+    """
+    Requests for one engine of a cluster: each routed by the cluster, then sent to the
+    node it chose, at that node's C{/worker/<engine>}.
+
+    @param app: the client of the cluster's Serve app (its C{/rhapsode} prefix).
+    @param engine_id: the engine this client's requests are for.
+    @param model_header: the header naming each request's model to the cluster's router.
+    @param node_client: a client of a node core at a URL.
+    """
+
+    def __init__(
+        self,
+        app: IWorkerClient,
+        engine_id: str,
+        model_header: bytes,
+        node_client: Callable[[str], IWorkerClient],
+        clock: IReactorTime | None = None,
+        route_seconds: float = ROUTE_SECONDS,
+    ) -> None:
+        self._app = app
+        self._clock = clock
+        self._route_seconds = route_seconds
+        #: model -> (the node's client, its name, until when the answer stands).
+        self._routes: dict[bytes, tuple[IWorkerClient, str, float]] = {}
+        self.engine_id = engine_id
+        self._model_header = model_header
+        self._node_client = node_client
+        self._nodes: dict[str, IWorkerClient] = {}
+        self.address = f"{getattr(app, 'address', '')}{ROUTE_PATH}"
+        #: The node each request last went to, by its name (for the front's metrics and tests).
+        self.last_node: str | None = None
+
+    def _model(self, headers: Mapping[bytes, list[bytes]] | None) -> bytes:
+        return ((headers or {}).get(self._model_header) or [self.engine_id.encode()])[0]
+
+    async def _route(self, headers: Mapping[bytes, list[bytes]] | None) -> IWorkerClient:
+        model = self._model(headers)
+        known = self._routes.get(model)
+        now = self._clock.seconds() if self._clock is not None else None
+        if known is not None and now is not None and now < known[2]:
+            self.last_node = known[1]
+            return known[0]
+        response = await self._app.request(b"GET", ROUTE_PATH, None, {self._model_header: [model]})
+        raw = await collect(response, _ROUTE_LIMIT)
+        try:
+            node = json.loads(raw)
+            url, name = str(node["url"]), str(node["node"])
+        except (ValueError, KeyError, TypeError):
+            raise ModelUnavailable(f"the cluster answered {ROUTE_PATH} with {response.code} and no node") from None
+        if response.code != 200:
+            raise ModelUnavailable(f"the cluster answered {ROUTE_PATH} with {response.code}")
+        client = self._nodes.get(url)
+        if client is None:
+            client = self._nodes[url] = self._node_client(f"{url}/worker/{self.engine_id}")
+        self.last_node = name
+        if now is not None:
+            self._routes[model] = (client, name, now + self._route_seconds)
+        return client
+
+    def request(
+        self,
+        method: bytes,
+        path: str,
+        body: IBodyProducer | None = None,
+        headers: Mapping[bytes, list[bytes]] | None = None,
+    ) -> "Deferred[Any]":
+        async def send() -> Any:
+            client = await self._route(headers)
+            try:
+                return await client.request(method, path, body, headers)
+            except Exception:
+                # The node did not answer: the next request asks the cluster afresh.
+                self._routes.pop(self._model(headers), None)
+                raise
+
+        return Deferred.fromCoroutine(send())
+
+    async def json(self, method: bytes, path: str, body: Any = None) -> tuple[int, Any]:
+        client = await self._route(None)
+        try:
+            return await client.json(method, path, body)
+        except Exception:
+            self._routes.pop(self._model(None), None)
+            raise
+
+    def abort_all(self) -> None:
+        for client in self._nodes.values():
+            client.abort_all()
+
+    def close(self) -> "Deferred[Any]":
+        closing = [client.close() for client in self._nodes.values()]
+        return DeferredList([*closing, self._app.close()], consumeErrors=True)

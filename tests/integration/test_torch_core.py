@@ -1,0 +1,130 @@
+"""
+Dia behind a real core (`rhapsode serve`), with its tiny random weights pulled from a hub of
+our own (python -m rhapsode_worker.fakehub, a process of its own) through the core's pull
+job: /speak, dialogue, a clone made through the core, the OpenAI shim driven by the
+official SDK, MCP's speak tool driven by the official client, and the WebSocket stream.
+Content is never asserted: the weights are random.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import wave
+from typing import Any, Iterator
+
+import mcp_types
+import openai
+import pytest
+from mcp import Client
+
+from _torch import TOKEN, build, pins
+from _worker import engine_python, serving_core
+from test_speech_stream import speak as stream_speak
+from test_voices_dialogue import multipart, sine_wav
+
+RATE = 44_100
+
+
+@pytest.fixture(scope="module")
+def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """
+    A core serving dia, its worker pointed at a test hub; the weights pulled by a job.
+    """
+    built = build("dia", "--size", "tiny")
+    pinned = pins("dia")
+    repos = [arg for repo, folder in built.repos.items()
+             for arg in ("--repo", f"{repo}@{pinned.get(repo, built.commit)}={folder}")]
+    hub = subprocess.Popen([sys.executable, "-m", "rhapsode_worker.fakehub", "--token", TOKEN, *repos],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert hub.stdout is not None
+        endpoint = json.loads(hub.stdout.readline())["endpoint"]
+        tmp = tmp_path_factory.mktemp("torch-core")
+        engine = {"module": "rhapsode_engine_dia", "python": engine_python("dia"),
+                  "env": {"HF_ENDPOINT": endpoint, "HF_TOKEN": TOKEN, "HF_HUB_CACHE": str(tmp / "hf"),
+                          "RHAPSODE_WORKER_DEVICE": "cpu", "RHAPSODE_DIA_MAX_TOKENS": "24",
+                          "TRANSFORMERS_VERBOSITY": "error"}}
+        with serving_core(tmp, {"dia": engine}, workers={"startupTimeoutSeconds": 120}) as (_, listening):
+            job = call(listening, "POST", "/engines/dia/pull", {"variant": "1.6b"})
+            deadline = time.monotonic() + 300
+            while job["state"] not in ("succeeded", "failed") and time.monotonic() < deadline:
+                time.sleep(0.5)
+                job = call(listening, "GET", f"/installs/{job['id']}")
+            assert job["state"] == "succeeded", job
+            yield listening
+    finally:
+        hub.terminate()
+        hub.wait(timeout=30)
+
+
+def call(port: int, method: str, path: str, body: Any = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        raw = response.read()
+    return json.loads(raw) if raw else None
+
+
+def pcm_of(data: bytes) -> bytes:
+    with wave.open(io.BytesIO(data)) as audio:
+        assert (audio.getframerate(), audio.getnchannels()) == (RATE, 1)
+        return audio.readframes(audio.getnframes())
+
+
+def post_audio(port: int, path: str, body: dict[str, Any]) -> bytes:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST",
+                                     data=json.dumps({"format": "wav", "stream": False, **body}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return response.read()
+
+
+def test_speak_and_dialogue_through_the_core(port: int) -> None:
+    """/speak and /engines/dia/dialogue through the core answer 44.1 kHz WAVs, cues and all."""
+    assert pcm_of(post_audio(port, "/speak", {"engine": "dia", "text": "Hello there. [laugh] Hi."}))
+    turns = [{"speaker": "a", "text": "Did you hear that? [gasp]"}, {"speaker": "b", "text": "Only the cat."}]
+    assert pcm_of(post_audio(port, "/engines/dia/dialogue", {"turns": turns}))
+
+
+def test_the_shim_mcp_and_the_stream_speak_dia(port: int) -> None:
+    """
+    A clone made through the core's management route is a voice the OpenAI shim speaks
+    in through the official SDK; MCP's speak tool answers a WAV; the WebSocket stream
+    answers PCM at Dia's rate.
+    """
+    body, content_type = multipart({"id": "host", "label": "Host", "transcript": "Hello and welcome."},
+                                   {"reference": ("clip.wav", sine_wav(150, seconds=4.0, rate=RATE))})
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/engines/dia/voices", data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 201
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    wav = sdk.audio.speech.create(model="dia", voice="host", input="Welcome back to the show.",
+                                  response_format="wav").content
+    assert pcm_of(wav)
+
+    async def use(client: Client) -> mcp_types.CallToolResult:
+        return await client.call_tool("speak", {"engine": "dia", "text": "Hello from the tool."})
+
+    async def session() -> mcp_types.CallToolResult:
+        async with Client(f"http://127.0.0.1:{port}/mcp", read_timeout_seconds=300) as client:
+            return await use(client)
+
+    result = asyncio.run(asyncio.wait_for(session(), 300))
+    assert result.is_error is False
+    [audio] = [item for item in result.content if isinstance(item, mcp_types.AudioContent)]
+    assert pcm_of(base64.b64decode(audio.data))
+
+    stream = stream_speak(port, "Good morning to you.", model="dia")
+    assert [m["error"] for m in stream.frames("audio.done")] == [False], stream.frames("error")
+    assert stream.frames("audio.start")[0]["sample_rate"] == RATE
+    assert stream.audio()
+    stream.close()

@@ -1,0 +1,277 @@
+"""
+A core as a cluster's node (server.role "node") and as a cluster's front (an engine whose
+"cluster" is set), in memory: the node serves its engines' worker routes under its own
+turns and leases and says who it is; the front takes neither for a cluster engine, names
+the model each request is for, and passes on the node that answered.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from treq.testing import StubTreq
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+
+from rhapsode._config import parse_config
+from rhapsode._fleet.registry import EngineHandle, Registry
+from rhapsode._service import RhapsodeService, build_core
+from rhapsode._speech.relay import KEEP_ALIVE_HEADER, MODEL_HEADER, NODE_HEADER
+from rhapsode._upstream import ClusterClient
+from rhapsode_protocol.errors import ModelUnavailable
+
+from _fakes import FakeClient, FakeResponse, FakeSupervisor
+from test_router import CAPABILITIES
+
+AUDIO = b"RIFF" + b"\x00" * 1020
+
+
+class SpeakingClient(FakeClient):
+    """
+    The shared fake worker client, whose speech answers a WAV (with a node's name, where
+    it stands for a cluster) and whose JSON answers are its capabilities and voices.
+    """
+
+    def __init__(self, node: bytes | None = None) -> None:
+        super().__init__({(b"GET", "/capabilities"): (200, CAPABILITIES), (b"GET", "/voices"): (200, [])})
+        self.node = node
+
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        super().request(method, path, body, headers)
+        answer = {b"Content-Type": b"audio/wav", b"X-Rhapsode-Duration-Ms": b"21", b"Content-Length": b"1024"}
+        if self.node is not None:
+            answer[NODE_HEADER] = self.node
+        return succeed(FakeResponse(200, AUDIO, answer))
+
+
+def node_core(client: FakeClient | None = None) -> tuple[Any, StubTreq, FakeClient, FakeSupervisor]:
+    client = client or SpeakingClient()
+    supervisor = FakeSupervisor()
+    core = build_core(Registry({"tone": EngineHandle("tone", client, supervisor)}), reactor=MemoryReactorClock(),
+                      node="box-1")
+    return core, StubTreq(core.resource()), client, supervisor
+
+
+def answered(stub: StubTreq, method: str, path: str, body: Any = None, headers: Any = None) -> tuple[Any, bytes]:
+    case = SynchronousTestCase()
+    data = json.dumps(body).encode() if body is not None else None
+    response = case.successResultOf(stub.request(method, "http://node" + path, data=data, headers=headers))
+    return response, case.successResultOf(response.content())
+
+
+def test_a_node_answers_its_state_from_its_own_state() -> None:
+    """
+    GET /node names the node, its engines, its residency, its free slots and leases and
+    the machine's memory, and starts nothing to say so.
+    """
+    core, stub, client, supervisor = node_core()
+    response, raw = answered(stub, "GET", "/node")
+    state = json.loads(raw)
+    assert response.code == 200 and response.headers.getRawHeaders(NODE_HEADER) == [b"box-1"]
+    assert state["node"] == "box-1" and state["engines"] == ["tone"]
+    assert state["slots"] == 1 and state["leases"] == 0 and state["residency"]["models"] == []
+    assert set(state["memory"]) in ({"totalBytes", "freeBytes"}, set())
+    assert supervisor.starts == 0 and client.calls == []
+
+
+def test_a_node_speaks_a_forwarded_body_under_its_own_lease_and_keep_alive() -> None:
+    """
+    POST /worker/tone/speak relays a worker request to the node's own worker, under the
+    node's turn and lease, with the keep-alive the front passed on; the answer is the
+    worker's, and says which node gave it.
+    """
+    core, stub, client, _ = node_core()
+    body = {"text": "Hello there.", "variant": "expressive", "format": "wav", "stream": False}
+    response, audio = answered(stub, "POST", "/worker/tone/speak", body, {KEEP_ALIVE_HEADER: [b"60"]})
+    assert response.code == 200 and audio == AUDIO
+    assert response.headers.getRawHeaders(NODE_HEADER) == [b"box-1"]
+    assert response.headers.getRawHeaders(b"X-Rhapsode-Duration-Ms") == [b"21"]
+    [(method, path, sent)] = [r for r in client.requests if r[1] == "/speak"]
+    assert json.loads(sent.data) == body
+    [model] = core.residency.snapshot()["models"]
+    assert (model["engine"], model["variant"], model["keepAliveSeconds"]) == ("tone", "expressive", 60)
+
+
+def test_a_node_refuses_what_it_cannot_speak_as_a_worker_would() -> None:
+    """
+    A forwarded body naming a variant the engine lacks, or with a field the worker
+    protocol does not have, is refused in the taxonomy's envelope before any lease.
+    """
+    core, stub, client, _ = node_core()
+    response, raw = answered(stub, "POST", "/worker/tone/speak", {"text": "Hi.", "variant": "nope"})
+    assert response.code == 422 and json.loads(raw)["error"]["field"] == "variant"
+    response, raw = answered(stub, "POST", "/worker/tone/speak", {"text": "Hi.", "engine": "tone"})
+    assert response.code == 400 and json.loads(raw)["error"]["code"] == "bad_request"
+    assert core.residency.snapshot()["models"] == []
+
+
+def test_a_node_never_lets_a_front_unload_or_terminate_its_models() -> None:
+    """
+    The worker verbs a front would use to evict are refused as unsupported: the node's
+    own residency decides what leaves its card.
+    """
+    _, stub, client, supervisor = node_core()
+    for verb in ("unload", "terminate"):
+        response, raw = answered(stub, "POST", f"/worker/tone/{verb}")
+        assert response.code == 422 and json.loads(raw)["error"]["code"] == "unsupported"
+    assert supervisor.stops == [] and client.calls == []
+
+
+def test_a_node_answers_an_engines_health_without_starting_its_worker() -> None:
+    """
+    A front's watchdog asking a node about an engine is answered from the node's state:
+    no worker is started to say so.
+    """
+    _, stub, client, supervisor = node_core()
+    response, raw = answered(stub, "GET", "/worker/tone/health")
+    health = json.loads(raw)
+    assert response.code == 200 and health["node"] == "box-1" and health["model"]["resident"] is False
+    assert supervisor.starts == 0 and client.calls == []
+
+
+def test_a_core_that_is_no_node_has_no_node_routes() -> None:
+    """
+    An ordinary core answers neither /node nor any worker route.
+    """
+    core = build_core(Registry({"tone": EngineHandle("tone", SpeakingClient(), FakeSupervisor())}),
+                      reactor=MemoryReactorClock())
+    stub = StubTreq(core.resource())
+    assert answered(stub, "GET", "/node")[0].code == 404
+    assert answered(stub, "POST", "/worker/tone/speak", {"text": "Hi."})[0].code == 404
+
+
+def test_a_front_takes_no_turn_or_lease_for_a_cluster_engine_and_names_its_model() -> None:
+    """
+    Speech for an engine on a cluster goes out naming its model (engine/variant) and the
+    caller's keep-alive for the node; the front holds no lease, shows nothing resident,
+    and passes on the node that answered.
+    """
+    client = SpeakingClient(node=b"box-2")
+    core = build_core(Registry({"tone": EngineHandle("tone", client, None, elsewhere=True)}),
+                      reactor=MemoryReactorClock())
+    stub = StubTreq(core.resource())
+    body = {"engine": "tone", "text": "Hello there.", "format": "wav", "stream": False, "keepAliveSeconds": 90}
+    response, audio = answered(stub, "POST", "/speak", body)
+    assert response.code == 200 and audio == AUDIO
+    assert response.headers.getRawHeaders(NODE_HEADER) == [b"box-2"]
+    [headers] = client.sent_headers
+    assert headers[MODEL_HEADER] == [b"tone/expressive"] and headers[KEEP_ALIVE_HEADER] == [b"90"]
+    assert core.residency.snapshot()["models"] == []
+    assert core.relay.turnstile.state("tone") == {"speaking": 0, "queued": 0}
+    # Nor is the worker asked for its voices first: the node checks, knowing its card.
+    assert (b"GET", "/voices") not in client.calls
+
+
+def test_a_front_refuses_to_unload_a_cluster_engine() -> None:
+    """
+    POST /engines/{id}/unload (from this machine, so past the guard) on an engine the
+    cluster's nodes own is unsupported, and says where to unload it.
+    """
+    core = build_core(Registry({"tone": EngineHandle("tone", SpeakingClient(), None, elsewhere=True)}),
+                      reactor=MemoryReactorClock())
+    channel = core.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
+    transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
+    channel.makeConnection(transport)
+    channel.dataReceived(b"POST /engines/tone/unload HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    head, _, body = transport.value().partition(b"\r\n\r\n")
+    error = json.loads(body)["error"]
+    assert head.startswith(b"HTTP/1.0 422") and error["code"] == "unsupported" and "cluster" in error["message"]
+
+
+def test_a_cluster_engine_in_the_config_is_one_upstream_naming_its_engine(tmp_path: Path) -> None:
+    """
+    engines.<id>.cluster makes a remote engine reached through the cluster's Serve app
+    (each request routed there, then sent to the node it names), whose models this core
+    never counts.
+    """
+    config = parse_config({"engines": {"tone": {"cluster": "http://head:8000/rhapsode/"}}}, tmp_path)
+    service = RhapsodeService(config, MemoryReactorClock())
+    core = service.build()
+    handle = core.registry.get("tone")
+    assert handle.elsewhere and handle.supervisor is None
+    assert isinstance(handle.client, ClusterClient)
+    assert handle.client.address == "http://head:8000/rhapsode/_route" and handle.client.engine_id == "tone"
+    assert service.cluster is not None and service.cluster.urls == ["http://head:8000/rhapsode"]
+
+
+class Routing(FakeClient):
+    """
+    A cluster app that routes every request to one node, recording the model each named.
+    """
+
+    def __init__(self, answer: bytes = b'{"node": "box-3", "url": "http://10.0.0.3:9000"}', code: int = 200) -> None:
+        super().__init__()
+        self.answer = answer
+        self.code = code
+
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        super().request(method, path, body, headers)
+        return succeed(FakeResponse(self.code, self.answer, {b"Content-Type": b"application/json"}))
+
+
+def test_a_cluster_client_asks_the_cluster_then_speaks_to_the_node_itself() -> None:
+    """
+    Each request is routed by the cluster (GET /_route naming its model, the engine's
+    own where the request names none) and then sent, headers and all, to that node
+    core's /worker/<engine>; a node's client is kept for the next request.
+    """
+    app = Routing()
+    made: dict[str, SpeakingClient] = {}
+
+    def node(url: str) -> SpeakingClient:
+        made[url] = SpeakingClient(node=b"box-3")
+        return made[url]
+
+    client = ClusterClient(app, "tone", MODEL_HEADER, node)
+    case = SynchronousTestCase()
+    headers = {MODEL_HEADER: [b"tone/classic"], KEEP_ALIVE_HEADER: [b"30"]}
+    response = case.successResultOf(client.request(b"POST", "/speak", None, headers))
+    assert response.code == 200 and client.last_node == "box-3"
+    assert app.requests == [(b"GET", "/_route", None)] and app.sent_headers == [{MODEL_HEADER: [b"tone/classic"]}]
+    [worker] = made.values()
+    assert list(made) == ["http://10.0.0.3:9000/worker/tone"] and worker.sent_headers == [headers]
+    code, caps = case.successResultOf(Deferred.fromCoroutine(client.json(b"GET", "/capabilities")))
+    assert code == 200 and caps == CAPABILITIES and len(made) == 1
+    assert app.sent_headers[-1] == {MODEL_HEADER: [b"tone"]}
+
+
+def test_a_cluster_that_names_no_node_is_a_model_unavailable() -> None:
+    """
+    An answer to /_route that is not a node (the app's error, a body that is not one)
+    fails the request as retryable model_unavailable, sending nothing on.
+    """
+    case = SynchronousTestCase()
+    for app in (Routing(b'{"error": "no replicas"}', 503), Routing(b"not json")):
+        client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: SpeakingClient())
+        failure = case.failureResultOf(client.request(b"POST", "/speak"), ModelUnavailable)
+        assert failure.value.retryable
+
+
+def test_a_cluster_client_keeps_the_clusters_answer_a_moment_and_drops_it_on_failure() -> None:
+    """
+    For a second the cluster's answer for a model stands (no second /_route); a request
+    to the node that fails before its answer drops it, so the next asks afresh; and once
+    the second is over the cluster is asked again.
+    """
+    clock = MemoryReactorClock()
+    app = Routing()
+    worker = FakeClient()
+    client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: worker, clock)
+    headers = {MODEL_HEADER: [b"tone/classic"]}
+    first = client.request(b"POST", "/speak", None, headers)
+    second = client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 1 and len(worker.pending) == 2
+    worker.pending[1].errback(ConnectionRefusedError())
+    case = SynchronousTestCase()
+    case.failureResultOf(second, ConnectionRefusedError)
+    client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 2
+    clock.advance(1.5)
+    client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 3
+    first.cancel()
+    case.failureResultOf(first)

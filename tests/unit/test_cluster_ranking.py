@@ -1,0 +1,107 @@
+"""
+How a cluster's router ranks its nodes for a request (rhapsode._cluster.ranking), from
+what each node reports of its own residency: the holder first, then room, then a node
+that can evict, then the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rhapsode._cluster.ranking import Candidate, NodeReport, model_of, rank
+
+
+def report(*resident: tuple[str, str, int], slots: int = 0, free: int | None = None,
+           sizes: dict[tuple[str, str], int] | None = None, engines: tuple[str, ...] = ("tone", "piper")) -> NodeReport:
+    models = [
+        {"engine": e, "variant": v, "leases": n, "lastUsedAt": f"2026-12-01T00:00:0{i}.000Z",
+         **({"sizeBytes": (sizes or {})[(e, v)]} if (e, v) in (sizes or {}) else {})}
+        for i, (e, v, n) in enumerate(resident)
+    ]
+    stats: dict[str, Any] = {"engines": list(engines), "residency": {"models": models}, "slots": slots}
+    if free is not None:
+        stats["memory"] = {"freeBytes": free, "totalBytes": 2 * free}
+    return NodeReport.read(stats)
+
+
+def test_a_routing_key_names_an_engine_and_maybe_a_variant() -> None:
+    """
+    engine/variant splits at the slash; an engine alone names no variant.
+    """
+    assert model_of("piper/medium") == ("piper", "medium")
+    assert model_of("tone") == ("tone", None)
+
+
+def test_the_node_holding_the_model_comes_first_fewest_leases_first() -> None:
+    """
+    Nodes holding the model (any variant for a key naming none) rank first, by their
+    leases on it; the others follow in their own ranks.
+    """
+    busy = Candidate("busy", report(("piper", "medium", 1)))
+    quiet = Candidate("quiet", report(("piper", "medium", 0)))
+    empty = Candidate("empty", report(slots=1))
+    assert rank([busy, empty, quiet], "piper/medium") == [["quiet", "busy"], ["empty"]]
+    assert rank([busy, empty], "piper") == [["busy"], ["empty"]]
+    assert rank([busy, empty], "piper/other") == [["empty"], ["busy"]]
+
+
+def test_a_node_just_sent_the_model_counts_as_holding_it_until_it_reports() -> None:
+    """
+    Between two reports a node the router has just sent the model to ranks as its
+    holder, so a burst does not load it on every node.
+    """
+    sent = Candidate("sent", report(slots=1), sent=True)
+    other = Candidate("other", report(slots=1))
+    assert rank([other, sent], "tone/v1") == [["sent"], ["other"]]
+
+
+def test_room_needs_a_slot_and_the_models_measured_size_in_free_memory() -> None:
+    """
+    A free slot is room, unless some node measured the model larger than this node's
+    free memory; a full node whose least recently used model has no lease can evict;
+    a node whose models are all leased comes last.
+    """
+    sizes = {("piper", "medium"): 500}
+    holder = Candidate("holder", report(("piper", "medium", 1), sizes=sizes))
+    roomy = Candidate("roomy", report(slots=1, free=1000))
+    tight = Candidate("tight", report(slots=1, free=100))
+    evicts = Candidate("evicts", report(("tone", "v1", 0)))
+    leased = Candidate("leased", report(("tone", "v1", 1)))
+    assert rank([leased, evicts, tight, roomy, holder], "piper/medium") == [
+        ["holder"], ["roomy"], ["evicts"], ["tight", "leased"],
+    ]
+    assert rank([tight], "tone/v1") == [["tight"]]
+
+
+def test_a_node_that_has_not_reported_counts_one_free_slot() -> None:
+    """
+    A node with no report yet (just started) is taken to have one free slot, so a burst
+    at a new cluster spreads over its fresh nodes; once a model has been sent to it, it
+    has none left until it reports, and it is never left out.
+    """
+    new, other = NodeReport.read(None), report(("tone", "v1", 0))
+    assert rank([Candidate("busy", other), Candidate("new", new)], "piper/medium") == [["new"], ["busy"]]
+    assert rank([Candidate("busy", other), Candidate("new", new, pending=1)], "piper/medium") == [["busy"], ["new"]]
+
+
+def test_a_slot_a_model_was_just_sent_to_is_not_room_for_another() -> None:
+    """
+    A node the router just sent another model to ranks as having that slot taken until
+    its report shows the model, so a burst of two models goes to two nodes.
+    """
+    busy = Candidate("busy", report(slots=1), pending=1)
+    free = Candidate("free", report(slots=1))
+    assert rank([busy, free], "piper/medium") == [["free"], ["busy"]]
+
+
+def test_a_model_in_demand_spreads_to_a_node_with_room_before_it_waits_or_evicts() -> None:
+    """
+    A holder with spread_at leases or more on the model ranks after a node with room
+    (a second copy loads there), yet before a node that would have to evict for it.
+    """
+    busy = Candidate("busy", report(("tone", "v1", 2)))
+    spare = Candidate("spare", report(slots=1))
+    full = Candidate("full", report(("piper", "medium", 0)))
+    assert rank([busy, spare, full], "tone/v1") == [["spare"], ["busy"], ["full"]]
+    assert rank([busy, spare, full], "tone/v1", spread_at=3) == [["busy"], ["spare"], ["full"]]
+    assert rank([busy, full], "tone/v1") == [["busy"], ["full"]]
