@@ -3,7 +3,8 @@ Timestamps in the core (protocol.md section 4), on fakes: the worker's frames re
 any pieces and relayed to a timed sink in their order, a stream that ends without its
 end frame failed; preflight's refusal of an undeclared unit and the caller's text sent
 on; and each door's timed sink: the contract's events (nothing before the floor, an
-error event after), its JSON document, Kokoro-FastAPI's lines, memory and MCP's result.
+error event after), its JSON document, Kokoro-FastAPI's lines, memory and MCP's result,
+and a node's frames for a cluster's front.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from twisted.web.client import ResponseDone
 from twisted.web.test.requesthelper import DummyRequest
 
 from rhapsode._doors.mcp import _audio
-from rhapsode._http.sinks import CaptionedSink, TimedEventSink, TimedJsonSink, timed_sink
+from rhapsode._http.sinks import CaptionedSink, FramedSink, TimedEventSink, TimedJsonSink, framed_sink, timed_sink
 from rhapsode._speech.inprocess import MemorySink
 from rhapsode._speech.preflight import forward_dialogue, forward_speak
 from rhapsode._speech.relay import FLOOR_BYTES
-from rhapsode._speech.timed import TimedStreamRelay, read_frames
+from rhapsode._speech.timed import AUDIO_TYPE_HEADER, TimedStreamRelay, read_frames
 from rhapsode._upstream.body import Stalls
 from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import BadRequest, Internal, Unsupported
@@ -362,3 +363,36 @@ def test_stall_watch_still_fails_a_silent_timed_stream() -> None:
     failure = relay.done.result
     relay.done.addErrback(lambda _: None)
     assert isinstance(failure, Failure) and failure.value.code == "model_unavailable"
+
+
+def test_the_framed_sink_is_for_frames_only_and_holds_a_stream_until_the_floor() -> None:
+    """
+    A node answers frames only to an Accept naming them, for a timed request; its
+    stream sends nothing before the floor of audio (so a failure then is still the
+    route's envelope, and aborting writes nothing), then the held frames in their order,
+    each read back as it was given, and an end frame with the duration.
+    """
+    finished = request_with(None).notifyFinish()
+    assert framed_sink(request_with(frames.FRAMES), {"text": "x"}, finished) is None
+    assert framed_sink(request_with("text/event-stream"), {"timestamps": "word"}, finished) is None
+    request = request_with(frames.FRAMES)
+    sink = framed_sink(request, {"timestamps": "word", "format": "wav"}, finished)
+    assert isinstance(sink, FramedSink)
+    sink.begin(200, [(b"Content-Type", b"audio/wav")])
+    sink.timestamps([WORD])
+    sink.write(b"\x01" * (FLOOR_BYTES - 1))
+    assert request.written == [] and not sink.started
+    sink.write(b"\x02")
+    sink.timestamps([LATER])
+    sink.end(14)
+    assert request.responseHeaders.getRawHeaders(b"content-type") == [frames.FRAMES.encode()]
+    assert request.responseHeaders.getRawHeaders(AUDIO_TYPE_HEADER) == [b"audio/wav"]
+    found = merged(frames.FrameReader().feed(b"".join(request.written)))
+    assert found == [
+        (b"t", [WORD]), (b"a", b"\x01" * (FLOOR_BYTES - 1) + b"\x02"), (b"t", [LATER]), (b"d", {"durationMs": 14}),
+    ]
+    early = request_with(frames.FRAMES)
+    sink = FramedSink(early, "wav", True, finished)
+    sink.write(b"\x01" * 10)
+    sink.abort(Internal("gone"))
+    assert early.written == [] and not sink.started

@@ -3,7 +3,8 @@ The HTTP answers an utterance is written to (L{IAudioSink} over a twisted.web re
 raw audio, chunked with the duration as a trailer or buffered with a Content-Length
 (L{HttpSink}), OpenAI's server-sent audio events (L{SseSink}), and with timestamps
 (protocol.md section 4) the contract's events (L{TimedEventSink}) or its JSON document
-(L{TimedJsonSink}).
+(L{TimedJsonSink}), or for a cluster's front asking a node, a worker's frames
+(L{FramedSink}).
 
 Either way the relay is the request's producer, so a reader that falls behind pauses the
 worker's socket; and a stream that cannot be whole is cut off (an aborted connection for
@@ -21,7 +22,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from rhapsode_protocol import contract
+from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import BadRequest, Internal, SpeechError
 from rhapsode_protocol.http.answers import DURATION_HEADER, abort_connection, accepts, write_trailer
 
@@ -31,10 +32,12 @@ from .._speech.timed import AUDIO_TYPE_HEADER, CHANNELS_HEADER, RATE_HEADER
 
 __all__ = [
     "CaptionedSink",
+    "FramedSink",
     "HttpSink",
     "SseSink",
     "TimedEventSink",
     "TimedJsonSink",
+    "framed_sink",
     "sse_event",
     "timed_sink",
 ]
@@ -331,6 +334,114 @@ class TimedJsonSink:
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
         # Nothing is written before end: a failure is still the route's envelope.
         return succeed(None)
+
+
+@implementer(ITimedSink)
+class FramedSink:
+    """
+    A timed answer in a worker's frames (L{rhapsode_protocol.frames}), for a cluster's
+    front that asked a node for it as it asks its own workers: the node passes its
+    worker's timings through without the events' base64 and the front reads them with
+    the same relay.  Streamed, the audio's type is the X-Rhapsode-Audio-Type header and
+    the end a C{d} frame with the duration; nothing goes out before L{FLOOR_BYTES} of
+    audio, so a body that is not audio is still the route's envelope, and a failure
+    after that aborts the connection (the front then fails the stream as a broken
+    worker's).  Buffered, the whole answer is written at the end, its C{d} frame saying
+    what the audio is, as a worker's buffered frames do.
+    """
+
+    def __init__(self, request: IRequest, fmt: str, stream: bool, finished: "Deferred[None] | None" = None) -> None:
+        self._request = request
+        self._format = fmt
+        self._stream = stream
+        self.finished: Deferred[None] = request.notifyFinish() if finished is None else finished  # type: ignore[attr-defined]
+        self.started = False
+        self._head: dict[bytes, bytes] = {}
+        self._held: list[bytes] = []
+        self._audio = 0
+        self._producing = False
+
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self._head = {name.lower(): value for name, value in headers}
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self._send(frames.frame(frames.TIMINGS, json.dumps(list(alignment), separators=(",", ":")).encode("utf-8")))
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._audio += len(data)
+            self._send(frames.head(frames.AUDIO, len(data)), data)
+
+    def _send(self, *parts: bytes) -> None:
+        if self.started:
+            for part in parts:
+                self._request.write(part)
+            return
+        self._held.extend(parts)
+        if self._stream and self._audio >= FLOOR_BYTES:
+            self._start()
+
+    def _start(self, length: int | None = None) -> None:
+        self.started = True
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", frames.FRAMES.encode("ascii"))
+        audio_type = self._head.get(b"content-type")
+        if audio_type is not None:
+            request.setHeader(AUDIO_TYPE_HEADER, audio_type)
+        if length is not None:
+            request.setHeader(b"Content-Length", b"%d" % length)
+        held, self._held = self._held, []
+        request.write(b"".join(held))
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        if self._stream:
+            self._producing = True
+            self._request.registerProducer(producer, True)  # type: ignore[attr-defined]
+
+    def unregisterProducer(self) -> None:
+        if self._producing:
+            self._producing = False
+            self._request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def end(self, duration_ms: int | None) -> None:
+        done: dict[str, Any] = {} if duration_ms is None else {"durationMs": duration_ms}
+        if self._stream:
+            if not self.started:
+                self._start()
+            self._request.write(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
+            return
+        head = self._head
+        done.update({
+            "format": self._format,
+            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
+            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
+            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
+            "durationMs": duration_ms or 0,
+        })
+        self._held.append(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
+        if duration_ms is not None:
+            self._request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
+        self._start(sum(len(part) for part in self._held))
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        if not self.started:
+            # Nothing went out: the failure is still the route's envelope.
+            return succeed(None)
+        abort_connection(self._request)
+        landed: Deferred[None] = Deferred()
+        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
+        return landed
+
+
+def framed_sink(request: IRequest, body: Mapping[str, Any], finished: "Deferred[None]") -> FramedSink | None:
+    """
+    The sink for a timed request whose Accept asks for a worker's frames (a cluster's
+    front asking a node), None for any other request.
+    """
+    if "timestamps" not in body or not accepts(request, frames.FRAMES):
+        return None
+    return FramedSink(request, str(body.get("format", "wav")), bool(body.get("stream", True)), finished)
 
 
 def _number(value: bytes | None) -> int | None:
