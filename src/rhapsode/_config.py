@@ -11,10 +11,12 @@ of the file that names them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -191,6 +193,9 @@ class InstallConfig:
     #: The interpreter new virtualenvs are made from: a path, or a version ("3.12")
     #: for uv to find; None for the core's own.
     python: str | None = None
+    #: Which of an engine's install recipes (its catalog record's C{install}) to run:
+    #: C{cuda} or C{cpu}, or C{auto}, C{cuda} where the kernel lists an NVIDIA card.
+    box: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,9 @@ class EngineConfig:
     cluster: str | None = None
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: The torch device its worker is given (C{cpu}, C{mps}, C{cuda}, C{cuda:N}); None
+    #: leaves the choice to the worker (the first card, else the CPU).
+    device: str | None = None
     keep_alive_seconds: int | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
@@ -321,10 +329,48 @@ def _level(value: Any, where: str, base: Path) -> str:
     return str(value)
 
 
+def _host(value: Any, where: str, base: Path) -> str:
+    """
+    An address this machine can listen on: an IP literal (or localhost) that a socket
+    binds to now, so that a value that would fail the next start is refused when it is
+    written, naming why.
+    """
+    text = _text(value, where, base).strip()
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(text).version == 6 else socket.AF_INET
+    except ValueError:
+        if text != "localhost":
+            raise ConfigError(
+                f"{where}: must be an IP address of this machine (127.0.0.1, 0.0.0.0 or :: for every "
+                f"interface), or localhost, not {json.dumps(value)}"
+            ) from None
+        family = socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((text, 0))
+    except OSError as error:
+        raise ConfigError(
+            f"{where}: {text} is not an address this machine can listen on ({error.strerror or error})"
+        ) from None
+    return text
+
+
+#: What an HTTP header value carries as it is: visible ASCII and the space.
+_HEADER_SAFE = re.compile(r"[ -~]*")
+
+
 def _token(value: Any, where: str, base: Path) -> str:
     if not isinstance(value, str) or len(value) < 16 or value != value.strip():
         raise ConfigError(
             f"{where}: must be a string of at least 16 characters without surrounding spaces"
+        )
+    if not _HEADER_SAFE.fullmatch(value):
+        # A caller sends it as "Authorization: Bearer <token>": a line break, a control
+        # character or a letter outside ASCII cannot travel in that header as it is.
+        raise ConfigError(
+            f"{where}: must be printable ASCII (letters, digits, punctuation, spaces): it travels in "
+            "an Authorization header, which cannot carry a line break, a control character or "
+            "other text"
         )
     return value
 
@@ -440,6 +486,26 @@ def _python(value: Any, where: str, base: Path) -> str:
     return str(_path(value, where, base))
 
 
+_DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]{1,3})?", re.ASCII)
+
+
+def _device(value: Any, where: str, base: Path) -> str:
+    # The torch device the worker is given (RHAPSODE_WORKER_DEVICE): the worker checks
+    # that its box has it, the config only that it names one.
+    if not isinstance(value, str) or not _DEVICE.fullmatch(value.strip().lower()):
+        raise _fail(where, 'a device: "cpu", "mps", "cuda" or "cuda:N"', value)
+    return value.strip().lower()
+
+
+_BOXES = ("auto", "cpu", "cuda")
+
+
+def _box(value: Any, where: str, base: Path) -> str:
+    if value not in _BOXES:
+        raise _fail(where, " or ".join(f'"{box}"' for box in _BOXES), value)
+    return str(value)
+
+
 def _snake(key: str) -> str:
     return re.sub(r"[A-Z]", lambda m: "_" + m.group().lower(), key)
 
@@ -470,6 +536,7 @@ _ENGINE_KEYS: dict[str, _Check] = {
     "cluster": _cluster_url,
     "python": _python,
     "env": _env,
+    "device": _device,
     "keepAliveSeconds": _integer(-1, MAX_KEEP_ALIVE_SECONDS),
     "maxConcurrent": _integer(1, 10_000),
     "maxQueued": _integer(0, 10_000),
@@ -487,7 +554,7 @@ def _engine(engine_id: str, raw: Any, base: Path) -> EngineConfig:
     if sum(key in values for key in ("module", "url", "cluster")) != 1:
         raise ConfigError(f"{where}: needs exactly one of module, url or cluster")
     if "url" in values or "cluster" in values:
-        for key in ("python", "env"):
+        for key in ("python", "env", "device"):
             if key in values:
                 raise ConfigError(f"{where}.{key}: only an engine with a module takes {key}")
     else:
@@ -521,7 +588,7 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
         ServerConfig,
         {
             "port": _integer(1, 65535),
-            "host": _text,
+            "host": _host,
             "shutdownGraceMs": _integer(0, 600_000),
             "headTimeoutSeconds": _number(0, inclusive=False, maximum=600),
             "idleTimeoutSeconds": _number(0, inclusive=False, maximum=3600),
@@ -566,7 +633,7 @@ SECTIONS: Mapping[str, tuple[type[Any], Mapping[str, _Check]]] = MappingProxyTyp
             "bufferedBytes": _integer(1024 * 1024, 16 * 1024**3),
         },
     ),
-    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text}),
+    "install": (InstallConfig, {"sourceDir": _path, "venvDir": _path, "python": _text, "box": _box}),
     "update": (UpdateConfig, {"check": _flag, "url": _release_url}),
 })
 
@@ -618,6 +685,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"{where}: cannot be read: {e.strerror}") from e
     except ValueError as e:
         raise ConfigError(f"{where}: is not JSON: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{where}: is not JSON: it nests deeper than can be read") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object")
     config = parse_config(raw, where.parent)

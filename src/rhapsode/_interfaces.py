@@ -209,6 +209,14 @@ class IAudioSink(Interface):
         The next bytes of audio.
         """
 
+    def room() -> "Deferred[None]":
+        """
+        Fires once the sink's reader has taken what was written so far, so that more
+        may be written without the core holding it twice: a buffered answer is written
+        a piece at a time on it (what a socket holds unsent is a second copy).  At once
+        for a sink that holds nothing of its own; it never fails.
+        """
+
     def registerProducer(producer: IPushProducer) -> None:
         """
         The relay, as the producer this sink pauses when its reader falls behind.

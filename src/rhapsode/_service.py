@@ -46,7 +46,7 @@ from ._fleet.catalog import Catalog, read_catalog, read_source
 from ._fleet.cluster import ClusterView
 from ._fleet.registry import EngineHandle, Registry
 from ._fleet.residency import Residency
-from ._fleet.supervisor import WorkerSupervisor, core_budget_env, prestart
+from ._fleet.supervisor import WorkerSupervisor, core_budget_env, device_env, prestart
 from ._fleet.watchdog import Watchdog
 from ._http.router import CoreApp
 from ._http.site import CoreSite, core_site
@@ -55,7 +55,7 @@ from ._interfaces import IAdmissionSettings, IResidencySettings, IWorkerClient
 from ._manage.installer import Commands, Installer, find_uv
 from ._manage.jobs import JobContext, Jobs
 from ._manage.routes import ManagementRoutes
-from ._manage.settings import Settings
+from ._manage.settings import Settings, saved_fault, unset_hint
 from ._manage.state import FILE_NAME, StateDatabase, StateError, StateStore
 from ._manage.update import UpdateChecker, checker_for
 from ._speech.limits import BufferBudget, Turnstile
@@ -286,9 +286,10 @@ def build_core(
         requests=requests,
         router=router,
         openai=OpenAIShim(
-            registry=registry, speech=speech, routes=router, translation=translation, requests=requests, clock=reactor
+            registry=registry, speech=speech, routes=router, translation=translation, requests=requests,
+            clock=reactor, budget=relay.budget,
         ),
-        mcp=McpServer(routes=router, speech=speech, version=version),
+        mcp=McpServer(routes=router, speech=speech, version=version, budget=relay.budget),
         streams=SpeechStreams(speech=speech, translation=translation, registry=registry, clock=reactor),
         manage=manage,
         jobs=jobs,
@@ -321,6 +322,7 @@ class RhapsodeService(service.Service):
         *,
         stop_reactor_if_unable: bool = False,
         config_path: str | os.PathLike[str] | None = None,
+        unset: Sequence[str] = (),
     ) -> None:
         """
         @param config_path: the config file C{config} was read from; the state database
@@ -332,10 +334,14 @@ class RhapsodeService(service.Service):
             (a folder it needs cannot be made, its port cannot be bound), which is what
             C{twistd rhapsode} wants; a program embedding the core leaves it off and
             learns of the failure from L{when_listening}.
+        @param unset: settings saved in the state database to drop before the start
+            reads them (C{rhapsode serve --unset KEY}): the way out of a saved value a
+            start cannot apply, with no server running to PATCH.
         """
         self.config = config
         self._reactor_given = reactor
         self._stop_reactor_if_unable = stop_reactor_if_unable
+        self._unset = tuple(unset)
         self.registry: Registry | None = None
         self.catalog: Catalog | None = None
         self.app: Core | None = None
@@ -396,6 +402,14 @@ class RhapsodeService(service.Service):
             self._state_error = Failure(ServiceStartError(str(error)))
             return
         installed = {engine.id: engine.entry for engine in store.engines().values()}
+        dropped = [key for key in self._unset if key in store.settings()]
+        if dropped:
+            store.write_settings({key: None for key in dropped})
+            for key in dropped:
+                self.log.warn("dropped the setting {key} saved in {path} (--unset)", key=key, path=str(path))
+        for key in set(self._unset) - set(dropped):
+            self.log.info("--unset {key}: no such setting is saved in {path}", key=key, path=str(path))
+        self._unset = ()
         state = StateDatabase(store, self.reactor)
         try:
             settings = Settings(
@@ -407,8 +421,13 @@ class RhapsodeService(service.Service):
                 installed=installed,
             )
         except ConfigError as error:
+            fault = saved_fault(self._raw, self._config_path.parent, state.settings(), installed)
             state.close()
-            self._state_error = Failure(ServiceStartError(f"state database {path}: {error}"))
+            if fault is None:
+                why = f"state database {path}: {error}"
+            else:
+                why = f"the setting {fault} saved in {path} cannot apply: {error}; {unset_hint(fault)}"
+            self._state_error = Failure(ServiceStartError(why))
             return
         self.state, self.settings = state, settings
         self.config = settings.config
@@ -455,6 +474,7 @@ class RhapsodeService(service.Service):
                 venv_dir=lambda: install.venv_dir,
                 source_dir=lambda: install.source_dir,
                 interpreter=lambda: install.python,
+                box=lambda: install.box,
                 runner=Commands(reactor, os.environ),
                 environ=os.environ,
                 core_version=__version__,
@@ -524,7 +544,7 @@ class RhapsodeService(service.Service):
             module=engine.module,
             listen=listen,
             voice_dir=str(workers.voice_dir),
-            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env},
+            env={**core_budget_env(workers.cores, workers.socket_dir), **engine.env, **device_env(engine.device)},
             contract=CONTRACT,
             startup_timeout=workers.startup_timeout_seconds,
             drain_grace=workers.drain_grace_ms / 1000,
@@ -586,7 +606,23 @@ class RhapsodeService(service.Service):
                 return
         # Access lines are logged at info; at a stricter level none is even formatted.
         access_log = self.config.log.level in ("debug", "info")
-        endpoint.listen(app.site(access_log=access_log)).addCallbacks(listening, failed)
+        endpoint.listen(app.site(access_log=access_log)).addErrback(self._saved_address).addCallbacks(listening, failed)
+
+    def _saved_address(self, failure: Failure) -> Failure:
+        """
+        A port that cannot be bound at an address or port the state database holds:
+        said as that saved setting's fault, with how to drop it.
+        """
+        saved = self.state.settings() if self.state is not None else {}
+        keys = [key for key in ("server.host", "server.port") if key in saved]
+        if not keys or failure.check(ServiceStartError):
+            return failure
+        server = self.config.server
+        why = failure.getErrorMessage()
+        return Failure(ServiceStartError(
+            f"cannot listen on {server.host}:{server.port} ({why}), which the state database holds "
+            f"as {' and '.join(keys)}: {unset_hint(keys[0])}"
+        ))
 
     def _cannot_start(self, failure: Any) -> None:
         """

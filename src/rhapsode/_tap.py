@@ -13,10 +13,24 @@ from ._config import ConfigError, load_config
 
 class Options(usage.Options):
     """
-    C{twistd rhapsode [--config FILE]}: without a file, every default and no engines.
+    C{twistd rhapsode [--config FILE] [--unset KEY ...]}: without a file, every default and
+    no engines.  C{--unset KEY} drops a setting saved in the state database before the
+    start reads it, for a saved value a start cannot apply (the API's
+    C{rhapsode settings KEY --unset} needs a server that runs).
     """
 
     optParameters = [["config", "c", None, "Path of the JSON config file."]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["unset"] = []
+
+    def opt_unset(self, key: str) -> None:
+        """
+        Drop the setting KEY (a dotted key, e.g. server.host) from the state database
+        before starting; may be given more than once.
+        """
+        self["unset"].append(key)
 
     def postOptions(self) -> None:
         try:
@@ -34,6 +48,8 @@ def makeService(options: Options) -> Any:
 
     # Under twistd a port that cannot be bound ends the process, with the reason logged.
     # The state database lives beside the config file it names.
-    service = RhapsodeService(options["loaded"], stop_reactor_if_unable=True, config_path=options["config"])
+    service = RhapsodeService(
+        options["loaded"], stop_reactor_if_unable=True, config_path=options["config"], unset=options["unset"]
+    )
     made.append(service)
     return service

@@ -2,7 +2,10 @@
 A test adapter that starts a child process of its own when it loads, as an engine
 running a helper server or a compiler pool does, so that the supervisor's process-group
 handling can be checked.  Run as C{python -m forking_engine} with this folder on
-PYTHONPATH; it writes the child's pid to the file named by C{FORKING_PID_FILE}.
+PYTHONPATH; it writes the child's pid to the file named by C{FORKING_PID_FILE}.  With
+C{FORKING_NEW_SESSION} set the child starts a session of its own (as a daemonising
+helper does), so it escapes the worker's process group, and it keeps the worker's stdout
+and stderr open.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class ForkingEngine(Engine):
         return {"only": Variant(languages=("en",))}
 
     def load(self, variant: str) -> None:
-        self.helper = subprocess.Popen(["sleep", "60"])
+        # The helper inherits the worker's stdout and stderr, as Popen's children do.
+        alone = bool(os.environ.get("FORKING_NEW_SESSION"))
+        self.helper = subprocess.Popen(["sleep", "60"], start_new_session=alone)
         Path(os.environ["FORKING_PID_FILE"]).write_text(str(self.helper.pid))
 
     def unload(self) -> None:

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
+
 from _worker import engine_of, get, process_alive, serving_core, wait_for
 
 
@@ -187,3 +189,142 @@ def test_a_head_dribbled_a_byte_at_a_time_is_cut_off(tmp_path: Path) -> None:
         sock.close()
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
         assert time.monotonic() - began < 5
+
+
+def post(port: int, path: str, timeout: float) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_helper_that_holds_its_workers_pipes_wedges_nothing(tmp_path: Path) -> None:
+    """
+    On a one-model box, an engine whose adapter starts a helper in a session of its own
+    that keeps the worker's stdout and stderr open: unloading it answers, speaking with
+    it again answers, and speaking with another engine evicts it within
+    evictionWaitSeconds rather than waiting for the helper to die; /health names each
+    helper as a stray and says degraded.  (Each wait is bounded only as a hang guard.)
+    """
+    here = str(Path(__file__).parent)
+    pid_file = tmp_path / "helper.pid"
+    forking = {"module": "forking_engine",
+               "env": {"PYTHONPATH": here, "FORKING_PID_FILE": str(pid_file), "FORKING_NEW_SESSION": "1"}}
+    engines = {"forking": forking, "tone": {"module": "rhapsode_engine_tone"}}
+    helpers: list[int] = []
+    try:
+        with serving(tmp_path, engines, residency={"maxResidentModels": 1, "evictionWaitSeconds": 20},
+                     workers={"drainGraceMs": 2000}) as port:
+            assert speak(port, 60, engine="forking", text="hi", stream=False)[0] == 200
+            helpers.append(int(pid_file.read_text()))
+            status, summary = post(port, "/engines/forking/unload", 30)
+            assert status == 200 and summary["process"] == "down", summary
+            health = get(port, "/health")
+            assert [s["pid"] for s in engine_of(health, "forking")["strays"]] == helpers
+            assert health["status"] == "degraded"
+
+            assert speak(port, 60, engine="forking", text="hi again", stream=False)[0] == 200
+            helpers.append(int(pid_file.read_text()))
+            assert helpers[1] != helpers[0]
+            status, _, body = speak(port, 60, engine="tone", text="Room, please.", stream=False)
+            assert status == 200, body[:300]
+            strays = engine_of(get(port, "/health"), "forking")["strays"]
+            assert sorted(s["pid"] for s in strays) == sorted(helpers)
+            assert all(process_alive(pid) for pid in helpers)
+    finally:
+        for pid in helpers:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def read_one(sock: socket.socket) -> bytes:
+    """
+    One HTTP/1.1 answer off a kept-alive connection: its head and its body.
+    """
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        assert piece, data
+        data += piece
+    head, _, body = data.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        while not body.endswith(b"0\r\n\r\n"):
+            body += sock.recv(65536)
+    else:
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("engine", ["piper", "espeak", "tone"])
+def test_after_an_upload_refused_422_the_connection_answers_the_next_request(tmp_path: Path, engine: str) -> None:
+    """
+    A voice upload the worker refuses (422: a reference it does not take) through the
+    core leaves the kept-alive connection usable: the next request on it is answered at
+    once, every time (it went unanswered until the idle timeout in 2 of 4 tries).
+    """
+    from _worker import engine_python
+
+    entry = {"module": f"rhapsode_engine_{engine}", "python": engine_python(engine)}
+    boundary = b"XyZ"
+    with serving(tmp_path, {engine: entry}) as port:
+        for attempt in range(4):
+            body = (b"--XyZ\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nv%d\r\n" % attempt
+                    + b"--XyZ\r\nContent-Disposition: form-data; name=\"reference\"; filename=\"clip.mp3\"\r\n\r\n"
+                    + os.urandom(1_000_000) + b"\r\n--XyZ--\r\n")
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"POST /engines/%s/voices HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Content-Type: multipart/form-data; boundary=%s\r\nContent-Length: %d\r\n\r\n"
+                             % (engine.encode(), boundary, len(body)) + body)
+                refused = read_one(sock)
+                assert refused.startswith(b"HTTP/1.1 422"), refused[:300]
+                assert b"connection: close" not in refused.lower()
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                sock.settimeout(10)
+                assert read_one(sock).startswith(b"HTTP/1.1 200"), attempt
+
+
+def spooled(pid: int) -> list[str]:
+    """
+    The deleted files a process holds open: twisted.web spools a large body into one.
+    """
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith("(deleted)"):
+            held.append(target)
+    return held
+
+
+def test_uploads_aborted_mid_body_release_the_workers_spooled_files(tmp_path: Path) -> None:
+    """
+    Voice uploads whose clients hang up mid-body, through the core and straight to the
+    worker: the worker lets go of the files it spooled their bodies into as soon as the
+    client has gone, not at its idle timeout.
+    """
+    with serving(tmp_path, {"tone": {"module": "rhapsode_engine_tone"}}) as port:
+        get(port, "/engines/tone/capabilities")
+        worker = engine_of(get(port, "/health"), "tone")["pid"]
+        assert spooled(worker) == []
+        part = b"--XyZ\r\nContent-Disposition: form-data; name=\"reference\"; filename=\"a.wav\"\r\n\r\n" + b"x" * 1_000_000
+        for via in ("core", "worker"):
+            for _ in range(2):
+                if via == "core":
+                    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                    target = b"/engines/tone/voices"
+                else:
+                    sock = socket.socket(socket.AF_UNIX)
+                    sock.settimeout(10)
+                    sock.connect(str(tmp_path / "sock" / "tone.sock"))
+                    target = b"/voices"
+                sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=XyZ\r\n"
+                             b"Content-Length: 5000000\r\n\r\n%s" % (target, part))
+                wait_for(lambda: spooled(worker), 10, f"the worker to spool the body sent {via}")
+                sock.close()
+            wait_for(lambda: spooled(worker) == [], 10, f"the worker to let go of the bodies sent {via}")

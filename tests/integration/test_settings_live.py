@@ -130,3 +130,38 @@ def test_settings_apply_live_wait_for_a_restart_and_survive_it(tmp_path: Path) -
             core.kill()
             core.wait()
         log.close()
+
+
+def test_a_start_whose_saved_host_cannot_apply_says_so_and_serve_unset_recovers(tmp_path: Path) -> None:
+    """
+    A state database holding a server.host no start can listen on (saved by a server
+    that checked less): `rhapsode serve` exits 1 with one line naming the saved key and
+    `rhapsode serve --unset server.host`, and no traceback; run so, it drops the key and
+    serves on the file's host.
+    """
+    from rhapsode._manage.state import FILE_NAME, StateStore
+
+    port = free_port()
+    config = {"server": {"port": port, "host": "127.0.0.1"},
+              "workers": {"socketDir": str(tmp_path / "sock"), "voiceDir": str(tmp_path / "voices")}, "engines": TONE}
+    path = tmp_path / "rhapsode.json"
+    path.write_text(json.dumps(config))
+    store = StateStore.open(tmp_path / FILE_NAME)
+    store.write_settings({"server.host": "not an address"})
+    store.close()
+    rhapsode = str(Path(sys.executable).parent / "rhapsode")
+    failed = subprocess.run([rhapsode, "serve", "--config", str(path)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert failed.returncode == 1, failed.stdout[-2000:]
+    said = failed.stderr + failed.stdout
+    assert "the setting server.host saved in" in said and "rhapsode serve --unset server.host" in said
+    assert "Traceback" not in said
+    serving = subprocess.Popen([rhapsode, "serve", "--config", str(path), "--unset", "server.host"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: get(port, "/health"), 60, "the core to listen once the saved host was dropped")
+        code, document = call(port, "GET", "/settings")
+        assert code == 200 and field(document, "server.host")["source"] == "config"
+    finally:
+        serving.terminate()
+        serving.wait(30)

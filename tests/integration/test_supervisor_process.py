@@ -181,6 +181,74 @@ async def test_stop_takes_the_adapters_own_children(reactor: Any, supervisors: S
     assert supervisor.state == "down"
 
 
+async def loaded_forking(reactor: Any, supervisors: Supervisors, **overrides: Any) -> tuple[WorkerSupervisor, int]:
+    """
+    The forking engine with its helper in a session of its own, loaded: the supervisor
+    and the helper's pid.
+    """
+    pid_file = supervisors.tmp / "helper.pid"
+    env = {**TEST_MODULES, "FORKING_PID_FILE": str(pid_file), "FORKING_NEW_SESSION": "1"}
+    supervisor = supervisors(module="forking_engine", engine="forking", env=env, **overrides)
+    listen = await within(reactor, supervisor.start())
+    response = await http(reactor, listen).post("http://worker/load", json={}).addTimeout(BOUND, reactor)
+    assert response.code == 200, await response.content()
+    await response.content()
+    helper = int(pid_file.read_text())
+    assert process_alive(helper) and os.getsid(helper) == helper != supervisor.pid
+    return supervisor, helper
+
+
+def named(events: list[dict[str, Any]], pid: int) -> bool:
+    from twisted.logger import formatEvent
+
+    return any(str(pid) in formatEvent(event) and "process group" in formatEvent(event) for event in events)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_helper_in_its_own_session_holding_the_pipes_does_not_keep_a_stop_waiting(
+    reactor: Any, supervisors: Supervisors
+) -> None:
+    """
+    A helper that started a session of its own and keeps the worker's stdout and stderr
+    open survives the worker's process group: stop() still answers once the worker has
+    been reaped, not when the helper dies, and the helper is named in the log and in
+    health() as a stray; the engine starts again.
+    """
+    supervisor, helper = await loaded_forking(reactor, supervisors)
+    try:
+        with capturedLogs() as events:
+            await within(reactor, supervisor.stop(), 15.0)
+        assert supervisor.state == "down" and process_alive(helper)
+        assert named(events, helper)
+        assert [stray["pid"] for stray in supervisor.health()["strays"]] == [helper]
+        await within(reactor, supervisor.start())
+        assert supervisor.state == "up"
+    finally:
+        os.kill(helper, signal.SIGKILL)
+    await eventually(reactor, lambda: "strays" not in supervisor.health(), 5.0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_killed_under_a_helper_holding_its_pipes_is_found_gone_and_restarted(
+    reactor: Any, supervisors: Supervisors
+) -> None:
+    """
+    A worker that dies while a helper in its own session holds its pipes is a crash as
+    soon as it is reaped: it is restarted, rather than taken to be up until the helper
+    dies.
+    """
+    supervisor, helper = await loaded_forking(reactor, supervisors)
+    first = supervisor.pid
+    assert first is not None
+    try:
+        os.kill(first, signal.SIGKILL)
+        await eventually(reactor, lambda: supervisor.state == "up" and supervisor.pid != first, 15.0)
+        assert "killed by SIGKILL" in (supervisor.last_error or "")
+        assert [stray["pid"] for stray in supervisor.health()["strays"]] == [helper]
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_worker_that_never_hand_shakes_fails_after_the_timeout(reactor: Any, supervisors: Supervisors) -> None:
     """

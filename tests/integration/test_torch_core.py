@@ -15,8 +15,10 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import wave
+from pathlib import Path
 from typing import Any, Iterator
 
 import mcp_types
@@ -30,38 +32,51 @@ from test_speech_stream import speak as stream_speak
 from test_voices_dialogue import multipart, sine_wav
 
 RATE = 44_100
+RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
 
 
 @pytest.fixture(scope="module")
-def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+def hub() -> Iterator[str]:
     """
-    A core serving dia, its worker pointed at a test hub; the weights pulled by a job.
+    A hub of our own on loopback (python -m rhapsode_worker.fakehub, a process of its
+    own) serving dia's tiny random weights at the commits its record pins; its endpoint.
     """
     built = build("dia", "--size", "tiny")
     pinned = pins("dia")
     repos = [arg for repo, folder in built.repos.items()
              for arg in ("--repo", f"{repo}@{pinned.get(repo, built.commit)}={folder}")]
-    hub = subprocess.Popen([sys.executable, "-m", "rhapsode_worker.fakehub", "--token", TOKEN, *repos],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "rhapsode_worker.fakehub", "--token", TOKEN, *repos],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        assert hub.stdout is not None
-        endpoint = json.loads(hub.stdout.readline())["endpoint"]
-        tmp = tmp_path_factory.mktemp("torch-core")
-        engine = {"module": "rhapsode_engine_dia", "python": engine_python("dia"),
-                  "env": {"HF_ENDPOINT": endpoint, "HF_TOKEN": TOKEN, "HF_HUB_CACHE": str(tmp / "hf"),
-                          "RHAPSODE_WORKER_DEVICE": "cpu", "RHAPSODE_DIA_MAX_TOKENS": "24",
-                          "TRANSFORMERS_VERBOSITY": "error"}}
-        with serving_core(tmp, {"dia": engine}, workers={"startupTimeoutSeconds": 120}) as (_, listening):
-            job = call(listening, "POST", "/engines/dia/pull", {"variant": "1.6b"})
-            deadline = time.monotonic() + 300
-            while job["state"] not in ("succeeded", "failed") and time.monotonic() < deadline:
-                time.sleep(0.5)
-                job = call(listening, "GET", f"/installs/{job['id']}")
-            assert job["state"] == "succeeded", job
-            yield listening
+        assert process.stdout is not None
+        yield json.loads(process.stdout.readline())["endpoint"]
     finally:
-        hub.terminate()
-        hub.wait(timeout=30)
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def wait_job(port: int, job: dict[str, Any], seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while job["state"] not in ("succeeded", "failed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = call(port, "GET", f"/installs/{job['id']}")
+    return job
+
+
+@pytest.fixture(scope="module")
+def port(hub: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """
+    A core serving dia, its worker pointed at the test hub; the weights pulled by a job.
+    """
+    tmp = tmp_path_factory.mktemp("torch-core")
+    engine = {"module": "rhapsode_engine_dia", "python": engine_python("dia"),
+              "env": {"HF_ENDPOINT": hub, "HF_TOKEN": TOKEN, "HF_HUB_CACHE": str(tmp / "hf"),
+                      "RHAPSODE_DIA_MAX_TOKENS": "24", "TRANSFORMERS_VERBOSITY": "error"},
+              "device": "cpu"}
+    with serving_core(tmp, {"dia": engine}, workers={"startupTimeoutSeconds": 120}) as (_, listening):
+        job = wait_job(listening, call(listening, "POST", "/engines/dia/pull", {"variant": "1.6b"}), 300)
+        assert job["state"] == "succeeded", job
+        yield listening
 
 
 def call(port: int, method: str, path: str, body: Any = None) -> Any:
@@ -128,3 +143,54 @@ def test_the_shim_mcp_and_the_stream_speak_dia(port: int) -> None:
     assert stream.frames("audio.start")[0]["sample_rate"] == RATE
     assert stream.audio()
     stream.close()
+
+
+def test_a_device_the_box_lacks_fails_the_worker_s_start_naming_it(tmp_path: Path) -> None:
+    """
+    engines.dia.device reaches the worker as the spawn contract's device: "cuda" on a box
+    with no card fails the worker's start (internal, the worker gone before its
+    handshake), and the worker's words in the server's log name the device it was given.
+    """
+    engine = {"module": "rhapsode_engine_dia", "python": engine_python("dia"), "device": "cuda",
+              "env": {"TRANSFORMERS_VERBOSITY": "error"}}
+    with serving_core(tmp_path, {"dia": engine}, workers={"startupTimeoutSeconds": 120, "maxRestarts": 0}) as (_, listening):
+        request = urllib.request.Request(f"http://127.0.0.1:{listening}/speak", method="POST",
+                                         data=json.dumps({"engine": "dia", "text": "Hello."}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(request, timeout=300)
+        body = json.loads(failed.value.read())
+    assert failed.value.code == 500 and body["error"]["code"] == "internal", body
+    assert "before its handshake" in body["error"]["message"]
+    assert "RHAPSODE_WORKER_DEVICE is cuda" in (tmp_path / "core.log").read_text(errors="replace")
+
+
+def test_rhapsode_install_dia_pull_builds_by_the_box_s_recipe_and_speaks(
+    hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    `rhapsode install dia --pull --yes` on this CPU box: the installer runs the record's
+    cpu recipe (torch 2.13.0's CPU build first, then the SDK and the adapter, so nothing
+    pulls a CUDA torch), registers the engine, pulls its weights through the hub client
+    from our hub, and `rhapsode say` then speaks 44.1 kHz audio through it.
+    """
+    for name, value in {"HF_ENDPOINT": hub, "HF_TOKEN": TOKEN, "HF_HUB_CACHE": str(tmp_path / "hf"),
+                        "RHAPSODE_DIA_MAX_TOKENS": "24", "TRANSFORMERS_VERBOSITY": "error"}.items():
+        monkeypatch.setenv(name, value)
+    venvs = tmp_path / "venvs"
+    with serving_core(tmp_path, {}, install={"venvDir": str(venvs), "box": "cpu"},
+                      workers={"startupTimeoutSeconds": 120}) as (_, listening):
+        url = ("--url", f"http://127.0.0.1:{listening}")
+        installed = subprocess.run([RHAPSODE, "install", "dia", "--pull", "--yes", *url], capture_output=True,
+                                   text=True, timeout=1800, stdin=subprocess.DEVNULL)
+        assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+        torch = subprocess.run([str(venvs / "dia" / "bin" / "python"), "-c",
+                                "import torch; print(torch.__version__, torch.version.cuda)"],
+                               capture_output=True, text=True, timeout=300)
+        assert torch.stdout.split() == ["2.13.0+cpu", "None"], torch.stdout + torch.stderr
+        [job] = [j for j in call(listening, "GET", "/installs") if j["kind"] == "install"]
+        assert job["state"] == "succeeded"
+        said = subprocess.run([RHAPSODE, "say", "dia", "Installed and pulled.", "-o", str(tmp_path / "a.wav"), *url],
+                              capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        assert said.returncode == 0, said.stderr
+        assert pcm_of((tmp_path / "a.wav").read_bytes())

@@ -160,6 +160,9 @@ class RecordingSink:
     def write(self, data: bytes) -> None:
         self.written.append(data)
 
+    def room(self) -> "Deferred[None]":
+        return succeed(None)
+
     def registerProducer(self, producer: IPushProducer) -> None:
         self.producer = producer
 

@@ -42,7 +42,8 @@ class FakeSocket(FileDescriptor):
     the kernel will take (None: any number) and C{cap} the most one send takes (as
     Twisted's sockets send at most 128 KiB at a time); C{fail} makes every send fail
     as a lost connection does.  The reactor's C{getWriters()} says whether the socket asked to
-    be polled for writability.
+    be polled for writability.  C{abortConnection} tells the protocol set as C{protocol}
+    that the connection is gone, and notes C{aborted}.
     """
 
     def __init__(self, room: int | None = None) -> None:
@@ -55,6 +56,7 @@ class FakeSocket(FileDescriptor):
         self.fail: BaseException | None = None
         self.host = IPv4Address("TCP", "127.0.0.1", 8080)
         self.host_asked = 0
+        self.aborted = False
 
     def writeSomeData(self, data: Any) -> int | BaseException:
         if self.fail is not None:
@@ -74,6 +76,17 @@ class FakeSocket(FileDescriptor):
 
     def queued(self) -> int:
         return len(self.dataBuffer) - self.offset + self._tempDataLen
+
+    def abortConnection(self) -> None:
+        # As a TCP connection aborts: its protocol is told at once that it is gone.
+        from twisted.internet.error import ConnectionAborted
+        from twisted.python.failure import Failure
+
+        self.aborted = True
+        self.connected = 0
+        protocol = getattr(self, "protocol", None)
+        if protocol is not None:
+            protocol.connectionLost(Failure(ConnectionAborted()))
 
     def getPeer(self) -> IPv4Address:
         return IPv4Address("TCP", "127.0.0.1", 50000)

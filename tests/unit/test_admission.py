@@ -209,3 +209,105 @@ def test_a_head_too_slow_is_refused_408_before_any_request_exists() -> None:
         clock.advance(0.25)
     status, error = refusal(transport)
     assert status == 408 and error["code"] == "bad_request" and "within 2 s" in error["message"]
+
+
+class Refused:
+    """
+    A worker's refusal of an upload, its envelope delivered at once.
+    """
+
+    code = 422
+
+    def __init__(self) -> None:
+        from twisted.web.http_headers import Headers
+
+        self.headers = Headers({b"Content-Type": [b"application/json"]})
+
+    def deliverBody(self, protocol: Any) -> None:
+        from twisted.web.client import ResponseDone
+
+        protocol.makeConnection(StringTransport())
+        protocol.dataReceived(json.dumps({"error": {
+            "code": "unsupported", "message": "reference mp3 is not one of wav", "retryable": False,
+            "field": "reference"}}).encode())
+        protocol.connectionLost(Failure(ResponseDone()))
+
+
+class Consumer:
+    def __init__(self) -> None:
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+
+def test_an_upload_refused_by_its_worker_leaves_its_connection_reading() -> None:
+    """
+    An upload whose worker paused it (its socket full) and then refused it with 422
+    once the body was in: the refusal is answered, the client's connection reads
+    again, and the next request on it is answered (the pause was the channel's own
+    "the transport is full", which kept it from ever reading the next request).
+    """
+    channel, transport, client = connect()
+    body = b"--b\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nv\r\n--b--\r\n"
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    [(_, _, upload)] = client.requests
+    consumer = Consumer()
+    done = upload.startProducing(consumer)
+    upload.pauseProducing()  # the worker's socket is full
+    assert transport.producerState == "paused"
+    channel.dataReceived(body)
+    assert consumer.written == body and done.called
+    client.pending[0].callback(Refused())  # the worker read it all, then refused it
+    head, _, answer = transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 422") and b'"code": "unsupported"' in answer
+    assert not transport.disconnecting
+    assert transport.producerState == "producing"
+    transport.clear()
+    channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert transport.value().startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_goes_mid_upload_takes_the_workers_request_with_it() -> None:
+    """
+    A client that hangs up before its upload's body is in fails the upload, so the
+    worker's request is given up on at once (the worker then lets go of the spooled
+    body), and nothing is answered on the gone connection.
+    """
+    channel, transport, client = connect()
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 1000\r\n\r\n0123456789"
+    )
+    [(_, _, upload)] = client.requests
+    done = upload.startProducing(Consumer())
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert done.called and client.pending[0].called
+    failures: list[Failure] = []
+    done.addErrback(failures.append)
+    client.pending[0].addErrback(lambda _: None)
+    assert failures and transport.value() == b""
+
+
+def test_an_upload_answered_with_json_too_deep_to_read_is_the_workers_fault() -> None:
+    """
+    A worker that answers an upload with JSON nested too deep to parse (a remote worker
+    is any server at a URL) gets the caller a 500 internal, not the bad_request that
+    would blame the caller's body.
+    """
+    from _fakes import FakeResponse
+
+    channel, transport, client = connect()
+    body = b"--b\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nv\r\n--b--\r\n"
+    channel.dataReceived(
+        b"POST /engines/tone/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    deep = b"[" * 1100 + b"]" * 1100
+    client.pending[0].callback(FakeResponse(201, deep, {b"Content-Type": b"application/json"}))
+    head, _, answer = transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500"), head
+    assert b'"code": "internal"' in answer and b'"retryable": false' in answer

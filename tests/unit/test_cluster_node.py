@@ -243,11 +243,13 @@ def test_a_cluster_client_asks_the_cluster_then_speaks_to_the_node_itself() -> N
 
 def test_a_cluster_that_names_no_node_is_a_model_unavailable() -> None:
     """
-    An answer to /_route that is not a node (the app's error, a body that is not one)
-    fails the request as retryable model_unavailable, sending nothing on.
+    An answer to /_route that is not a node (the app's error, a body that is not one,
+    JSON nested too deep to parse) fails the request as retryable model_unavailable,
+    sending nothing on.
     """
     case = SynchronousTestCase()
-    for app in (Routing(b'{"error": "no replicas"}', 503), Routing(b"not json")):
+    deep = Routing(b"[" * 1100 + b"]" * 1100)
+    for app in (Routing(b'{"error": "no replicas"}', 503), Routing(b"not json"), deep):
         client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: SpeakingClient())
         failure = case.failureResultOf(client.request(b"POST", "/speak"), ModelUnavailable)
         assert failure.value.retryable

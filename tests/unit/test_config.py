@@ -149,6 +149,10 @@ def test_config_is_frozen() -> None:
         ({"engines": {"tone": None}}, lambda c: "tone" not in c.engines),
         ({"log": {"level": "trace"}}, lambda c: c.log.level == "trace"),
         ({"server": {"host": "::"}}, lambda c: c.server.host == "::"),
+        ({"engines": {"t": {"module": "m", "device": "CUDA:1 "}}}, lambda c: c.engine("t").device == "cuda:1"),
+        ({"engines": {"t": {"module": "m"}}}, lambda c: c.engine("t").device is None),
+        ({"install": {"box": "cpu"}}, lambda c: c.install.box == "cpu"),
+        ({}, lambda c: c.install.box == "auto"),
     ],
 )
 def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
@@ -267,6 +271,13 @@ def test_coercion_and_null(raw: dict[str, Any], read: Any) -> None:
             {"engines": {"r": {"url": "http://h:1", "python": "/usr/bin/python3"}}},
             "engines.r.python: only an engine with a module takes python",
         ),
+        ({"engines": {"t": {"module": "m", "device": "gpu"}}}, 'engines.t.device: must be a device: "cpu", "mps"'),
+        ({"engines": {"t": {"module": "m", "device": "cuda:x"}}}, "engines.t.device: must be a device"),
+        (
+            {"engines": {"r": {"url": "http://h:1", "device": "cpu"}}},
+            "engines.r.device: only an engine with a module takes device",
+        ),
+        ({"install": {"box": "gpu"}}, 'install.box: must be "auto" or "cpu" or "cuda"'),
         (
             {"engines": {"r": {"url": "http://h:1", "env": {"A": "1"}}}},
             "engines.r.env: only an engine with a module takes env",
@@ -346,6 +357,7 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path: Path) -> 
     "text, message",
     [
         ("{", "is not JSON"),
+        ('{"server": ' + "[" * 1100 + "]" * 1100 + "}", "is not JSON: it nests deeper"),
         ("[]", "must hold a JSON object"),
         ('{"server": {"port": 1, "port": 2}}', 'key "port" appears twice in one object'),
         ('{"server": {"prot": 1}}', "server.prot: unknown key"),
@@ -353,8 +365,9 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path: Path) -> 
 )
 def test_load_config_refuses_a_bad_file(tmp_path: Path, text: str, message: str) -> None:
     """
-    A file that is not JSON, not an object, repeats a key or fails validation is a
-    ConfigError rather than a traceback or a silently dropped setting.
+    A file that is not JSON (nor JSON nested past the parser's recursion), not an
+    object, repeats a key or fails validation is a ConfigError rather than a traceback
+    or a silently dropped setting.
     """
     path = tmp_path / "rhapsode.json"
     path.write_text(text)

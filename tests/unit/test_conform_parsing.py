@@ -358,3 +358,16 @@ def test_long_text_spans_several_segments_within_the_ceiling() -> None:
     assert len(_checks._long_text(200, 4096)) > 600
     assert len(_checks._long_text(200, 300)) <= 300
     assert 600 <= len(_checks._long_text(None, 4096)) <= 700
+
+
+def test_a_worker_answering_json_nested_past_the_parser_fails_the_check_not_the_checker() -> None:
+    """
+    A worker under test answering 1,100 nested brackets (past json.loads' recursion) is
+    a failed check saying its body is not JSON, and its description falls back to the
+    Content-Type and length, where RecursionError took the whole run down.
+    """
+    deep = b"[" * 1100 + b"]" * 1100
+    response = _client.Response("GET /voices", 200, {"content-type": "application/json"}, deep)
+    with pytest.raises(_report.Failed, match="not JSON"):
+        response.json()
+    assert "application/json, 2200 bytes" in response.describe()

@@ -102,6 +102,7 @@ def test_several_servers_from_a_document_or_its_file(tmp_path: Path) -> None:
      "variants.v.license"),
     ({"RHAPSODE_REMOTE_CONFIG": '{"variants": {}}'}, "variants"),
     ({"RHAPSODE_REMOTE_CONFIG": "/no/such/file.json"}, "/no/such/file.json"),
+    ({"RHAPSODE_REMOTE_CONFIG": '{"variants": ' + "[" * 1100 + "]" * 1100 + "}"}, "RHAPSODE_REMOTE_CONFIG: not JSON"),
 ])
 def test_what_cannot_be_used_is_refused_naming_where(environ: dict[str, str], names: str) -> None:
     """
@@ -195,3 +196,22 @@ def test_a_pcm_body_short_of_its_length_fails() -> None:
     assert b"".join(stream.raw_pcm(Answer(b"\x00" * 100, chunked=False, length=100), "x")) == b"\x00" * 100
     with pytest.raises(ModelUnavailable):
         list(stream.raw_pcm(Answer(b"\x00" * 100, chunked=False, length=200), "x"))
+
+
+DEEP = b"[" * 5000 + b"]" * 5000
+
+
+def test_a_servers_json_nested_too_deep_to_parse_is_its_fault_not_a_crash() -> None:
+    """
+    A server's answer nested deeper than Python's parser can recurse (a 10 KB body) is
+    read as what it is, a body that is not the API's: its refusal's message is its
+    opening bytes, a 2xx document is NotJSON (502), and an SSE event fails the stream
+    as model_unavailable, where each was a RecursionError out of the adapter.
+    """
+    message, param = client._message(DEEP)
+    assert message.startswith("[[[") and param is None
+    with pytest.raises(client.NotJSON) as refused:
+        client._document(DEEP, "http://gpu:8091/v1/models answered 200")
+    assert refused.value.status == 502 and "/v1/models" in refused.value.message
+    with pytest.raises(ModelUnavailable):
+        list(stream.sse_pcm(Answer(sse(delta(b"\x01\x00")) + b"data: " + DEEP + b"\n\n"), "x"))

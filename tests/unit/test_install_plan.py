@@ -15,13 +15,15 @@ import pytest
 from rhapsode._manage.installer import (
     check_engine_id,
     command_env,
+    detect_box,
     failure_reason,
     in_range,
     install_query,
     plan,
+    recipe,
     trusted_hosts,
 )
-from rhapsode_protocol.errors import BadRequest
+from rhapsode_protocol.errors import BadRequest, Unsupported
 
 # -- why a command failed ---------------------------------------------------------------
 
@@ -399,3 +401,59 @@ def test_an_engine_is_given_the_protocol_and_the_sdk_of_the_checkout_the_core_ca
 
     root = Path(__file__).resolve().parents[2]
     assert sdk_source("0.1.0") == (str(root / "protocol"), str(root / "sdk"))
+
+
+# -- recipes per box --------------------------------------------------------------------
+
+TORCH_RECORD: dict[str, Any] = {
+    "id": "dia", "module": "rhapsode_engine_dia", "distribution": "rhapsode-engine-dia",
+    "install": {
+        "cuda": [["{sdk}", "{adapter}"]],
+        "cpu": [["torch==2.13.0"], ["--no-deps", "{adapter}"], ["{sdk}"]],
+    },
+}
+
+
+def test_a_record_with_recipes_installs_its_box_s_steps_in_order(tmp_path: Path) -> None:
+    """
+    On a CPU box the record's cpu recipe runs step by step, each a pip install with the
+    trusted hosts, {sdk} standing for every SDK source and {adapter} for the adapter.
+    """
+    slot = tmp_path / "dia"
+    python = str(slot / "bin" / "python")
+    pip = (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", "--trusted-host", "mirror")
+    steps = plan(record=TORCH_RECORD, slot=slot, source_dir=None, sdk=("/src/protocol", "/src/sdk"), uv="uv",
+                 interpreter="python3", interpreter_fits=True, core_version="0.1.0", trusted=["mirror"], box="cpu")
+    assert steps.packages == (
+        (*pip, "torch==2.13.0"),
+        (*pip, "--no-deps", "rhapsode-engine-dia==0.1.0"),
+        (*pip, "/src/protocol", "/src/sdk"),
+    )
+    cuda = plan(record=TORCH_RECORD, slot=slot, source_dir=None, sdk=("rhapsode-worker==0.1.0",), uv="uv",
+                interpreter="python3", interpreter_fits=True, core_version="0.1.0", box="cuda")
+    assert cuda.packages == ((*pip[:7], "rhapsode-worker==0.1.0", "rhapsode-engine-dia==0.1.0"),)
+
+
+def test_a_record_without_a_recipe_for_the_box_is_refused_naming_install_box() -> None:
+    """
+    Recipes for cuda only, on a CPU box: unsupported, naming install.box and the boxes
+    it installs on; a record with no recipes installs anywhere in one step.
+    """
+    only_cuda = {**TORCH_RECORD, "install": {"cuda": [["{sdk}", "{adapter}"]]}}
+    with pytest.raises(Unsupported) as refused:
+        recipe(only_cuda, "cpu", ("sdk",), "adapter")
+    assert refused.value.field == "install.box"
+    assert "installs on a cuda box" in str(refused.value) and "this one is a cpu box" in str(refused.value)
+    assert recipe(RECORD, "cpu", ("a", "b"), "c") == [["a", "b", "c"]]
+
+
+def test_the_box_is_cuda_only_where_the_kernel_lists_a_card(tmp_path: Path) -> None:
+    """
+    A folder of cards with one in it is a CUDA box; an empty one, or none, a CPU box.
+    """
+    cards = tmp_path / "gpus"
+    assert detect_box(cards) == "cpu"
+    cards.mkdir()
+    assert detect_box(cards) == "cpu"
+    (cards / "0000:01:00.0").mkdir()
+    assert detect_box(cards) == "cuda"

@@ -48,6 +48,12 @@ TONE = {
     "id": "tone", "module": "rhapsode_engine_tone", "distribution": "rhapsode-engine-tone",
     "license": {"code": "MIT", "weights": "MIT", "weightsCommercialUse": True},
 }
+#: A torch engine's record: on a CPU box torch's CPU build first, then the rest.
+TORCHY = {
+    "id": "torchy", "module": "rhapsode_engine_torchy", "distribution": "rhapsode-engine-torchy",
+    "license": {"code": "MIT", "weights": "MIT", "weightsCommercialUse": True},
+    "install": {"cuda": [["{sdk}", "{adapter}"]], "cpu": [["torch==2.13.0"], ["{sdk}", "{adapter}"]]},
+}
 
 
 
@@ -202,7 +208,7 @@ class Harness:
     """
 
     def __init__(self, tmp_path: Path, records: Sequence[Mapping[str, Any]] = (KOKORO, RESEARCH, TONE),
-                 database: bool = True, uv: str | None = None) -> None:
+                 database: bool = True, uv: str | None = None, box: str = "cpu") -> None:
         self.tmp = tmp_path
         self.reactor = InlineReactor()
         self.jobs = Jobs(self.reactor)
@@ -220,7 +226,7 @@ class Harness:
             reactor=self.reactor, jobs=self.jobs, catalog=self.catalog, state=self.state, host=self.host,
             venv_dir=lambda: self.venvs, source_dir=lambda: self.source, interpreter=lambda: None,
             runner=self.runner, environ={"RHAPSODE_PIP_TRUSTED_HOSTS": "mirror.local"}, core_version=CORE,
-            uv=uv, sdk=("/src/rhapsode/protocol", "/src/rhapsode/sdk"),
+            uv=uv, sdk=("/src/rhapsode/protocol", "/src/rhapsode/sdk"), box=lambda: box,
         )
 
     def _terminate(self, engine: str) -> Deferred[None]:
@@ -897,3 +903,41 @@ def test_an_engine_that_runs_on_a_cluster_is_installed_on_its_nodes_not_its_fron
     with pytest.raises(Conflict, match="install it on every node") as refused:
         h.installer.install("kokoro", None, None)
     assert refused.value.field == "engine" and h.runner.argvs == []
+
+
+def test_a_torch_engine_installs_by_its_recipe_for_this_box(tmp_path: Path) -> None:
+    """
+    On a CPU box the record's cpu recipe runs (torch's CPU build, then the SDK and the
+    adapter); on a CUDA box its cuda one; the trusted host goes with every step.
+    """
+    for box, installs in (
+        ("cpu", [("torch==2.13.0",), ("/src/rhapsode/protocol", "/src/rhapsode/sdk", "rhapsode-engine-torchy==0.1.0")]),
+        ("cuda", [("/src/rhapsode/protocol", "/src/rhapsode/sdk", "rhapsode-engine-torchy==0.1.0")]),
+    ):
+        (tmp_path / box).mkdir()
+        h = Harness(tmp_path / box, records=(TORCHY,), box=box)
+        try:
+            job = h.installer.install("torchy", None, None)
+            assert job.state == "succeeded", job.error
+            python = str(h.venvs / "torchy" / "bin" / "python")
+            pip = (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", "--trusted-host", "mirror.local")
+            assert h.runner.argvs[2:-1] == [(*pip, *step) for step in installs]
+        finally:
+            h.close()
+
+
+def test_an_engine_with_no_recipe_for_this_box_is_refused_before_any_job(tmp_path: Path) -> None:
+    """
+    A record whose recipes are for CUDA only, on a CPU box: unsupported naming
+    install.box, no job, nothing run, the engine not left installing.
+    """
+    only_cuda = {**TORCHY, "install": {"cuda": [["{sdk}", "{adapter}"]]}}
+    h = Harness(tmp_path, records=(only_cuda,), box="cpu")
+    try:
+        with pytest.raises(Unsupported) as refused:
+            h.installer.install("torchy", None, None)
+        assert refused.value.field == "install.box"
+        assert h.runner.argvs == [] and h.jobs.active("torchy") is None
+        assert "torchy" not in h.catalog.installing
+    finally:
+        h.close()

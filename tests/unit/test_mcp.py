@@ -31,6 +31,7 @@ from rhapsode._doors import mcp as _mcp
 from rhapsode._doors.mcp import PROTOCOL_VERSIONS, inline, tool_definitions
 from rhapsode._fleet.registry import EngineHandle, Registry
 from rhapsode._service import build_core
+from rhapsode._speech.inprocess import base64_size
 from rhapsode_protocol import contract
 
 from _fakes import FakeClient, FakeResponse, FakeSupervisor
@@ -548,20 +549,22 @@ def test_speak_dialogue_refused_by_a_variant_without_dialogue() -> None:
 
 def test_audio_is_encoded_while_still_counted_against_the_buffer_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """
-    The buffered answer stays counted against the core's buffer budget until its audio
-    has been encoded, and is given back once the tool has answered.
+    The buffered answer stays counted against the core's buffer budget while its audio
+    is encoded, and so does the base64 it is encoded into, taken before it is made;
+    both are given back once the tool has answered.
     """
     core = Core()
     held: list[int] = []
-    b64encode = base64.b64encode
+    encode = _mcp.base64_pieces
 
-    def encode(data: bytes) -> bytes:
+    def encoding(pieces: Any) -> list[bytes]:
         held.append(core.app.budget.held)
-        return b64encode(data)
+        return encode(pieces)
 
-    monkeypatch.setattr(_mcp.base64, "b64encode", encode)
+    monkeypatch.setattr(_mcp, "base64_pieces", encoding)
     audio_of(core.call("speak", {"engine": "tone", "text": "Hello there."}))
-    assert held == [len(core.worker.audio)]
+    size = len(core.worker.audio)
+    assert len(held) == 1 and size + base64_size(size) < held[0] < size + base64_size(size) + 1024
     assert core.app.budget.held == 0
 
 

@@ -253,3 +253,87 @@ def test_stopping_with_nothing_to_wait_for_says_so(tmp_path: Path) -> None:
         "shutting down: no request in flight; no worker running",
         "rhapsode stopped",
     ]
+
+
+# -- a start whose saved settings cannot apply ---------------------------------------------
+
+
+def saved(tmp_path: Path, settings: dict[str, Any]) -> tuple[Path, Any]:
+    """
+    A config file in C{tmp_path} and a state database beside it holding C{settings},
+    written straight to it, as an older server (which checked less) or a hand would.
+    """
+    import json
+
+    from rhapsode._manage.state import FILE_NAME, StateStore
+
+    path = tmp_path / "rhapsode.json"
+    raw = {"workers": {"socketDir": "sock", "voiceDir": "voices"}}
+    path.write_text(json.dumps(raw))
+    store = StateStore.open(tmp_path / FILE_NAME)
+    store.write_settings(settings)
+    store.close()
+    return path, parse_config(raw, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("server.host", "not an address"),
+        ("server.host", "8.8.8.8"),
+        ("management.token", "a-long-enough-token\r\nX-Injected: yes"),
+    ],
+)
+def test_a_saved_setting_a_start_cannot_apply_is_named_with_how_to_drop_it(
+    tmp_path: Path, key: str, value: Any
+) -> None:
+    """
+    A start whose state database holds a value it cannot apply fails naming that saved
+    key and the way to drop it (rhapsode serve --unset KEY), logged as one critical line
+    with no traceback; nothing is listened on.
+    """
+    path, config = saved(tmp_path, {key: value})
+    reactor = MemoryReactorClock()
+    core = RhapsodeService(config, reactor, config_path=path)
+    with capturedLogs() as events:
+        core.startService()
+    message = _failure_of(core.when_listening()).getErrorMessage()
+    assert f"the setting {key} saved in" in message and f"rhapsode serve --unset {key}" in message
+    assert "rhapsode settings" in message
+    assert not any("log_failure" in event for event in events)
+    assert [e["log_level"] for e in events if e.get("log_level", LogLevel.info) >= LogLevel.error] == [LogLevel.critical]
+    assert reactor.tcpServers == []
+
+
+def test_serve_unset_drops_the_saved_setting_and_starts(tmp_path: Path) -> None:
+    """
+    Started with unset=[KEY] (rhapsode serve --unset KEY), the service drops the saved
+    setting before it reads the database, says so, and starts on the file's value.
+    """
+    from rhapsode._manage.state import FILE_NAME, StateStore
+
+    path, config = saved(tmp_path, {"server.host": "not an address", "residency.keepAliveSeconds": 7})
+    reactor = MemoryReactorClock()
+    core = RhapsodeService(config, reactor, config_path=path, unset=["server.host"])
+    with capturedLogs() as events:
+        core.startService()
+    assert core.failed_to_start is None and len(reactor.tcpServers) == 1
+    assert reactor.tcpServers[0][3] == "127.0.0.1"
+    assert any("dropped the setting" in formatEvent(e) and "server.host" in formatEvent(e) for e in events)
+    store = StateStore.open(tmp_path / FILE_NAME)
+    assert store.settings() == {"residency.keepAliveSeconds": 7}
+    store.close()
+    core.stopService()
+
+
+def test_a_saved_port_that_cannot_be_bound_is_named_with_how_to_drop_it(tmp_path: Path) -> None:
+    """
+    A saved server.port (or host) that passes its check but cannot be bound at the start
+    (taken, privileged) fails the start naming the saved key and how to drop it.
+    """
+    path, config = saved(tmp_path, {"server.port": 8099})
+    core = RhapsodeService(config, PortTaken(), config_path=path)
+    core.startService()
+    message = _failure_of(core.when_listening()).getErrorMessage()
+    assert "cannot listen on 127.0.0.1:8099" in message and "Address already in use" in message
+    assert "server.port" in message and "rhapsode serve --unset server.port" in message

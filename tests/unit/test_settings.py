@@ -202,12 +202,21 @@ def test_a_key_the_document_does_not_have_is_refused_by_name(h: Harness, body: A
         ("log.level", "loud"),
         ("management.origins", ["https://page.example/path"]),
         ("residency.maxResidentModels", True),
+        ("server.host", "not an address"),
+        ("server.host", "8.8.8.8"),
+        ("server.host", "203.0.113.7"),
+        ("management.token", "a-long-enough-token\r\nX-Injected: yes"),
+        ("management.token", "a-long-enough-token\nmore"),
+        ("management.token", "a-long-enough-\x00token"),
+        ("management.token", "a-long-enough-t\u00f6ken"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_setting_and_changes_nothing(h: Harness, key: str, value: Any) -> None:
     """
-    A value out of range is bad_request naming the setting; the patch is one
-    transaction, so the good keys beside it are not written either.
+    A value out of range is bad_request naming the setting (a host this machine cannot
+    listen on, a token that cannot travel in an Authorization header included: each
+    would have failed the next start or every call); the patch is one transaction, so
+    the good keys beside it are not written either.
     """
     section, name = key.split(".")
     body: dict[str, Any] = {"residency": {"keepAliveSeconds": 11}}
@@ -366,3 +375,13 @@ def test_a_core_without_a_state_database_answers_unsupported() -> None:
     app = build_core(Registry({}), reactor=MemoryReactorClock())
     head, answer = _exchange(app, b"GET /settings HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert answer["error"]["code"] == "unsupported", head
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost", " 127.0.0.1 "])
+def test_a_host_this_machine_can_listen_on_is_taken(h: Harness, host: str) -> None:
+    """
+    server.host takes what a socket can bind here (loopback, every interface, the name
+    localhost), as it will be used at the next start.
+    """
+    h.patch({"server": {"host": host}})
+    assert h.database.settings()["server.host"] == host.strip()

@@ -475,6 +475,7 @@ def test_a_bad_config_is_an_error_and_text_without_one_closes(harness: Harness) 
         ({"type": "input.text", "text": 5}, 1007, "string"),
         ("x" * (64 * 1024 + 1), 1009, "over 65536 bytes"),
         ('{"type": "input.text", "text": "' + "\u00e9" * 33000 + '"}', 1009, "over 65536 bytes"),
+        ("[" * 1100 + "]" * 1100, 1007, "nests deeper than 64 levels"),
     ],
 )
 def test_a_message_the_stream_cannot_read_closes_it_with_a_reason(
@@ -482,8 +483,9 @@ def test_a_message_the_stream_cannot_read_closes_it_with_a_reason(
 ) -> None:
     """
     A binary message closes 1003, text that is not a JSON object with a type (or an
-    input.text whose text is not a string) 1007, and a message over 64 KiB, counted in
-    UTF-8 bytes, 1009: each with a reason, and the session is forgotten.
+    input.text whose text is not a string, or one nested too deep to parse) 1007, and a
+    message over 64 KiB, counted in UTF-8 bytes, 1009: each with a reason, and the
+    session is forgotten.
     """
     client = harness.open()
     say(harness, client, message)

@@ -21,7 +21,14 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rhapsode._fleet.supervisor import LEADER, TAIL_CHARACTERS, TAIL_LINES, WorkerSupervisor
+from rhapsode._fleet.supervisor import (
+    KILL_WAIT_SECONDS,
+    LEADER,
+    PIPE_GRACE_SECONDS,
+    TAIL_CHARACTERS,
+    TAIL_LINES,
+    WorkerSupervisor,
+)
 from rhapsode_protocol.errors import Internal, ModelUnavailable
 
 from _deferreds import failure_of, result_of
@@ -42,6 +49,9 @@ class FakeWorker:
         self.proto = proto
         self.signals: list[int | str] = []
         self.lost = False
+        self.closed: list[int] = []
+        #: The readers of the child's stdout and stderr, as a process transport has them.
+        self.pipes: dict[int, Any] = {}
 
     # IProcessTransport
     def closeStdin(self) -> None:
@@ -54,7 +64,7 @@ class FakeWorker:
         pass
 
     def closeChildFD(self, descriptor: int) -> None:
-        pass
+        self.closed.append(descriptor)
 
     def writeToChild(self, childFD: int, data: bytes) -> None:
         pass
@@ -91,10 +101,16 @@ class FakeWorker:
         self.out(json.dumps(line).encode() + b"\n")
 
     def exit(self, code: int | None = 0, sig: int | None = None) -> None:
+        self.reap(code, sig)
+        self.proto.processEnded(self._reason)
+
+    def reap(self, code: int | None = 0, sig: int | None = None) -> None:
+        """
+        The process is reaped, its pipes left open (something else holds them).
+        """
         self.pid = None
-        reason = Failure(ProcessDone(0) if code == 0 and sig is None else ProcessTerminated(code, sig))
-        self.proto.processExited(reason)
-        self.proto.processEnded(reason)
+        self._reason = Failure(ProcessDone(0) if code == 0 and sig is None else ProcessTerminated(code, sig))
+        self.proto.processExited(self._reason)
 
 
 def process_reactor() -> FakeProcessReactor:
@@ -260,6 +276,35 @@ def test_exit_before_handshake_fails_start_as_internal_with_stderr_in_the_log() 
     assert h.supervisor.restarts == 1
 
 
+def test_the_configuration_reference_says_what_a_failed_start_answers() -> None:
+    """
+    docs/configuration.md says what the code answers a worker that exits before its
+    handshake (500 internal, not retryable, for an exit status; 503 model_unavailable
+    for a signal) and one that times out (503, retryable), and promises no stderr in
+    the answer: it is in the log.
+    """
+    from pathlib import Path
+
+    reference = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    [row] = [line for line in reference.read_text().splitlines() if line.startswith("| `workers.startupTimeoutSeconds`")]
+    answers = []
+    for how in ("status", "signal", "timeout"):
+        h = harness(max_restarts=0)
+        started = h.supervisor.start()
+        if how == "status":
+            last_worker(h.reactor).exit(1)
+        elif how == "signal":
+            last_worker(h.reactor).exit(None, 9)
+        else:
+            h.reactor.advance(60.0)
+        error = failure_of(started).value
+        answers.append((error.status, error.code, error.retryable))
+        assert f"{error.status} `{error.code}`" in row, (how, row)
+    assert answers == [(500, "internal", False), (503, "model_unavailable", True), (503, "model_unavailable", True)]
+    assert "not retryable" in row and "(retryable)" in row
+    assert "with the end of the worker's stderr" not in row and "stderr is in the server's log" in row
+
+
 def test_a_signal_before_the_handshake_stays_retryable() -> None:
     """
     A worker killed by a signal before its handshake may start next time: retryable.
@@ -400,6 +445,33 @@ def test_stderr_json_lines_are_forwarded_with_the_engine() -> None:
     assert forwarded[2]["log_level"] == LogLevel.info
     assert forwarded[2]["line"] == "plain text from a C library"
     assert len(forwarded) == 3
+
+
+def test_a_line_nested_too_deep_to_parse_is_plain_text_on_either_pipe() -> None:
+    """
+    A worker writing a line of 1,100 nested brackets (a library printing a deep
+    structure) is read as text: on stdout before the handshake it is "not a handshake",
+    on stderr a plain line, where json.loads' RecursionError escaped the pipe's reader;
+    the lines after it are read as ever.
+    """
+    deep = b"[" * 1100 + b"]" * 1100
+    h = harness()
+    started = h.supervisor.start()
+    with capturedLogs() as events:
+        last_worker(h.reactor).out(deep + b"\n")
+    assert "other than its handshake" in failure_of(started).value.message
+    assert any(e.get("line") == deep.decode()[:200] for e in events)
+    last_worker(h.reactor).exit(None, 9)
+
+    h = harness()
+    h.supervisor.start()
+    worker = last_worker(h.reactor)
+    record = {"time": "t", "level": "warn", "engine": "tone", "namespace": "rhapsode_worker", "message": "after"}
+    with capturedLogs() as events:
+        worker.err(deep + b"\n" + json.dumps(record).encode() + b"\n")
+    forwarded = [e for e in events if e.get("engine") == "tone"]
+    assert [e.get("line") for e in forwarded] == [deep.decode(), None]
+    assert (forwarded[1]["log_level"], forwarded[1]["message"]) == (LogLevel.warn, "after")
 
 
 def test_partial_stderr_line_is_kept_at_exit() -> None:
@@ -571,7 +643,7 @@ def test_no_exit_within_the_grace_gets_sigkill() -> None:
     assert h.kills == []
     h.reactor.advance(0.1)
     assert h.kills == [(1000, KILL)]
-    h.reactor.advance(100)
+    h.reactor.advance(KILL_WAIT_SECONDS / 2)
     worker.exit(None, 9)
     result_of(stopped)
     assert h.supervisor.state == "down" and h.supervisor.restarts == 0
@@ -768,3 +840,108 @@ def test_a_hung_report_about_a_worker_already_gone_is_ignored() -> None:
     h = harness()
     h.supervisor.hung("late")
     assert h.supervisor.state == "down" and h.kills == []
+
+
+# -- gone once reaped, however long its pipes stay open -----------------------------------
+
+
+class Reader:
+    """
+    What a process transport reads a child's output from: a real pipe, so it has an inode.
+    """
+
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+
+    def fileno(self) -> int:
+        return self.read
+
+    def close(self) -> None:
+        os.close(self.read)
+        os.close(self.write)
+
+
+def test_a_worker_reaped_with_its_pipes_held_is_gone_after_the_grace_and_the_holder_reported() -> None:
+    """
+    A worker reaped while something outside its group holds its stdout and stderr is
+    gone PIPE_GRACE_SECONDS later, not when its pipes close: the stop answers, the pipes
+    are closed on this side, and what holds them is named in the log and in health()
+    until it exits.
+    """
+    asked: list[list[int]] = []
+    alive = {4321}
+
+    def holders(inodes: list[int]) -> list[int]:
+        asked.append(inodes)
+        return sorted(alive)
+
+    h = harness(holders=holders)
+    worker = up(h)
+    readers = {1: Reader(), 2: Reader()}
+    worker.pipes = readers
+    try:
+        stopped = h.supervisor.stop()
+        h.verbs[0][1].callback(True)
+        with capturedLogs() as events:
+            worker.reap(0)
+            assert not stopped.called and h.kills == [(1000, KILL)]  # the group swept
+            h.reactor.advance(PIPE_GRACE_SECONDS)
+        result_of(stopped)
+        assert h.supervisor.state == "down" and worker.closed == [1, 2]
+        assert asked == [[os.fstat(readers[fd].read).st_ino for fd in (1, 2)]]
+        warned = [e for e in events if e.get("log_level") == LogLevel.warn]
+        assert len(warned) == 1 and warned[0]["strays"] == [4321]
+        assert "outside its process group" in warned[0]["log_format"]
+        monkey_alive = pytest.MonkeyPatch()
+        monkey_alive.setattr("rhapsode._fleet.supervisor._alive", lambda pid: pid in alive)
+        try:
+            assert [stray["pid"] for stray in h.supervisor.health()["strays"]] == [4321]
+            alive.clear()
+            assert "strays" not in h.supervisor.health()
+        finally:
+            monkey_alive.undo()
+        worker.proto.processEnded(Failure(ProcessDone(0)))  # the pipes close at last: told once only
+        assert h.supervisor.state == "down" and h.supervisor.restarts == 0
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def test_a_worker_whose_pipes_close_at_its_exit_is_gone_at_once_with_its_last_words() -> None:
+    """
+    The usual exit: the pipes close as the group goes, and the exit is told then, with
+    the stderr that came before it, and no grace timer is left behind.
+    """
+    h = harness(max_restarts=0)
+    up(h)
+    worker = last_worker(h.reactor)
+    worker.err(b"Traceback: the last words\n")
+    with capturedLogs() as events:
+        worker.exit(1)
+    assert h.supervisor.state == "failed"
+    assert any("the last words" in str(e.get("tail", "")) for e in events)
+    assert h.reactor.getDelayedCalls() == []
+
+
+def test_a_worker_sigkill_does_not_end_is_given_up_on_and_its_late_exit_ignored() -> None:
+    """
+    A worker that SIGKILL does not end (stuck in the kernel) stops being waited for
+    KILL_WAIT_SECONDS after the signal: the stop answers, the engine can start again,
+    and the old process's exit when it comes changes nothing.
+    """
+    h = harness(drain_grace=10.0)
+    old = up(h)
+    stopped = h.supervisor.stop()
+    h.verbs[0][1].callback(True)
+    h.reactor.advance(10.0)
+    assert h.kills == [(1000, KILL)] and not stopped.called
+    with capturedLogs() as events:
+        h.reactor.advance(KILL_WAIT_SECONDS)
+    result_of(stopped)
+    assert h.supervisor.state == "down"
+    assert any("given up on" in e.get("log_format", "") for e in events)
+    started = h.supervisor.start()
+    last_worker(h.reactor).handshake()
+    assert result_of(started) == SOCKET
+    old.exit(None, 9)
+    assert h.supervisor.state == "up" and h.supervisor.restarts == 0

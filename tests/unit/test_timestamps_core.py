@@ -23,6 +23,7 @@ from twisted.web.test.requesthelper import DummyRequest
 from rhapsode._doors.mcp import _audio
 from rhapsode._http.sinks import CaptionedSink, FramedSink, TimedEventSink, TimedJsonSink, framed_sink, timed_sink
 from rhapsode._speech.inprocess import MemorySink
+from rhapsode._speech.limits import BufferBudget, Hold
 from rhapsode._speech.preflight import forward_dialogue, forward_speak
 from rhapsode._speech.relay import FLOOR_BYTES
 from rhapsode._speech.timed import AUDIO_TYPE_HEADER, TimedStreamRelay, read_frames
@@ -31,6 +32,7 @@ from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import BadRequest, Internal, Unsupported
 
 from _fakes import TimedRecordingSink
+from test_relay import Limits
 
 WORD = {"unit": "word", "text": "Hi", "start": 0.0, "end": 0.2, "textStart": 0, "textEnd": 2}
 LATER = {"unit": "word", "text": "there", "start": 0.3, "end": 0.6, "textStart": 3, "textEnd": 8}
@@ -336,7 +338,10 @@ def test_mcp_answers_the_alignment_beside_the_audio() -> None:
     sink.timestamps([WORD, LATER])
     sink.write(b"RIFF")
     sink.end(600)
-    result = json.loads(_audio(sink.answer, "with engine tone").body)  # type: ignore[union-attr]
+    hold = Hold(BufferBudget(Limits(buffered=10**6)))
+    answer = _audio(sink.answer, "with engine tone", hold)
+    result = json.loads(b"".join(answer.pieces))
+    assert hold.size == sum(map(len, answer.pieces))  # the whole result counts against the budget
     assert [item["type"] for item in result["content"]] == ["audio", "text", "text"]
     assert "2 timings" in result["content"][1]["text"]
     assert json.loads(result["content"][2]["text"]) == {"alignment": [WORD, LATER]}
@@ -345,7 +350,7 @@ def test_mcp_answers_the_alignment_beside_the_audio() -> None:
     untimed.begin(200, [(b"Content-Type", b"audio/wav")])
     untimed.write(b"RIFF")
     untimed.end(1)
-    plain = json.loads(_audio(untimed.answer, "x").body)  # type: ignore[union-attr]
+    plain = json.loads(b"".join(_audio(untimed.answer, "x", Hold(BufferBudget(Limits()))).pieces))
     assert len(plain["content"]) == 2 and "structuredContent" not in plain
 
 

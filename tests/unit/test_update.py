@@ -380,6 +380,7 @@ def test_an_unparsable_or_prerelease_latest_is_ok_but_offers_nothing() -> None:
     [
         (403, b'{"message": "API rate limit exceeded"}', "answered 403"),
         (200, b"<html>", "not JSON"),
+        (200, b"[" * 1100 + b"]" * 1100, "not JSON"),
         (200, b"[]", "not a JSON object"),
         (200, b'{"html_url": "https://x.test/r"}', "no tag_name"),
         (200, b'{"tag_name": "v1.0.0"}', "no html_url"),
@@ -388,8 +389,8 @@ def test_an_unparsable_or_prerelease_latest_is_ok_but_offers_nothing() -> None:
 )
 def test_an_answer_that_is_not_a_release_is_a_failure(code: int, body: bytes, why: str) -> None:
     """
-    A refusal, a body that is not a JSON object, or one without tag_name or an http(s)
-    html_url is ReleaseError saying which.
+    A refusal, a body that is not a JSON object (nor JSON nested too deep to parse), or
+    one without tag_name or an http(s) html_url is ReleaseError saying which.
     """
     with pytest.raises(ReleaseError, match=why):
         read_release(code, body)

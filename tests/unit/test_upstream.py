@@ -21,7 +21,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 
 from rhapsode._upstream.pool import BytesProducer, WorkerClient
 from rhapsode._upstream.wire import Connection, ProtocolError, encode_request
-from rhapsode_protocol.errors import ModelUnavailable
+from rhapsode_protocol.errors import Internal, ModelUnavailable
 
 
 class Reader(Protocol):
@@ -412,7 +412,9 @@ def test_streamed_body_goes_chunked_and_the_producer_is_registered() -> None:
 
 def test_failed_upload_fails_the_request() -> None:
     """
-    A body producer that fails fails the request and drops the connection.
+    A body producer that fails fails the request and drops the connection, so the
+    worker gives up the request (and what it spooled of the body) at once rather than
+    waiting for the rest until its idle timeout.
     """
     wire = Wire()
     producer = Streamed()
@@ -420,6 +422,7 @@ def test_failed_upload_fails_the_request() -> None:
     producer.done.errback(ValueError("client went away"))
     with pytest.raises(ValueError):
         result_of(pending)
+    assert wire.transport.disconnecting
 
 
 def test_answer_before_the_upload_ended_closes_after_it() -> None:
@@ -696,3 +699,19 @@ def test_a_request_leaves_no_reference_cycle_behind() -> None:
 
     assert _cyclic_garbage(answered) == []
     assert not any(name in ("_Attempt", "Deferred", "BytesProducer") for name in _cyclic_garbage(cancelled))
+
+
+@pytest.mark.parametrize("body", [b"[" * 1100 + b"]" * 1100, b"not json"])
+def test_a_workers_json_answer_that_cannot_be_read_is_the_workers_fault(body: bytes) -> None:
+    """
+    A worker (a remote one is any server at a URL) answering a JSON exchange with a
+    body that is not JSON, or JSON nested too deep to parse, fails it as internal
+    (500, not retryable), never as the caller's bad_request nor an unmapped error.
+    """
+    pool = Pool()
+    asked = Deferred.fromCoroutine(pool.client.json(b"GET", "/capabilities"))
+    socket, _ = pool.accept()
+    socket.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    with pytest.raises(Internal) as caught:
+        result_of(asked)
+    assert caught.value.status == 500 and "/capabilities" in str(caught.value)

@@ -115,7 +115,7 @@ class Response:
     def json(self) -> Any:
         try:
             return json.loads(self.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's recursion
             raise Failed(f"{self.label} answered {self.status} with a body that is not JSON") from None
 
     def describe(self) -> str:
@@ -126,7 +126,7 @@ class Response:
             if error.get("field") is not None:
                 said += f' (field "{error["field"]}")'
             said += f": {str(error.get('message'))[:160]}"
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             said = f"{self.header('content-type') or 'no Content-Type'}, {len(self.body)} bytes"
         return f"{self.status} {said}"
 

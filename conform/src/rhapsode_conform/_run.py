@@ -32,7 +32,7 @@ def _first_contact(client: Client) -> Mapping[str, Any]:
         raise Unreachable(f"{client.target}: {exc}") from None
     try:
         doc = json.loads(response.body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
 

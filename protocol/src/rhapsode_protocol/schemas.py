@@ -681,6 +681,19 @@ ENGINE_STATE: Schema = _object(
             "Names no path on the box; the worker's own words are in the server's log."
         ),
         "remote": _boolean("A worker at a URL: this server does not run its process."),
+        "strays": _array(
+            _object(
+                {
+                    "pid": _integer("The stray process's id.", minimum=1),
+                    "since": _string("When it was found, ISO 8601 in UTC."),
+                },
+                required=["pid", "since"],
+            ),
+            "Processes that outlived a worker of this engine and its process group while "
+            "holding its stdout or stderr (a helper its adapter started in a session of its "
+            "own): left running for an operator to end, listed until they exit. The server "
+            "counts as degraded meanwhile.",
+        ),
         "unreachable": _map(
             _string(),
             "Variants whose model is served elsewhere by a server the worker cannot reach "

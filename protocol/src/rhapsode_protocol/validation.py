@@ -257,14 +257,67 @@ def _refuse_constant(name: str) -> object:
 #: One decoder for every body (json.loads with options builds a decoder per call).
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
+#: The deepest a JSON body may nest: every shape here is a handful of levels deep, and
+#: Python's parser and every walk over what it parsed recurse once per level, so a body
+#: nested a thousand deep in two kilobytes once reached the interpreter's limit.
+MAX_JSON_DEPTH = 64
+# A JSON string, escapes and all (its brackets are text, not structure).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+class TooDeep(BadRequest):
+    """
+    A JSON body nested deeper than L{MAX_JSON_DEPTH}, or with brackets that do not
+    pair: refused before it is parsed.
+    """
+
+
+def check_json_depth(raw: bytes | str, most: int = MAX_JSON_DEPTH) -> None:
+    """
+    Refuse a JSON document nested deeper than C{most} levels, before any parser
+    recurses into it.  Linear work done by the regular expression engine: the strings
+    are cut out, and the innermost empty pairs of what is left peeled away once per
+    level; a document with no more than C{most} brackets in all is passed at once.
+
+    @raise TooDeep: naming the body.
+    """
+    text = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    if text.count(b"[") + text.count(b"{") <= most:
+        return
+    brackets = _NOT_A_BRACKET.sub(b"", _JSON_STRING.sub(b"", text))
+    for _ in range(most):
+        if not brackets:
+            return
+        brackets, peeled = _EMPTY_PAIR.subn(b"", brackets)
+        if not peeled:
+            raise TooDeep("body is not valid JSON", field="body")  # its brackets do not pair
+    if brackets:
+        raise TooDeep(f"body nests deeper than {most} levels", field="body")
+
+
+def loads_json(raw: bytes | str) -> Any:
+    """
+    C{json.loads} of a body or a message from outside, its depth held to
+    L{MAX_JSON_DEPTH} first.
+
+    @raise TooDeep: too deep, or brackets that do not pair.
+    @raise ValueError: not JSON.
+    """
+    check_json_depth(raw)
+    return json.loads(raw)
+
 
 def parse_json_body(raw: bytes, schema: Schema) -> dict[str, Any]:
     """
     Decode a UTF-8 JSON request body, require an object, and validate it.
 
     @raise BadRequest: for anything that is not valid JSON (NaN and Infinity included),
-        a body that is not an object, or the first violation of C{schema}.
+        one nested deeper than L{MAX_JSON_DEPTH}, a body that is not an object, or the
+        first violation of C{schema}.
     """
+    check_json_depth(raw)
     try:
         value = _DECODER.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

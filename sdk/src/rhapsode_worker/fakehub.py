@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.task import react
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -376,14 +378,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token", default=None)
     args = parser.parse_args(argv)
-    from twisted.internet import reactor
-
     hub = FakeHub(token=args.token)
     for repo, commit, folder in args.repo:
         hub.add(FakeRepo.from_folder(repo, commit, folder))
-    port = listen(reactor, hub, args.port)
-    print(json.dumps({"endpoint": f"http://127.0.0.1:{port.getHost().port}"}), flush=True)
-    reactor.run()
+
+    def run(reactor: Any) -> Deferred[None]:
+        port = listen(reactor, hub, args.port)
+        print(json.dumps({"endpoint": f"http://127.0.0.1:{port.getHost().port}"}), flush=True)
+        return Deferred()
+
+    react(run)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
     )
     listing = argparse.ArgumentParser(add_help=False)
     listing.add_argument("--json", action="store_true", help="print the server's JSON as it is")
-    commands.add_parser("serve", help="run the server: rhapsode serve [--config FILE]")
+    commands.add_parser("serve", help="run the server: rhapsode serve [--config FILE] [--unset KEY]")
     commands.add_parser("web", help="serve the web page: rhapsode web [--core URL] [--port N] (docs/web.md)")
     commands.add_parser("cluster", help="run Rhapsode on a Ray cluster: rhapsode cluster up|status|down (docs/cluster.md)")
     commands.add_parser("engines", parents=[client, listing], help="the engines this server has")

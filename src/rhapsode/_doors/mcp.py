@@ -22,7 +22,6 @@ pydantic into the core and into every engine's virtualenv.
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 from dataclasses import dataclass
@@ -34,9 +33,12 @@ from twisted.web.iweb import IRequest
 
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import SpeechError, as_speech_error, refusal
+from rhapsode_protocol.validation import TooDeep, check_json_depth
 
+from .._http.sinks import when_delivered, write_pieces
 from .._interfaces import IPublicRoutes, ISpeech, Utterance
-from .._speech.inprocess import Answer, MemorySink
+from .._speech.inprocess import Answer, MemorySink, base64_pieces, base64_size
+from .._speech.limits import BufferBudget, Hold
 
 __all__ = ["McpServer", "PROTOCOL_VERSIONS", "tool_definitions"]
 
@@ -61,15 +63,29 @@ Result = dict[str, Any]
 @dataclass(frozen=True)
 class RawJson:
     """
-    A result already written as JSON: the audio's base64 is spliced in as bytes rather
-    than escaped again by the encoder (which, for a sentence of audio, costs more than
-    all the rest of the call), and the tool listing is written once.
+    A result already written as JSON, in pieces: the audio's base64 is spliced in as
+    bytes rather than escaped again by the encoder (which, for a sentence of audio, costs
+    more than all the rest of the call) and never joined into one string, and the tool
+    listing is written once.  C{hold} is what the pieces hold of the core's buffer
+    budget, given back once the answer has left the process.
     """
 
-    body: bytes
+    pieces: tuple[bytes, ...]
+    hold: Hold | None = None
 
 
-Answered = Result | RawJson
+@dataclass(frozen=True)
+class ToolRefusal:
+    """
+    A tool that ran and was refused, and the headers its refusal carries (an overloaded
+    core's C{Retry-After}) for the HTTP answer.
+    """
+
+    result: Result
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+Answered = Result | RawJson | ToolRefusal
 
 
 class _Malformed(Exception):
@@ -284,13 +300,16 @@ def _structured(code: int, document: Any, wrap: bool) -> Result:
     return {"content": [{"type": "text", "text": text}], "structuredContent": structured, "isError": False}
 
 
-def _audio(answer: Answer, said: str) -> Answered:
+def _audio(answer: Answer, said: str, hold: Hold) -> RawJson:
     """
     A speech route's buffered answer as audio content (its Content-Type verbatim) and a
-    line saying what it is.
+    line saying what it is; its base64 taken from C{hold} before it is encoded.
+
+    @raise BufferFull: the budget has no room for the base64.
     """
     mime = answer.content_type or "application/octet-stream"
-    line = f"Spoke {said}: {mime}, {len(answer.body)} bytes"
+    size = answer.size
+    line = f"Spoke {said}: {mime}, {size} bytes"
     duration = answer.header(_DURATION)
     if duration is not None and duration.isdigit():
         line += f", {duration} ms"
@@ -302,10 +321,8 @@ def _audio(answer: Answer, said: str) -> Answered:
         alignment = _dumps({"alignment": answer.alignment})
         timed = b"".join((b',{"type":"text","text":', _dumps(alignment.decode("utf-8")), b"}"))
         structured = b',"structuredContent":' + alignment
-    # Base64's alphabet needs no escaping in a JSON string.
-    return RawJson(b"".join((
-        b'{"content":[{"type":"audio","data":"',
-        base64.b64encode(answer.body),
+    opening = b'{"content":[{"type":"audio","data":"'
+    closing = b"".join((
         b'","mimeType":',
         _dumps(mime),
         b'},{"type":"text","text":',
@@ -315,7 +332,10 @@ def _audio(answer: Answer, said: str) -> Answered:
         b"]",
         structured,
         b',"isError":false}',
-    )))
+    ))
+    hold.take(len(opening) + base64_size(size) + len(closing))
+    # Base64's alphabet needs no escaping in a JSON string.
+    return RawJson((opening, *base64_pieces(answer.pieces), closing), hold)
 
 
 def _voice_named(arguments: Mapping[str, Any]) -> str:
@@ -343,12 +363,13 @@ class McpServer:
 
     log = Logger()
 
-    def __init__(self, *, routes: IPublicRoutes, speech: ISpeech, version: str) -> None:
+    def __init__(self, *, routes: IPublicRoutes, speech: ISpeech, version: str, budget: BufferBudget) -> None:
         self.routes = routes
         self.speech = speech
         self.version = version
+        self.budget = budget
         self.specs = {spec.name: spec for spec in tool_definitions()}
-        self._listing = RawJson(_dumps({"tools": [spec.listing() for spec in self.specs.values()]}))
+        self._listing = RawJson((_dumps({"tools": [spec.listing() for spec in self.specs.values()]}),))
         self._tools: dict[str, Tool] = {
             "list_engines": self._list_engines,
             "engine_capabilities": self._engine_capabilities,
@@ -398,7 +419,17 @@ class McpServer:
             return _error(request, request_id, error.code, error.message)
         if isinstance(result, RawJson):
             head = b'{"jsonrpc":"2.0","id":' + _dumps(request_id) + b',"result":'
-            return _sized(request, b"".join((head, result.body, b"}")))
+            pieces = (head, *result.pieces, b"}")
+            hold = result.hold
+            if hold is not None:
+                hold.take(len(head) + 1)
+                # Given back once the answer has left the process, or its client has gone.
+                when_delivered(request).addBoth(lambda _: hold.release())
+            return await _write(request, pieces)
+        if isinstance(result, ToolRefusal):
+            for name, value in result.headers:
+                request.setHeader(name, value)
+            result = result.result
         if result.get("isError"):
             _reason(request, result["content"][0]["text"])
         return _sized(request, _dumps({"jsonrpc": "2.0", "id": request_id, "result": result}))
@@ -438,14 +469,14 @@ class McpServer:
             contract.validate(self.specs[name].input_schema, arguments)
             return await self._tools[name](arguments)
         except SpeechError as error:
-            return refused(error)
+            return ToolRefusal(refused(error), tuple(error.headers))
         except CancelledError:
             raise  # the client hung up: nobody is waiting for a result
         except Exception as exc:
             failed = as_speech_error(exc)
             if failed.code == "internal":
                 self.log.failure("MCP tool {tool} failed", tool=name)
-            return refused(failed)
+            return ToolRefusal(refused(failed), tuple(failed.headers))
 
     # -- tools ---------------------------------------------------------------------------
 
@@ -463,13 +494,18 @@ class McpServer:
     async def _spoken(self, utterance: Utterance, schema: dict[str, Any], said: str) -> Answered:
         """
         Speak C{utterance} into memory, its body held to the route's own schema first,
-        and encode the audio while it is still counted against the buffer budget.
+        and encode the audio while it is still counted against the buffer budget; its
+        base64 stays counted until the answer has left the process.
         """
         contract.validate(schema, dict(utterance.body))
         sink = MemorySink()
+        hold = self.budget.hold()
         try:
             await self.speech.speak(sink, utterance)
-            return _audio(sink.answer, said)
+            return _audio(sink.answer, said, hold)
+        except BaseException:
+            hold.release()
+            raise
         finally:
             sink.release()
 
@@ -503,6 +539,10 @@ def _read(raw: bytes) -> tuple[str | int | None, str | None, Any]:
 
     @raise _Malformed: not JSON, a batch, or not a JSON-RPC 2.0 message.
     """
+    try:
+        check_json_depth(raw)
+    except TooDeep as error:
+        raise _Malformed(PARSE_ERROR, f"the {error.message}") from None
     try:
         message = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:
@@ -546,6 +586,18 @@ def _sized(request: IRequest, body: bytes) -> bytes:
     request.setHeader(b"Content-Type", _JSON)
     request.setHeader(b"Content-Length", b"%d" % len(body))
     return body
+
+
+async def _write(request: IRequest, pieces: tuple[bytes, ...]) -> bytes:
+    """
+    An answer of many pieces with its whole length, written a piece at a time as the
+    client takes them (L{write_pieces}): the last is returned, for the route to write as
+    it writes any answer.
+    """
+    request.setHeader(b"Content-Type", _JSON)
+    request.setHeader(b"Content-Length", b"%d" % sum(map(len, pieces)))
+    await write_pieces(request, pieces[:-1])
+    return pieces[-1]
 
 
 def _reason(request: IRequest, reason: str) -> None:

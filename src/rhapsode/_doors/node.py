@@ -14,7 +14,6 @@ never asks a node to unload or terminate one: those worker verbs are refused her
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
 from twisted.logger import Logger
@@ -31,7 +30,7 @@ from .._http.site import admitted_of, require_guard
 from .._http.table import JSON_BODY
 from .._interfaces import IPublicRoutes, ISpeech
 from .._speech.relay import KEEP_ALIVE_HEADER, NODE_HEADER
-from .._upstream import collect
+from .._upstream import collect, worker_json
 
 __all__ = ["NodeDoor", "memory"]
 
@@ -157,7 +156,7 @@ class NodeDoor:
                 raise Internal("voice uploads need the core's own site (rhapsode._http.site.CoreSite)")
             response = await upstream
             raw = await collect(response, _ERROR_LIMIT)
-            return json_response(request, response.code, json.loads(raw))
+            return json_response(request, response.code, worker_json(raw, "the upload"))
 
         return await self._answer(request, handle)
 

@@ -19,7 +19,11 @@ C{/v1/audio/voices}) go beyond section 11, which waited for a client that needs 
 Open WebUI and Home Assistant's integration do.  They are open, like C{/engines}.
 
 C{POST /v1/audio/speech/batch} is the peer API's batch: up to 32 items, each a buffered
-utterance spoken into memory (L{MemorySink}), answered together.
+utterance spoken into memory (L{MemorySink}), answered together.  The whole answer counts
+against the core's buffer budget until it has left the process: each item's audio while it
+is spoken, then its base64 (a third larger) in the JSON that carries it, which is written in
+pieces rather than built as one string.  A batch whose next piece the budget has no room
+for is refused whole, as overloaded with a C{Retry-After}, never answered in part.
 
 C{POST /dev/captioned_speech} is Kokoro-FastAPI's captioned speech, for the clients
 written for it: its request (OpenAI's, with C{stream} and C{return_timestamps}, both
@@ -30,9 +34,10 @@ OpenAI's own route has no such field, and keeps OpenAI's shape.
 
 from __future__ import annotations
 
-import base64
+import json
 import secrets
-from typing import Any, Awaitable, Callable
+from collections import deque
+from typing import Any, Awaitable, Callable, Iterator
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorTime
@@ -46,12 +51,23 @@ from rhapsode_protocol.validation import parse_json_body
 
 from .._fleet.registry import Registry
 from .._http.envelopes import openai_envelope, render_error
-from .._http.sinks import CaptionedSink, HttpSink, SseSink
+from .._http.sinks import CaptionedSink, HttpSink, SseSink, when_delivered, write_pieces
 from .._interfaces import IAudioSink, IPublicRoutes, ISpeech, Utterance
-from .._speech.inprocess import MemorySink
+from .._speech.inprocess import MemorySink, base64_pieces, base64_size
+from .._speech.limits import BufferBudget, BufferFull, Hold
 from .._speech.translate import OpenAITranslation
 
 __all__ = ["CAPTIONED_SPEECH_REQUEST", "SSE_FORMATS", "OpenAIShim"]
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def _draining(pieces: "deque[bytes]") -> Iterator[bytes]:
+    # Each piece is let go of as it is written: the socket then holds the only copy.
+    while pieces:
+        yield pieces.popleft()
 
 #: The formats an SSE stream carries: base64 of raw PCM or of a WAV, as OpenAI's does.
 SSE_FORMATS = ("pcm", "wav")
@@ -111,12 +127,14 @@ class OpenAIShim:
         translation: OpenAITranslation,
         requests: InFlight,
         clock: IReactorTime,
+        budget: BufferBudget,
     ) -> None:
         self.registry = registry
         self.speech = speech
         self.routes = routes
         self.translation = translation
         self.requests = requests
+        self.budget = budget
         #: When the models were first offered: OpenAI's C{created}, the core's start.
         self.created = int(clock.seconds())
 
@@ -200,52 +218,79 @@ class OpenAIShim:
     # -- POST /v1/audio/speech/batch -------------------------------------------------------
 
     async def batch(self, request: IRequest) -> Any:
-        async def handle() -> bytes:
-            body = self._read(request, OPENAI_BATCH_REQUEST)
-            self.translation.resolve_model(body["model"])  # an unknown model refuses the whole batch
-            # The peer's default for a batch is wav (OpenAI's single request is mp3's).
-            shared = {"response_format": "wav", **{k: v for k, v in body.items() if k != "items"}}
-            results: list[dict[str, Any]] = []
-            held: list[MemorySink] = []
+        # Asked for now: what the answer holds is given back once it has left the process.
+        hold = self.budget.hold()
+        when_delivered(request).addBoth(lambda _: hold.release())
+
+        async def handle() -> None:
             try:
-                for index, item in enumerate(body["items"]):
-                    results.append(await self._item(index, {**shared, **item}, held))
-            finally:
-                # Every item's audio stayed counted against the core's buffer budget
-                # until the batch's answer was built: together they are bounded by it.
-                for sink in held:
-                    sink.release()
-            succeeded = sum(1 for result in results if result["status"] == "success")
-            return json_response(request, 200, {
-                "id": "speech-batch-" + secrets.token_hex(8),
-                "results": results,
-                "total": len(results),
-                "succeeded": succeeded,
-                "failed": len(results) - succeeded,
-            })
+                await self._batch(request, hold)
+            except BaseException:
+                hold.release()  # a refusal carries no audio
+                raise
 
         return await self._answer(request, handle)
 
-    async def _item(self, index: int, item: dict[str, Any], held: list[MemorySink]) -> dict[str, Any]:
+    async def _batch(self, request: IRequest, hold: Hold) -> None:
+        body = self._read(request, OPENAI_BATCH_REQUEST)
+        self.translation.resolve_model(body["model"])  # an unknown model refuses the whole batch
+        # The peer's default for a batch is wav (OpenAI's single request is mp3's).
+        shared = {"response_format": "wav", **{k: v for k, v in body.items() if k != "items"}}
+        results: list[list[bytes]] = []
+        succeeded = 0
+        for index, item in enumerate(body["items"]):
+            pieces, ok = await self._item(index, {**shared, **item}, hold)
+            results.append(pieces)
+            succeeded += ok
+        head = b'{"id":"speech-batch-%s","results":[' % secrets.token_hex(8).encode("ascii")
+        tail = _dumps({"total": len(results), "succeeded": succeeded, "failed": len(results) - succeeded})
+        answer = [head]
+        for index, pieces in enumerate(results):
+            if index:
+                answer.append(b",")
+            answer.extend(pieces)
+        answer += [b"],", tail[1:]]
+        results.clear()
+        size = sum(map(len, answer))
+        # The items' pieces are held already; the JSON around them is the rest.
+        hold.take(size - hold.size)
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Content-Length", b"%d" % size)
+        queue = deque(answer)
+        del answer
+        await write_pieces(request, _draining(queue))
+
+    async def _item(self, index: int, item: dict[str, Any], hold: Hold) -> tuple[list[bytes], bool]:
+        """
+        One item's result as pieces of JSON, and whether it succeeded: its audio in
+        base64, taken from the budget before it is encoded and held by C{hold}; its raw
+        audio is given back once it is encoded.
+
+        @raise BufferFull: the budget has no room for the item's audio or its base64.
+        """
         sink = MemorySink()
-        held.append(sink)
         try:
-            native = await self.translation.native(item, stream=False)
-            await self.speech.speak(sink, Utterance(native["engine"], native, route="batch"))
-        except CancelledError:
-            raise
-        except Exception as exc:
-            refused = as_speech_error(exc)
-            if refused.code == "internal":
-                self.log.failure("batch item {index} failed", index=index)
-            return {"index": index, "status": "error", "error": openai_envelope(refused)["error"]}
-        answered = sink.answer
-        return {
-            "index": index,
-            "status": "success",
-            "audio_data": base64.b64encode(answered.body).decode("ascii"),
-            "media_type": answered.content_type,
-        }
+            try:
+                native = await self.translation.native(item, stream=False)
+                await self.speech.speak(sink, Utterance(native["engine"], native, route="batch"))
+            except (CancelledError, BufferFull):
+                raise
+            except Exception as exc:
+                refused = as_speech_error(exc)
+                if refused.code == "internal":
+                    self.log.failure("batch item {index} failed", index=index)
+                error = _dumps({"index": index, "status": "error", "error": openai_envelope(refused)["error"]})
+                hold.take(len(error))
+                return [error], False
+            answered = sink.answer
+            opening = b'{"index":%d,"status":"success","audio_data":"' % index
+            closing = b'","media_type":' + _dumps(answered.content_type) + b"}"
+            # Base64's alphabet needs no escaping in a JSON string.
+            hold.take(len(opening) + base64_size(answered.size) + len(closing))
+            return [opening, *base64_pieces(answered.pieces), closing], True
+        finally:
+            sink.release()
 
     # -- discovery -------------------------------------------------------------------------
 

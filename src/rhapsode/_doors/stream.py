@@ -49,6 +49,7 @@ from rhapsode_protocol import contract
 from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, Unsupported
 from rhapsode_protocol.schemas import OPENAI_SPEECH_REQUEST
 from rhapsode_protocol.text import GRANULARITIES, TextCutter
+from rhapsode_protocol.validation import TooDeep, loads_json
 from rhapsode_protocol.vocab import is_speakable
 
 from .._fleet.registry import Registry
@@ -296,7 +297,10 @@ class StreamSession:
             self.shut(TOO_BIG, f"a message is over {MAX_MESSAGE_BYTES} bytes")
             return
         try:
-            parsed = json.loads(message)
+            parsed = loads_json(message)
+        except TooDeep as error:
+            self.shut(INVALID_DATA, f"a message {error.message.removeprefix('body ')}")
+            return
         except ValueError:
             self.shut(INVALID_DATA, "a message is not JSON")
             return
@@ -788,6 +792,9 @@ class _PieceSink:
         if not self._writing:
             self._writing = True
             self.session.audio_starts(self)
+
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # every piece streams, paused by the WebSocket
 
     def end(self, duration_ms: int | None) -> None:
         pass  # audio.done says it, once the speech service has returned

@@ -39,6 +39,7 @@ from rhapsode_protocol.spawn import (
     CONTRACT_VARIABLE,
     CORE_DIR_VARIABLE,
     CORES_VARIABLE,
+    DEVICE_VARIABLE,
     ENGINE_VARIABLE,
     LISTEN_VARIABLE,
     VOICE_DIR_VARIABLE,
@@ -58,6 +59,14 @@ TAIL_LINES = 40
 TAIL_CHARACTERS = 2048
 # A stderr "line" that never ends (a progress bar redrawn with \r) is cut at this length.
 MAX_LINE_BYTES = 65536
+#: How long after a worker is reaped its stdout and stderr may stay open: they close as
+#: soon as its process group has been swept, unless something outside the group holds
+#: them (a helper that started a session of its own).  Until then the worker's last
+#: words are still being read; after it, the worker is gone all the same.
+PIPE_GRACE_SECONDS = 2.0
+#: How long a worker sent SIGKILL may take to be reaped before it is given up on (a
+#: process stuck in the kernel): no stop, unload or eviction waits on it longer.
+KILL_WAIT_SECONDS = 10.0
 
 
 def core_budget_env(cores: int | None, socket_dir: Path) -> dict[str, str]:
@@ -69,6 +78,14 @@ def core_budget_env(cores: int | None, socket_dir: Path) -> dict[str, str]:
     """
     budget = machine_cores() if cores is None else cores
     return {CORES_VARIABLE: str(budget), CORE_DIR_VARIABLE: str(socket_dir / "cores")}
+
+
+def device_env(device: str | None) -> dict[str, str]:
+    """
+    What gives a worker the device the operator chose (C{engines.<id>.device}): the
+    spawn contract's C{RHAPSODE_WORKER_DEVICE}; none, and the worker picks its own.
+    """
+    return {} if device is None else {DEVICE_VARIABLE: device}
 
 
 class _Prestartable(Protocol):
@@ -139,7 +156,9 @@ def _record(line: str) -> dict[str, Any] | None:
     """
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # Past the parser's recursion (a library printing a deep structure) is text too:
+        # an exception here would escape to the reactor, which drops the pipe it read.
         return None
     if isinstance(record, dict) and "message" in record:
         return record
@@ -168,6 +187,12 @@ class _Child(ProcessProtocol):
     One spawned worker process: its first stdout line is the handshake, its stderr lines
     are forwarded into the log and the last of them kept for error messages.
 
+    It is gone once it has been reaped, whatever holds its pipes: its exit is told when
+    the pipes close, which is at once for a worker whose process group has been swept,
+    or L{PIPE_GRACE_SECONDS} after the reaping where something outside the group holds
+    them; that something is then told (C{on_stray}, with the pids holding them) and the
+    pipes are closed on this side.
+
     @ivar pid: the process id, which is also its process group's id; kept after the
         process is reaped so the group can still be swept.
     """
@@ -182,6 +207,10 @@ class _Child(ProcessProtocol):
         on_exit: Callable[[str], None],
         sweep: Callable[[int], None],
         relay: Callable[[str], None] = lambda line: None,
+        *,
+        call_later: Callable[..., IDelayedCall] | None = None,
+        on_stray: Callable[[list[int]], None] = lambda pids: None,
+        holders: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
         self.engine = engine
         self._relay = relay
@@ -189,9 +218,17 @@ class _Child(ProcessProtocol):
         self._on_handshake = on_handshake
         self._on_exit = on_exit
         self._sweep = sweep
+        self._call_later = call_later
+        self._on_stray = on_stray
+        self._holders = holders or pipe_holders
         self._stdout = _Lines(self._handshake_line)
         self._stderr = _Lines(self._stderr_line)
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._exited: Failure | None = None
+        self._told = False
+        self._grace: IDelayedCall | None = None
+        #: The SIGKILL's deadline (L{KILL_WAIT_SECONDS}), while one is pending.
+        self.kill_wait: IDelayedCall | None = None
 
     def connectionMade(self) -> None:
         assert self.transport is not None  # spawnProcess connects it
@@ -204,14 +241,58 @@ class _Child(ProcessProtocol):
         self._stderr.feed(data)
 
     def processExited(self, reason: Failure) -> None:
-        # Anything left in the group (an adapter's child) would hold the stdout and
-        # stderr pipes open, and processEnded waits for those to close.
+        # Reaped.  Anything left in the group (an adapter's child) would hold the stdout
+        # and stderr pipes open, and processEnded waits for those to close.
+        self._exited = reason
+        if self.kill_wait is not None and self.kill_wait.active():
+            self.kill_wait.cancel()
         self._sweep(self.pid)
+        if self._call_later is not None and not self._told:
+            self._grace = self._call_later(PIPE_GRACE_SECONDS, self._pipes_held)
 
     def processEnded(self, reason: Failure) -> None:
+        if self._grace is not None and self._grace.active():
+            self._grace.cancel()
+        self._tell(self._exited or reason)
+
+    def abandon(self) -> None:
+        """
+        The supervisor has given up waiting for this process: nothing it does from now
+        on is told.
+        """
+        self._told = True
+        if self._grace is not None and self._grace.active():
+            self._grace.cancel()
+
+    def _tell(self, reason: Failure) -> None:
+        if self._told:
+            return
+        self._told = True
         self._stdout.flush()
         self._stderr.flush()
         self._on_exit(_describe(reason))
+
+    def _pipes_held(self) -> None:
+        """
+        Reaped, its group swept, and its pipes still open: a process outside the group
+        holds them.  It is named, the pipes are closed on this side, and the worker is
+        gone.
+        """
+        self._grace = None
+        transport = self.transport
+        inodes = _pipe_inodes(transport)
+        try:
+            strays = self._holders(inodes) if inodes else []
+        except Exception:
+            strays = []
+        self._on_stray(strays)
+        if self._exited is not None:
+            self._tell(self._exited)
+        for fd in (1, 2):
+            try:
+                transport.closeChildFD(fd)  # type: ignore[union-attr]
+            except Exception:
+                pass  # closed already
 
     def tail(self) -> str:
         """
@@ -250,13 +331,71 @@ class _Child(ProcessProtocol):
         self._relay(message)
 
 
+def _pipe_inodes(transport: Any) -> list[int]:
+    """
+    The inodes of the pipes a process transport reads the child's stdout and stderr
+    from, while they are open.
+    """
+    inodes = []
+    for fd in (1, 2):
+        reader = getattr(transport, "pipes", {}).get(fd)
+        if reader is None:
+            continue
+        try:
+            inodes.append(os.fstat(reader.fileno()).st_ino)
+        except (AttributeError, OSError, ValueError):
+            continue
+    return inodes
+
+
+def pipe_holders(inodes: list[int]) -> list[int]:
+    """
+    The processes, other than this one, holding a pipe of C{inodes} open (from
+    /proc, on Linux; none where there is no /proc).
+    """
+    wanted = {f"pipe:[{inode}]" for inode in inodes}
+    found = []
+    own = os.getpid()
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == own:
+            continue
+        folder = f"/proc/{pid}/fd"
+        try:
+            links = [os.readlink(f"{folder}/{fd}") for fd in os.listdir(folder)]
+        except OSError:
+            continue  # gone, or not ours to read
+        if wanted.intersection(links):
+            found.append(pid)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _iso(seconds: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _parse_handshake(line: str) -> tuple[int, str] | None:
     """
     The contract and listen address of a handshake line, or None if it is not one.
     """
     try:
         doc = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or doc.get("ready") is not True:
         return None
@@ -371,7 +510,7 @@ _State = Union[_Down, _Starting, _Up, _Backoff, _Draining, _Aborting, _Hung, _Fa
 _WITH_PROCESS = (_Starting, _Up, _Draining, _Aborting)
 # The terminate verb may answer after its worker has exited and the state has moved on,
 # and a watchdog may find a worker hung that has since gone.
-_LATE_INPUTS = frozenset({"verb", "hung"})
+_LATE_INPUTS = frozenset({"verb", "hung", "kill_timeout"})
 
 
 @implementer(ISupervisor)
@@ -409,8 +548,13 @@ class WorkerSupervisor:
         backoff_cap: float = 30.0,
         kill: Callable[[int, int], None] = os.killpg,
         on_crash: Callable[[], object] = lambda: None,
+        holders: Callable[[list[int]], list[int]] = pipe_holders,
     ) -> None:
         self.engine_id = engine_id
+        self._holders = holders
+        #: Processes that outlived a worker's process group holding its pipes, and when
+        #: they were found: reported until they exit.
+        self._strays: dict[int, float] = {}
         self._on_crash = on_crash
         self.last_error: str | None = None
         self._reactor = reactor
@@ -508,6 +652,12 @@ class WorkerSupervisor:
             doc["pid"] = self.pid
         if self.last_error is not None:
             doc["lastError"] = self.last_error
+        for pid in [pid for pid in self._strays if not _alive(pid)]:
+            del self._strays[pid]
+        if self._strays:
+            doc["strays"] = [
+                {"pid": pid, "since": _iso(since)} for pid, since in sorted(self._strays.items())
+            ]
         return doc
 
     # -- the machine ----------------------------------------------------------------------
@@ -567,6 +717,9 @@ class WorkerSupervisor:
             on_exit=lambda how: self._feed("exited", how),
             sweep=self._sweep,
             relay=self._relay,
+            call_later=self._clock.callLater,
+            on_stray=self._stray,
+            holders=self._holders,
         )
         self.log.info("starting worker {engine}: {module}", engine=self.engine_id, module=self._module)
         try:
@@ -583,6 +736,23 @@ class WorkerSupervisor:
     def _relay(self, line: str) -> None:
         for listener in list(self.listeners):
             listener(line)
+
+    def _stray(self, pids: list[int]) -> None:
+        """
+        The worker has been reaped and its group swept, yet its stdout and stderr stay
+        open: processes outside the group (started in a session of their own) hold
+        them.  They are left running, for an operator to look at, and reported.
+        """
+        now = self._clock.seconds()
+        for pid in pids:
+            self._strays.setdefault(pid, now)
+        named = ", ".join(str(pid) for pid in pids) or "a process this server cannot name"
+        self.log.warn(
+            "worker {engine} has exited, but {named} outside its process group still holds its "
+            "stdout or stderr (a process the adapter started in a session of its own); it is left "
+            "running and reported in /health",
+            engine=self.engine_id, named=named, strays=pids,
+        )
 
     def _failed_start(
         self, waiters: list[Deferred[str]], error: str, kind: type[SpeechError] = ModelUnavailable
@@ -650,6 +820,9 @@ class WorkerSupervisor:
     def _signal(self, child: _Child, number: signal.Signals) -> None:
         level = LogLevel.warn if number == signal.SIGKILL else LogLevel.info
         self.log.emit(level, "sending {signal} to worker {engine}", signal=number.name, engine=self.engine_id)
+        if number == signal.SIGKILL and child.kill_wait is None:
+            # No wait on a process is without end, not even on one SIGKILL has not ended.
+            child.kill_wait = self._clock.callLater(KILL_WAIT_SECONDS, self._feed, "kill_timeout", child)
         try:
             self._kill(child.pid, number)
         except OSError:
@@ -669,6 +842,19 @@ class WorkerSupervisor:
 
     def _ignore(self, state: _State, *args: Any) -> _State:
         return state
+
+    def _kill_timeout(self, state: _Starting | _Up | _Draining | _Aborting, child: _Child) -> _State:
+        """
+        A worker sent SIGKILL has not been reaped in L{KILL_WAIT_SECONDS}: it is taken
+        to have exited, so nothing waits on it any longer, and its late end is not told.
+        """
+        if state.child is not child:
+            return state
+        child.abandon()
+        how = f"not reaped {KILL_WAIT_SECONDS:g} s after SIGKILL"
+        self.log.error("worker {engine} (pid {pid}) was {how}; given up on", engine=self.engine_id,
+                       pid=child.pid, how=how)
+        return self._TRANSITIONS[(type(state), "exited")](self, state, how)
 
     # -- down and failed ----------------------------------------------------------------
 
@@ -852,6 +1038,12 @@ class WorkerSupervisor:
         (_Draining, "verb"): _verb,
         (_Draining, "grace_over"): _grace_over,
         (_Draining, "exited"): _exit_draining,
+        (_Draining, "kill_timeout"): _kill_timeout,
+        (_Starting, "kill_timeout"): _kill_timeout,
+        (_Up, "kill_timeout"): _kill_timeout,
+        (_Aborting, "kill_timeout"): _kill_timeout,
+        (_Hung, "kill_timeout"): _kill_timeout,
+        (_Refusing, "kill_timeout"): _kill_timeout,
         (_Aborting, "start"): _start_aborting,
         (_Aborting, "stop"): _stop_aborting,
         (_Aborting, "handshake"): _ignore,

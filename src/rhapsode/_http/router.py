@@ -13,7 +13,6 @@ is the site's (L{rhapsode._http.site}); which route is which is the table's
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
 from twisted.logger import Logger
@@ -32,7 +31,7 @@ from .._interfaces import IPublicRoutes, ISpeech, Utterance
 from .._speech.metrics import CONTENT_TYPE as METRICS_TYPE
 from .._speech.metrics import Metrics
 from .._speech.relay import ERROR_LIMIT, remote_server
-from .._upstream import collect
+from .._upstream import collect, worker_json
 from .sinks import HttpSink, timed_sink
 from .site import CoreRequest, admitted_of, require_guard
 from .table import JSON_BODY, openapi_document
@@ -180,7 +179,8 @@ class CoreApp:
         engines = self.engines()
         residency = self.residency.snapshot()
         degraded = any(
-            e["process"] == "failed" or h.unresponsive or h.unreachable for e, h in zip(engines, self.registry)
+            e["process"] == "failed" or h.unresponsive or h.unreachable or e.get("strays")
+            for e, h in zip(engines, self.registry)
         )
         return json_response(
             request,
@@ -312,7 +312,7 @@ class CoreApp:
                 raise Internal("voice uploads need the core's own site (rhapsode._http.site.CoreSite)")
             response = await upstream
             raw = await collect(response, ERROR_LIMIT)
-            return self._voice_answer(request, engine_id, response.code, json.loads(raw))
+            return self._voice_answer(request, engine_id, response.code, worker_json(raw, "the upload"))
 
         return await self._answer(request, handle)
 

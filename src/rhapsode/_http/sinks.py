@@ -9,16 +9,22 @@ raw audio, chunked with the duration as a trailer or buffered with a Content-Len
 Either way the relay is the request's producer, so a reader that falls behind pauses the
 worker's socket; and a stream that cannot be whole is cut off (an aborted connection for
 raw audio, an error event for an event stream), never ended cleanly.
+
+A buffered answer is the core's memory until it has left the process, not merely until
+it was handed to the transport: an L{HttpSink}'s C{finished} fires only once the request
+has finished and its connection has sent what it holds (L{when_delivered}), so the buffer
+budget counts a reader that reads nothing for as long as it holds the core's bytes.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
@@ -38,9 +44,15 @@ __all__ = [
     "TimedEventSink",
     "TimedJsonSink",
     "framed_sink",
+    "room_on",
     "sse_event",
     "timed_sink",
+    "when_delivered",
+    "when_sent",
+    "write_pieces",
 ]
+
+_log = Logger()
 
 
 @implementer(IAudioSink)
@@ -49,15 +61,25 @@ class HttpSink:
     An utterance's answer as the HTTP response to C{request}: its status and headers
     are committed at L{begin} (a later failure can only abort the connection).
 
-    Made at the start of the route, so its C{finished} is the request's own
-    C{notifyFinish()} (one asked for once the connection is lost would never fire).
+    Made at the start of the route, so its C{finished} follows the request's own
+    C{notifyFinish()} (one asked for once the connection is lost would never fire): it
+    fails when the client goes before the answer is finished, and fires once a finished
+    answer has left the process.
     """
 
     def __init__(self, request: IRequest) -> None:
         self._request = request
-        self.finished: Deferred[None] = request.notifyFinish()  # type: ignore[attr-defined]
+        self.finished: Deferred[None] = Deferred()
+        # Asked of now: twisted.web forgets a request's channel as it tells it finished.
+        sent = _sent_of(request)
+        request.notifyFinish().addCallbacks(  # type: ignore[attr-defined]
+            lambda _: sent().addBoth(self._delivered), self.finished.errback
+        )
         self.started = False
         self._producing = False
+
+    def _delivered(self, _: object) -> None:
+        self.finished.callback(None)
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -69,6 +91,9 @@ class HttpSink:
         # On the core's own site each piece (the first with the headers) is sent as it
         # is written (rhapsode_protocol.http.site.EagerChannel).
         self._request.write(data)
+
+    def room(self) -> "Deferred[None]":
+        return room_on(self._request)
 
     def registerProducer(self, producer: IPushProducer) -> None:
         self._producing = True
@@ -130,6 +155,9 @@ class SseSink:
             self._request.setHeader(b"Cache-Control", b"no-cache")
         self._request.write(sse_event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii")}))
 
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # a stream, paused by its reader through the relay
+
     def registerProducer(self, producer: IPushProducer) -> None:
         self._producing = True
         self._request.registerProducer(producer, True)  # type: ignore[attr-defined]
@@ -152,6 +180,89 @@ class SseSink:
         }}))
         # The stream ends cleanly once the door returns: nothing to wait for.
         return succeed(None)
+
+
+def room_on(request: IRequest) -> "Deferred[None]":
+    """
+    Fires once C{request}'s connection has sent what was written to it (L{when_sent}),
+    so that the next piece of a buffered answer can be written without the socket
+    holding a second copy of the answer; or once the connection has gone.  A client
+    that takes nothing for the site's idle timeout (C{server.idleTimeoutSeconds}) has its
+    connection aborted, as an idle one is: an answer nobody reads does not hold the
+    core's memory for ever.
+    """
+    sent = when_sent(request)
+    if sent.called:
+        return sent
+    channel = getattr(request, "channel", None)
+    # The site's: a channel's own is off while it answers a request.
+    seconds = getattr(getattr(channel, "site", None), "timeOut", None)
+    call_later = getattr(channel, "callLater", None)
+    if seconds and call_later is not None:
+        timer = call_later(seconds, _unread, request, seconds)
+        sent.addBoth(lambda result: (timer.cancel() if timer.active() else None, result)[1])
+    return sent
+
+
+def _unread(request: IRequest, seconds: float) -> None:
+    _log.info("{method} {path}: the client read nothing of its answer for {seconds:g} s; closing",
+              method=request.method.decode("latin-1"), path=request.uri.decode("latin-1")[:200],
+              seconds=seconds)
+    abort_connection(request)
+
+
+async def write_pieces(request: IRequest, pieces: Iterable[bytes]) -> None:
+    """
+    Write an answer that is held in C{pieces} a piece at a time, each once the socket
+    has sent the last (L{room_on}), so that the socket never holds a copy of the whole;
+    stops writing once the client has gone.
+    """
+    for piece in pieces:
+        await room_on(request)
+        if getattr(request, "_disconnected", False):
+            return
+        request.write(piece)
+
+
+def when_sent(request: IRequest) -> "Deferred[None]":
+    """
+    Fires once what has been written of C{request}'s answer has left the process (the
+    protocol's L{EagerChannel.when_sent}), or its connection has gone; at once for a
+    request on any other channel.
+    """
+    return _sent_of(request)()
+
+
+def _sent_of(request: IRequest) -> Callable[[], "Deferred[None]"]:
+    """
+    What tells when C{request}'s connection has sent what it holds, found now: the
+    request forgets its channel once it has finished.
+    """
+    sent = getattr(getattr(request, "channel", None), "when_sent", None)
+    return sent if sent is not None else lambda: succeed(None)
+
+
+def when_delivered(request: IRequest) -> "Deferred[None]":
+    """
+    Fires once C{request} is finished and its answer has left the process, or once its
+    client has gone, whichever comes first; it never fails.  What a door holds of the
+    buffer budget for an answer it wrote itself is given back then.
+    """
+    delivered: Deferred[None] = Deferred()
+    if getattr(request, "_disconnected", False):
+        # Gone already: twisted.web would never tell a notifyFinish asked for now.
+        delivered.callback(None)
+        return delivered
+
+    def done(_: object) -> None:
+        if not delivered.called:
+            delivered.callback(None)
+
+    sent = _sent_of(request)
+    request.notifyFinish().addCallbacks(  # type: ignore[attr-defined]
+        lambda _: sent().addBoth(done), done
+    )
+    return delivered
 
 
 def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
@@ -227,6 +338,9 @@ class TimedEventSink:
             # Base64's alphabet needs no escaping: spliced in rather than encoded as JSON.
             self._send(b"".join((_AUDIO_DELTA, base64.b64encode(data), b'"}\n\n')))
 
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # a stream, paused by its reader through the relay
+
     def _send(self, event: bytes) -> None:
         if self.started:
             self._request.write(event)
@@ -296,6 +410,10 @@ class TimedJsonSink:
 
     def write(self, data: bytes) -> None:
         self._parts.append(data)
+
+    def room(self) -> "Deferred[None]":
+        # Nothing is written before the end, when the document goes out in one piece.
+        return succeed(None)
 
     def registerProducer(self, producer: IPushProducer) -> None:
         pass  # read whole before anything is written
@@ -371,6 +489,10 @@ class FramedSink:
         if data:
             self._audio += len(data)
             self._send(frames.head(frames.AUDIO, len(data)), data)
+
+    def room(self) -> "Deferred[None]":
+        # A stream is paused through the relay; a buffered answer goes out at the end.
+        return succeed(None)
 
     def _send(self, *parts: bytes) -> None:
         if self.started:
@@ -491,6 +613,10 @@ class CaptionedSink:
         self._size += len(data)
         if self._stream and self._size >= FLOOR_BYTES:
             self._line()
+
+    def room(self) -> "Deferred[None]":
+        # A stream is paused through the relay; a buffered answer goes out at the end.
+        return succeed(None)
 
     def _object(self, audio: bytes) -> bytes:
         words, self._words = self._words, []

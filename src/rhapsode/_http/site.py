@@ -26,7 +26,7 @@ from twisted.web import resource
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from rhapsode_protocol.errors import Forbidden, ModelUnavailable, SpeechError, as_speech_error
+from rhapsode_protocol.errors import BadRequest, Forbidden, ModelUnavailable, SpeechError, as_speech_error
 from rhapsode_protocol.http.site import (
     HEAD_SECONDS,
     IDLE_SECONDS,
@@ -54,7 +54,11 @@ class Upload:
     A client's request body, produced into the worker's request as it arrives.
 
     The client's connection is this producer's source: when the worker's socket is full
-    the client is paused, so the core never holds more than a socket's worth.
+    the client is paused, so the core never holds more than a socket's worth.  The pause
+    is of the connection's reading alone, and it is undone as soon as the body is in or
+    the upload has failed, however the worker's connection ended: a pause that outlived
+    the upload (twisted.web's "the transport is full", which it used to be) left the
+    connection deaf, so the next request on it was never answered.
     """
 
     def __init__(self, request: "CoreRequest", length: int | None) -> None:
@@ -66,6 +70,7 @@ class Upload:
         self._consumer: IConsumer | None = None
         self._complete = False
         self._done: Deferred[None] | None = None
+        self._paused = False
         self.failed: SpeechError | None = None
 
     def chunk(self, data: bytes) -> None:
@@ -76,18 +81,37 @@ class Upload:
         self._early.append(data)
         self._early_size += len(data)
         if self._early_size > _EARLY_BUFFER:
-            self._request.channel.pauseProducing()
+            self._pause()
 
     def input_complete(self) -> None:
         self._complete = True
+        self._resume()  # nothing more of this request to read
         if self._done is not None and not self._done.called:
             self._done.callback(None)
 
     def fail(self, error: SpeechError) -> None:
         if self.failed is None:
             self.failed = error
+            self._resume()
             if self._done is not None and not self._done.called:
                 self._done.errback(error)
+
+    def _pause(self) -> None:
+        transport = self._transport()
+        if not self._paused and transport is not None and not self._complete and self.failed is None:
+            self._paused = True
+            transport.pauseProducing()
+
+    def _resume(self) -> None:
+        transport = self._transport()
+        if self._paused:
+            self._paused = False
+            if transport is not None:
+                transport.resumeProducing()
+
+    def _transport(self) -> Any:
+        channel = self._request.channel
+        return channel.transport if channel is not None else None
 
     # IBodyProducer, driven by the worker's connection
 
@@ -97,9 +121,8 @@ class Upload:
         early, self._early = self._early, []
         for data in early:
             consumer.write(data)
-        if self._early_size > _EARLY_BUFFER:
-            self._request.channel.resumeProducing()
         self._early_size = 0
+        self._resume()
         if self.failed is not None:
             self._done.errback(self.failed)
         elif self._complete:
@@ -107,14 +130,10 @@ class Upload:
         return self._done
 
     def pauseProducing(self) -> None:
-        channel = self._request.channel
-        if channel is not None:
-            channel.pauseProducing()
+        self._pause()
 
     def resumeProducing(self) -> None:
-        channel = self._request.channel
-        if channel is not None:
-            channel.resumeProducing()
+        self._resume()
 
     def stopProducing(self) -> None:
         # The worker's connection went (an eviction, an unload, a crash): not the
@@ -195,6 +214,16 @@ class CoreRequest(EagerRequest):
             self._received = True
             self.upload.input_complete()
         super().requestReceived(command, path, version)
+
+    def connectionLost(self, reason: Any) -> None:
+        super().connectionLost(reason)
+        if self.upload is not None and not self._received:
+            # The client went mid-body: the worker's request is given up on too, so the
+            # worker lets go of what it was spooling the body into at once, not at its
+            # idle timeout.
+            self.upload.fail(BadRequest("the client went before its upload was in", field="body"))
+            if self.upstream is not None and not self.upstream.called:
+                self.upstream.cancel()
 
     def upstream_failed(self, failure: Any) -> Any:
         # Before the body is in, nobody else can answer: refuse now (the route would

@@ -474,9 +474,13 @@ def plan(
     interpreter_fits: bool,
     core_version: str,
     trusted: Sequence[str] = (),
+    box: str = "cpu",
 ) -> Plan:
     """
     The commands for installing the engine of C{record} into C{slot}.
+
+    A record with an C{install} recipe for C{box} is installed step by step as it says
+    (L{recipe}); one without, in one step, the SDK and the adapter together.
 
     @param interpreter: the interpreter new virtualenvs are made from (C{install.python},
         else the core's own); C{interpreter_fits}, whether it is inside the record's
@@ -501,9 +505,56 @@ def plan(
     hosts: list[str] = []
     for host in trusted:
         hosts += ["--trusted-host", host]
-    install = (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", *hosts, *sdk, adapter)
+    pip = (python, "-m", "pip", "install", "--progress-bar", "raw", "--no-input", *hosts)
+    installs = tuple((*pip, *step) for step in recipe(record, box, sdk, adapter))
     verify = (python, "-c", f"import {record['module']}")
-    return Plan(venv=venv, packages=upgrade + (install,), verify=verify, python=python)
+    return Plan(venv=venv, packages=upgrade + installs, verify=verify, python=python)
+
+
+#: Where the kernel lists the NVIDIA cards it drives, one folder each.
+NVIDIA_CARDS = Path("/proc/driver/nvidia/gpus")
+
+
+def detect_box(cards: Path = NVIDIA_CARDS) -> str:
+    """
+    C{cuda} where the kernel lists an NVIDIA card, else C{cpu}: which of a catalog
+    record's install recipes fits this box (C{install.box} "auto").
+    """
+    try:
+        return "cuda" if cards.is_dir() and any(cards.iterdir()) else "cpu"
+    except OSError:
+        return "cpu"
+
+
+def recipe(record: Mapping[str, Any], box: str, sdk: Sequence[str], adapter: str) -> list[list[str]]:
+    """
+    The pip arguments of each step that installs C{record}'s engine on a C{box} box.
+
+    A torch engine's record says, per box, what goes in first (on a CPU box the local
+    CPU build of torch, so that no dependency drags in a CUDA one) and where the SDK
+    (C{{sdk}}) and the adapter (C{{adapter}}) go; a record with no C{install} is one step,
+    the SDK and the adapter together.
+
+    @raise Unsupported: naming C{install.box}, when the record has recipes but none for
+        this box, before anything is made.
+    """
+    recipes = record.get("install")
+    if not isinstance(recipes, Mapping):
+        return [[*sdk, adapter]]
+    steps = recipes.get(box)
+    if not isinstance(steps, list) or not steps:
+        raise Unsupported(
+            f'{record["id"]} installs on a {" or a ".join(sorted(recipes))} box, and this one is a {box} box '
+            "(install.box; auto looks for an NVIDIA card)",
+            field="install.box",
+        )
+    expanded: list[list[str]] = []
+    for step in steps:
+        args: list[str] = []
+        for arg in step:
+            args.extend(sdk if arg == "{sdk}" else [adapter] if arg == "{adapter}" else [str(arg)])
+        expanded.append(args)
+    return expanded
 
 
 # -- the installer ----------------------------------------------------------------------
@@ -602,8 +653,10 @@ class Installer:
         core_version: str,
         uv: str | None = None,
         sdk: Sequence[str] | None = None,
+        box: Callable[[], str] = lambda: "auto",
     ) -> None:
         self._reactor = reactor
+        self._box = box
         self.jobs = jobs
         self.catalog = catalog
         self.state = state
@@ -617,7 +670,18 @@ class Installer:
         self.uv = uv
         self._sdk = sdk
 
+    def box(self) -> str:
+        """
+        The kind of box this core installs for: C{install.box}, or what L{detect_box} finds.
+        """
+        chosen = self._box()
+        return detect_box() if chosen == "auto" else chosen
+
     # -- refusals ---------------------------------------------------------------------
+
+    def _fits_box(self, record: Mapping[str, Any]) -> None:
+        # Refused before a job starts: a record with no recipe for this box.
+        recipe(record, self.box(), ("sdk",), "adapter")
 
     def _database(self) -> StateDatabase:
         if self.state is None:
@@ -688,6 +752,7 @@ class Installer:
         if pull is not None and not _VARIANT.fullmatch(pull):
             raise BadRequest(f"pull must name a variant, not {pull!r}", field="pull")
         accepted = self._accepted(record, accept)
+        self._fits_box(record)
         # Before the submit: a job that fails at once (install.venvDir cannot be made)
         # has ended, and taken the engine out of installing, inside it.
         self.catalog.installing.add(engine_id)
@@ -729,7 +794,7 @@ class Installer:
         steps = plan(
             record=record, slot=slot, source_dir=self._source_dir(), sdk=self._sdk or sdk_source(self.core_version),
             uv=self.uv, interpreter=interpreter, interpreter_fits=fits, core_version=self.core_version,
-            trusted=trusted_hosts(self._environ),
+            trusted=trusted_hosts(self._environ), box=self.box(),
         )
         for argv in steps.venv:
             await self.runner.run(context, argv, timeout=QUICK_SECONDS)
@@ -841,6 +906,7 @@ class Installer:
         installed = self._managed(engine_id)
         self._not_busy(engine_id)
         accepted = self._accepted(record, accept, installed.accepted)
+        self._fits_box(record)
         return self.jobs.submit(engine_id, "reinstall", partial(self._reinstall, record=record, accepted=accepted))
 
     async def _reinstall(self, context: JobContext, *, record: Mapping[str, Any], accepted: str | None) -> None:

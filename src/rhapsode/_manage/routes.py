@@ -9,7 +9,6 @@ keeps no settings and installs nothing, and these routes say so (C{unsupported})
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
 from twisted.logger import Logger
@@ -17,6 +16,7 @@ from twisted.web.iweb import IRequest
 
 from rhapsode_protocol.errors import BadRequest, SpeechError, Unsupported
 from rhapsode_protocol.http.answers import InFlight, answer, error_response, json_response
+from rhapsode_protocol.validation import TooDeep, loads_json
 
 from .._http.site import require_guard
 from .installer import Installer, install_query
@@ -143,7 +143,9 @@ class ManagementRoutes:
             installer = self._installer_or_refuse(request)
             request.content.seek(0)
             try:
-                body = json.loads(request.content.read() or b"null")
+                body = loads_json(request.content.read() or b"null")
+            except TooDeep:
+                raise
             except ValueError as error:
                 raise BadRequest(f"the body is not JSON: {error}", field="body") from None
             return self._job_answer(request, installer.pull(engine_id, body).document())

@@ -12,13 +12,13 @@ document shows the value in use and, beside it, the one saved.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rhapsode_protocol.errors import BadRequest, Conflict, UnknownEngine
+from rhapsode_protocol.validation import TooDeep, loads_json
 
 from .._config import ENGINE_SETTINGS, SECTIONS, Config, ConfigError, parse_config
 from .._guard import _forwarded_remote, _loopback_ip, is_loopback, origin_key
@@ -345,11 +345,56 @@ class Settings:
         self._on_change(self.config)
 
 
+def saved_fault(
+    raw: Mapping[str, Any],
+    base: Path,
+    saved: Mapping[str, Any],
+    installed: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str | None:
+    """
+    The saved setting a start cannot apply, where one can be named: the first whose own
+    check refuses it (one saved by an older server, or written into the database by
+    hand), else the first without which the layers parse; None when the fault is not
+    the database's.
+    """
+    for key, value in saved.items():
+        check = _check(key)
+        if check is None:
+            return key
+        try:
+            check(value, key, base)
+        except ConfigError:
+            return key
+    try:
+        parse_config(layer(raw, {}, installed), base)
+    except ConfigError:
+        return None  # the file (or an installed engine) is at fault
+    for key in saved:
+        try:
+            parse_config(layer(raw, {k: v for k, v in saved.items() if k != key}, installed), base)
+        except ConfigError:
+            continue
+        return key
+    return None
+
+
+def unset_hint(key: str) -> str:
+    """
+    How to drop a saved setting, from a stopped server or a running one.
+    """
+    return (
+        f"start with `rhapsode serve --unset {key}` to drop it (the config file's value, or the "
+        f"default, applies again); while a server runs, `rhapsode settings {key} --unset` does the same"
+    )
+
+
 def read_patch(raw: bytes) -> Any:
     """
     A PATCH body as JSON; anything else is bad_request.
     """
     try:
-        return json.loads(raw or b"{}")
+        return loads_json(raw or b"{}")
+    except TooDeep:
+        raise
     except ValueError as error:
         raise BadRequest(f"the body is not JSON: {error}", field="body") from None

@@ -15,7 +15,6 @@ API through treq on the injected reactor; tests give a fake.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from urllib.parse import urlsplit
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from zope.interface import Attribute, Interface, implementer
+
+from rhapsode_protocol.validation import TooDeep, loads_json
 
 from .._config import RELEASES_URL
 
@@ -103,8 +104,8 @@ def read_release(code: int, body: bytes) -> Release:
     if code != 200:
         raise ReleaseError(f"the release source answered {code}")
     try:
-        document = json.loads(body)
-    except ValueError:
+        document = loads_json(body)
+    except (TooDeep, ValueError):
         raise ReleaseError("the release source's answer is not JSON") from None
     if not isinstance(document, dict):
         raise ReleaseError("the release source's answer is not a JSON object")

@@ -6,13 +6,16 @@ buffer budget and the error taxonomy are the ones C{POST /speak} applies.
 
 A buffered answer only: a streamed one needs a reader to push back on, and none of these
 callers asks for one.  The answer's bytes stay counted against the core's buffer budget
-until the caller has used them and said so (L{MemorySink.release}).
+until the caller has used them and said so (L{MemorySink.release}); they are kept in the
+pieces they arrived in, and L{base64_pieces} encodes them piece by piece, so no copy of
+the whole answer is ever made that the budget does not count.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
@@ -22,20 +25,32 @@ from rhapsode_protocol.errors import SpeechError
 
 from .._interfaces import ITimedSink
 
-__all__ = ["Answer", "MemorySink"]
+__all__ = ["Answer", "MemorySink", "base64_pieces", "base64_size"]
 
 
 @dataclass
 class Answer:
     """
-    What an utterance answered: its status, its headers, and its bytes.
+    What an utterance answered: its status, its headers, and its bytes in the pieces
+    they came in.
     """
 
     code: int = 200
     headers: dict[bytes, bytes] = field(default_factory=dict)
-    body: bytes = b""
+    pieces: list[bytes] = field(default_factory=list)
     #: The timings of an utterance that asked for timestamps, else None.
     alignment: list[Mapping[str, Any]] | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.pieces))
+
+    @property
+    def body(self) -> bytes:
+        """
+        The bytes joined: a copy, which the buffer budget does not count.
+        """
+        return b"".join(self.pieces)
 
     @property
     def content_type(self) -> str:
@@ -76,6 +91,9 @@ class MemorySink:
             self.answer.alignment = []
         self.answer.alignment.extend(alignment)
 
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # the pieces are the answer: nothing holds them twice
+
     def registerProducer(self, producer: IPushProducer) -> None:
         pass  # memory never pushes back
 
@@ -83,8 +101,7 @@ class MemorySink:
         pass
 
     def end(self, duration_ms: int | None) -> None:
-        self.answer.body = b"".join(self._parts)
-        self._parts = []
+        self.answer.pieces, self._parts = self._parts, []
         self.whole = True
 
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
@@ -98,3 +115,29 @@ class MemorySink:
         """
         if not self.finished.called:
             self.finished.callback(None)
+
+
+def base64_size(size: int) -> int:
+    """
+    How many bytes C{size} bytes take in base64 (padded).
+    """
+    return 4 * -(-size // 3)
+
+
+def base64_pieces(pieces: Iterable[bytes]) -> list[bytes]:
+    """
+    C{pieces} in base64, one encoded piece per piece (a piece's last one or two bytes
+    carried into the next, so that they join into the encoding of the whole).
+    """
+    encoded: list[bytes] = []
+    carry = b""
+    for piece in pieces:
+        if carry:
+            piece = carry + piece
+        cut = len(piece) - len(piece) % 3
+        carry = piece[cut:]
+        if cut:
+            encoded.append(base64.b64encode(piece[:cut] if carry else piece))
+    if carry:
+        encoded.append(base64.b64encode(carry))
+    return encoded

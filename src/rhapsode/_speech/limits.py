@@ -1,8 +1,9 @@
 """
 Speech capacity (protocol.md section 6): how many requests speak on each engine at once
 and how many may wait for a turn (L{Turnstile}), and how much buffered audio the core holds
-for answers read whole before they are sent (L{BufferBudget}).  Past either, a request is
-refused as overloaded, retryable, with a C{Retry-After}.
+for answers read whole before they are sent (L{BufferBudget}, and one answer's share of it,
+L{Hold}).  Past either, a request is refused as overloaded, retryable, with a
+C{Retry-After}.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rhapsode_protocol.errors import Overloaded
 
 from .._interfaces import IAdmissionSettings
 
-__all__ = ["RETRY_AFTER_SECONDS", "BufferBudget", "Turn", "Turnstile", "overloaded"]
+__all__ = ["RETRY_AFTER_SECONDS", "BufferBudget", "BufferFull", "Hold", "Turn", "Turnstile", "overloaded"]
 
 
 class Turn:
@@ -115,13 +116,24 @@ def overloaded(message: str) -> Overloaded:
 RETRY_AFTER_SECONDS = 1
 
 
+class BufferFull(Overloaded):
+    """
+    The core's budget for buffered audio has no room for what an answer needs: overloaded
+    and retryable like any other, but a door that answers many utterances in one (the
+    batch) refuses as a whole on it rather than item by item.
+    """
+
+
 class BufferBudget:
     """
     How much audio the core holds at once for buffered (C{stream: false}) answers, all
-    of them together: each is read whole before its status is written (section 6), so
-    without a bound forty long ones at once took the core from 109 to 653 MB.  A body
-    that would take the total past the budget fails its request as overloaded
-    (retryable): the answers already held are the ones that finish.
+    of them together, from the worker's first byte until the last has left the process:
+    each is read whole before its status is written (section 6), and a reader that does
+    not read keeps it in the transport, so without a bound forty long ones at once took
+    the core past a gigabyte.  What an answer carries it in counts too (the batch's and
+    MCP's base64 and JSON).  A piece that would take the total past the budget fails its
+    request as overloaded (retryable, L{BufferFull}): the answers already held are the
+    ones that finish.
     """
 
     def __init__(self, settings: IAdmissionSettings) -> None:
@@ -132,15 +144,50 @@ class BufferBudget:
         """
         Hold C{size} more bytes.
 
-        @raise Overloaded: the budget has no room for them.
+        @raise BufferFull: the budget has no room for them.
         """
         most = self._settings.buffered_bytes()
         if self.held + size > most:
-            raise overloaded(
-                f"the core is holding {self.held} bytes of buffered audio, its limit {most}; "
-                "try again shortly, or ask for stream: true"
+            error = BufferFull(
+                f"the core is holding {self.held} bytes of buffered answers, its limit {most} "
+                f"(limits.bufferedBytes), and this one needs {size} more; try again shortly, "
+                "or stream the audio instead"
             )
+            error.headers = ((b"Retry-After", b"%d" % RETRY_AFTER_SECONDS),)
+            raise error
         self.held += size
 
     def give_back(self, size: int) -> None:
         self.held -= size
+
+    def hold(self) -> "Hold":
+        """
+        A share of the budget for one answer, given back all at once.
+        """
+        return Hold(self)
+
+
+class Hold:
+    """
+    What one answer holds of the budget: taken as its parts are made, given back once
+    it has gone (L{release}); releasing twice is harmless.
+    """
+
+    def __init__(self, budget: BufferBudget) -> None:
+        self._budget = budget
+        self.size = 0
+
+    def take(self, size: int) -> None:
+        """
+        @raise BufferFull: the budget has no room for C{size} more bytes.
+        """
+        self._budget.take(size)
+        self.size += size
+
+    def give_back(self, size: int) -> None:
+        size = min(size, self.size)
+        self._budget.give_back(size)
+        self.size -= size
+
+    def release(self) -> None:
+        self.give_back(self.size)

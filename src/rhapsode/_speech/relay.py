@@ -11,12 +11,15 @@ whole stream.  A body that ends short of the 256-byte floor, or that the worker 
 or stops sending, makes the relay abort the sink ("Failing after the headers have gone"):
 a client never receives a clean short 200.  A buffered answer is read whole, within a
 bound its variant's ceiling sets and within the core's budget for all buffered answers,
-before anything is written, so every failure is still the door's to answer.
+before anything is written, so every failure is still the door's to answer; then, with
+the turn and the lease let go, it is written a piece at a time as its reader takes it, and
+stays counted against the budget until the sink says its reader is done with it.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
 
@@ -31,11 +34,12 @@ from zope.interface import implementer
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, refusal
 from rhapsode_protocol.http.answers import DURATION_HEADER
+from rhapsode_protocol.validation import loads_json
 
 from .._fleet.registry import EngineHandle
 from .._fleet.residency import Residency
 from .._interfaces import IAudioSink, ITimedSink
-from .._upstream import BytesProducer, Stalls, Watched, collect, stalled
+from .._upstream import BytesProducer, Stalls, Watched, collect, collect_pieces, stalled
 from .limits import BufferBudget, Turnstile
 from .metrics import Measured
 from .timed import (
@@ -260,18 +264,22 @@ class SpeechRelay:
             response = await self._ask(engine, sink.finished, b"POST", path, body, extra)
             if not self._answered(engine, variant, response.code):
                 await self._relay_error(response)
-            if not stream:
-                turns = len(forward.get("turns", ())) or 1
-                limit = buffered_limit(caps, variant, turns)
+            if stream:
                 if timed:
-                    await self._timed_buffered(ITimedSink(sink), response, timed_limit(limit, caps, variant), measured)
+                    await self._timed_streamed(ITimedSink(sink), response, measured)
                     return
-                await self.buffered(sink, response, limit, measured)
+                await self._streamed(sink, response, forward.get("format", "wav"), caps, measured)
                 return
+            turns = len(forward.get("turns", ())) or 1
+            limit = buffered_limit(caps, variant, turns)
+            held: _Buffered | _TimedBuffered
             if timed:
-                await self._timed_streamed(ITimedSink(sink), response, measured)
-                return
-            await self._streamed(sink, response, forward.get("format", "wav"), caps, measured)
+                held = await self._timed_hold(sink, response, timed_limit(limit, caps, variant), measured)
+            else:
+                held = await self._hold(sink, response, limit, measured)
+        # The turn and the lease are the worker's: a reader slow to take the answer
+        # holds neither.
+        await held.deliver(sink)
 
     async def preview(
         self, sink: IAudioSink, engine: EngineHandle, voice_id: str, caps: Mapping[str, Any], variant: str
@@ -284,7 +292,8 @@ class SpeechRelay:
                 engine, sink.finished, b"GET", f"/voices/{voice_id}/preview", None, _elsewhere(engine, variant, None)
             )
             self._answered(engine, variant, response.code)
-            await self.buffered(sink, response, buffered_limit(caps, variant))
+            held = await self._hold(sink, response, buffered_limit(caps, variant))
+        await held.deliver(sink)
 
     @asynccontextmanager
     async def _speaking(
@@ -402,46 +411,45 @@ class SpeechRelay:
         """
         raw = await collect(response, ERROR_LIMIT, stalls=self.stalls)
         try:
-            envelope = json.loads(raw)
+            envelope = loads_json(raw)
             contract.validate(contract.ERROR, envelope)
         except (ValueError, SpeechError):
             raise Internal(f"worker answered {response.code} without an error envelope") from None
         raise refusal(envelope["error"], response.code)
 
-    async def buffered(
+    async def _hold(
         self,
         sink: IAudioSink,
         response: Any,
         limit: int = 0,
         measured: Measured | None = None,
-    ) -> None:
+    ) -> "_Buffered":
         """
-        A worker's whole answer, held within C{limit} and the core's buffer budget until
-        the sink's reader is done with it, then written to the sink in one piece.
+        A worker's whole answer read within C{limit} and the buffer budget, which it
+        stays counted against until C{sink}'s reader is done with it.
         """
         if response.code != 200:
             await self._relay_error(response)
-        body = await collect(response, limit or BUFFERED_LIMIT, self.budget, self.stalls)
-        sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
-        if len(body) < FLOOR_BYTES:
+        pieces = await collect_pieces(response, limit or BUFFERED_LIMIT, self.budget, self.stalls)
+        size = sum(map(len, pieces))
+        sink.finished.addBoth(lambda _: self.budget.give_back(size))
+        if size < FLOOR_BYTES:
             # Not audio, whatever the status said; nothing has gone, so say so.
-            raise Internal(f"the worker answered 200 with {len(body)} bytes, which is not audio")
+            raise Internal(f"the worker answered 200 with {size} bytes, which is not audio")
         headers = response.headers
         head: list[tuple[bytes, bytes]] = []
         for name in (b"Content-Type", DURATION_HEADER, NODE_HEADER):
             value = headers.getRawHeaders(name)
             if value:
                 head.append((name, value[0]))
-        head.append((b"Content-Length", b"%d" % len(body)))
+        head.append((b"Content-Length", b"%d" % size))
         told = headers.getRawHeaders(DURATION_HEADER)
         duration = int(told[0]) if told and told[0].isdigit() else None
         if measured is not None:
             measured.first_audio()
-            measured.sent = len(body)
+            measured.sent = size
             measured.audio_ms = duration
-        sink.begin(200, head)
-        sink.write(body)
-        sink.end(duration)
+        return _Buffered(head, deque(pieces), duration)
 
     async def _streamed(
         self,
@@ -491,12 +499,12 @@ class SpeechRelay:
 
     # -- answers with timestamps (rhapsode._speech.timed) ------------------------------
 
-    async def _timed_buffered(
-        self, sink: ITimedSink, response: Any, limit: int, measured: Measured | None
-    ) -> None:
+    async def _timed_hold(
+        self, sink: IAudioSink, response: Any, limit: int, measured: Measured | None
+    ) -> "_TimedBuffered":
         """
-        A worker's whole timed answer, held within C{limit} and the budget until the
-        sink's reader is done, then written to the sink: its timings, then its audio.
+        A worker's whole timed answer read within C{limit} and the budget, which it stays
+        counted against until C{sink}'s reader is done with it.
         """
         body = await collect(response, limit, self.budget, self.stalls)
         sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
@@ -517,10 +525,7 @@ class SpeechRelay:
             measured.first_audio()
             measured.sent = len(audio)
             measured.audio_ms = duration
-        sink.begin(200, head)
-        sink.timestamps(entries)
-        sink.write(audio)
-        sink.end(duration)
+        return _TimedBuffered(head, entries, audio, duration)
 
     async def _timed_streamed(self, sink: ITimedSink, response: Any, measured: Measured | None) -> None:
         """
@@ -557,6 +562,52 @@ class SpeechRelay:
             await sink.abort(failure)
             return
         sink.end(stream.duration_ms)
+
+class _Buffered:
+    """
+    A buffered answer read whole: its head, its pieces, its duration.
+    """
+
+    def __init__(self, head: list[tuple[bytes, bytes]], pieces: "deque[bytes]", duration: int | None) -> None:
+        self.head = head
+        self.pieces = pieces
+        self.duration = duration
+
+    async def deliver(self, sink: IAudioSink) -> None:
+        """
+        Write the answer to C{sink} a piece at a time, each once the reader has taken
+        the last (L{IAudioSink.room}), so that nothing holds a second copy of it.
+        """
+        sink.begin(200, self.head)
+        pieces = self.pieces
+        while pieces:
+            await sink.room()
+            sink.write(pieces.popleft())
+        sink.end(self.duration)
+
+
+class _TimedBuffered:
+    """
+    A buffered timed answer read whole: its head, its timings, its audio, its duration.
+    """
+
+    def __init__(self, head: list[tuple[bytes, bytes]], entries: list[Any], audio: bytes, duration: int) -> None:
+        self.head = head
+        self.entries = entries
+        self.audio = audio
+        self.duration = duration
+
+    async def deliver(self, sink: IAudioSink) -> None:
+        """
+        Write the answer to C{sink}: its timings, then its audio once the reader has
+        room (L{IAudioSink.room}).
+        """
+        timed = ITimedSink(sink)
+        timed.begin(200, self.head)
+        timed.timestamps(self.entries)
+        await timed.room()
+        timed.write(self.audio)
+        timed.end(self.duration)
 
 
 def _elsewhere(engine: EngineHandle, variant: str, keep_alive: int | None) -> dict[bytes, list[bytes]]:

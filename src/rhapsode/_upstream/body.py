@@ -1,7 +1,7 @@
 """
 A worker's body read whole, within a limit: an error envelope, a small JSON answer, or
-a buffered (C{stream: false}) response; and L{Stall}, which notices a worker that has
-stopped sending.
+a buffered (C{stream: false}) response; L{worker_json}, which reads a worker's JSON as
+the worker's to get right; and L{Stall}, which notices a worker that has stopped sending.
 """
 
 from __future__ import annotations
@@ -16,9 +16,25 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 
-from rhapsode_protocol.errors import ModelUnavailable, SpeechError
+from rhapsode_protocol.errors import Internal, ModelUnavailable, SpeechError
+from rhapsode_protocol.validation import TooDeep, loads_json
 
-__all__ = ["BodyTooLarge", "BufferRelay", "Stalls", "Watched", "collect", "stalled"]
+__all__ = ["BodyTooLarge", "BufferRelay", "Stalls", "Watched", "collect", "collect_pieces", "stalled", "worker_json"]
+
+
+def worker_json(raw: bytes, what: str) -> Any:
+    """
+    A worker's JSON answer (C{what} says to which request), its depth held to what every
+    body's is.  A worker may be any server at a URL, so a body it cannot have meant is
+    its fault, never the caller's: not L{TooDeep}'s bad_request, which names the
+    caller's body.
+
+    @raise Internal: not JSON, or nested too deep to parse.
+    """
+    try:
+        return loads_json(raw)
+    except (TooDeep, ValueError):
+        raise Internal(f"the worker answered {what} with a body that is not JSON it can send") from None
 
 
 class BodyTooLarge(ValueError):
@@ -116,7 +132,8 @@ class BufferRelay(Protocol):
 
     With a C{budget} each piece is taken from it as it arrives (and everything taken is
     given back if the body fails); watched by C{stalls}, the body fails as
-    L{ModelUnavailable} when the worker stops sending.
+    L{ModelUnavailable} when the worker stops sending.  C{done} fires with the pieces as
+    they came, not joined: a buffered answer goes on in them, never copied whole.
     """
 
     def __init__(self, limit: int, budget: Budget | None = None, stalls: Stalls | None = None) -> None:
@@ -127,7 +144,7 @@ class BufferRelay(Protocol):
         self._failed: SpeechError | None = None
         self._stalls = stalls
         self._stall: Watched | None = None
-        self.done: Deferred[bytes] = Deferred()
+        self.done: Deferred[list[bytes]] = Deferred()
 
     def connectionMade(self) -> None:
         stalls = self._stalls
@@ -160,14 +177,19 @@ class BufferRelay(Protocol):
         if self._stall is not None:
             self._stall.stop()
         failed = self._failed is not None or self._size > self._limit or not isinstance(reason.value, ResponseDone)
-        if failed and self._budget is not None:
-            self._budget.give_back(sum(map(len, self._chunks)))
+        if failed:
+            if self._budget is not None:
+                self._budget.give_back(sum(map(len, self._chunks)))
+            self._chunks = []
         if self._failed is not None:
             self.done.errback(self._failed)
         elif self._size > self._limit:
             self.done.errback(BodyTooLarge(f"body over {self._limit} bytes"))
         elif isinstance(reason.value, ResponseDone):
-            self.done.callback(b"".join(self._chunks))
+            # Handed over, not kept: the caller decides how long the pieces live.
+            pieces, self._chunks = self._chunks, []
+            self.done.callback(pieces)
+            return
         else:
             self.done.errback(reason)
 
@@ -179,6 +201,15 @@ def collect(
     The whole body of C{response}, within C{limit} bytes.  With a C{budget}, the caller
     gives back the body's length once it is done with it; with C{stalls}, a worker that
     stops sending fails it.
+    """
+    return collect_pieces(response, limit, budget, stalls).addCallback(b"".join)
+
+
+def collect_pieces(
+    response: Any, limit: int, budget: Budget | None = None, stalls: Stalls | None = None
+) -> "Deferred[list[bytes]]":
+    """
+    The whole body of C{response} as L{collect} reads it, in the pieces it arrived in.
     """
     relay = BufferRelay(limit, budget, stalls)
     response.deliverBody(relay)

@@ -12,7 +12,6 @@ that dies mid-answer cuts the connection, never ending it cleanly.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Mapping
 
 from twisted.internet.defer import Deferred, DeferredList
@@ -21,6 +20,7 @@ from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
 from rhapsode_protocol.errors import ModelUnavailable
+from rhapsode_protocol.validation import TooDeep, loads_json
 
 from .._interfaces import IWorkerClient
 from .body import collect
@@ -84,9 +84,9 @@ class ClusterClient:
         response = await self._app.request(b"GET", ROUTE_PATH, None, {self._model_header: [model]})
         raw = await collect(response, _ROUTE_LIMIT)
         try:
-            node = json.loads(raw)
+            node = loads_json(raw)
             url, name = str(node["url"]), str(node["node"])
-        except (ValueError, KeyError, TypeError):
+        except (TooDeep, ValueError, KeyError, TypeError):
             raise ModelUnavailable(f"the cluster answered {ROUTE_PATH} with {response.code} and no node") from None
         if response.code != 200:
             raise ModelUnavailable(f"the cluster answered {ROUTE_PATH} with {response.code}")

@@ -22,7 +22,7 @@ from zope.interface import implementer
 from rhapsode_protocol.errors import ModelUnavailable, SpeechError
 
 from .._interfaces import IWorkerClient
-from .body import collect
+from .body import collect, worker_json
 from .wire import Connection, WorkerResponse, encode_request
 
 _JSON_LIMIT = 4 * 1024 * 1024
@@ -238,6 +238,8 @@ class WorkerClient:
     async def json(self, method: bytes, path: str, body: Any = None) -> tuple[int, Any]:
         """
         A small JSON exchange (capabilities, voices, health).
+
+        @raise Internal: the answer is not JSON, or nests too deep to parse.
         """
         producer = None
         headers = {}
@@ -246,7 +248,7 @@ class WorkerClient:
             headers = {b"Content-Type": [b"application/json"]}
         response = await self.request(method, path, producer, headers)
         raw = await collect(response, _JSON_LIMIT)
-        return response.code, json.loads(raw) if raw else None
+        return response.code, worker_json(raw, f"{method.decode()} {path}") if raw else None
 
     def close(self) -> "Deferred[Any]":
         """

@@ -272,7 +272,9 @@ class Connection(Protocol):
             self._sending = False
             if self._state != _GONE:
                 transport.unregisterProducer()  # type: ignore[union-attr]
-            self._fail(failure)
+            # A body cut short leaves the request unframed: the connection goes with it,
+            # so the worker lets go of the request now rather than at its idle timeout.
+            self._drop(failure)
 
         producer.startProducing(consumer).addCallbacks(sent, failed)
 

@@ -7,4 +7,4 @@ from rhapsode_worker import serve
 from rhapsode_engine_chatterbox import ChatterboxEngine
 
 if __name__ == "__main__":
-    serve(ChatterboxEngine())
+    serve(ChatterboxEngine)

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 from rhapsode_worker import (
     Engine,
     Internal,
-    License,
     ModelUnavailable,
     NativeFormat,
     Reference,
@@ -45,6 +44,7 @@ from rhapsode_worker import (
     Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 from rhapsode_worker.audioref import decode_reference
 from rhapsode_worker.clips import ClipStore
@@ -119,30 +119,15 @@ class ChatterboxEngine(Engine):
     deliveries; watermarked.
     """
 
-    id = "chatterbox"
-    display_name = "Chatterbox"
-    license = License(
-        code="MIT",
-        weights="MIT",
-        weights_commercial_use=True,
-        notes=(
-            "chatterbox-tts and its weights (ResembleAI/chatterbox) are MIT; torch BSD-3-Clause, "
-            "transformers and diffusers Apache-2.0, librosa ISC, resemble-perth MIT. Every output "
-            "carries Resemble AI's imperceptible Perth watermark, applied inside chatterbox-tts's "
-            "generate(). pykakasi (GPL-3.0-or-later), a dependency of chatterbox-tts for Japanese, is "
-            "never imported by this English variant."
-        ),
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = VARIANT
-    adapter_version = version("rhapsode-engine-chatterbox")
-    upstream_version = version("chatterbox-tts")
+    upstream_distribution = "chatterbox-tts"
     segment_characters = 300
     joint_silence_ms = 100
     reference_formats = ("wav", "flac", "mp3", "ogg")
 
-    def __init__(self, environ: Mapping[str, str] | None = None, device: TorchDevice | None = None) -> None:
-        self._environ = os.environ if environ is None else environ
+    def __init__(self, context: WorkerContext | None = None, device: TorchDevice | None = None) -> None:
+        super().__init__(context)
+        self._environ: Mapping[str, str] = os.environ if context is None else context.environ
         self._cap = max_tokens(self._environ)
         # Before serving: the device is resolved once, and /health never asks it again.
         self._device = device if device is not None else TorchDevice.probe(self._environ)
@@ -254,7 +239,7 @@ class ChatterboxEngine(Engine):
         return self._conds[key]
 
     def _device_scratch(self) -> Path:
-        folder = Path(self.voice_dir) / ".scratch"
+        folder = self.context.voice_dir / ".scratch"
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
@@ -276,7 +261,7 @@ class ChatterboxEngine(Engine):
         self._store().delete(voice_id)
 
     def _store(self) -> ClipStore:
-        return ClipStore(Path(self.voice_dir), frozenset({DEFAULT_VOICE}))
+        return ClipStore(self.context.voice_dir, frozenset({DEFAULT_VOICE}))
 
     # -- checks ---------------------------------------------------------------------------
 

@@ -7,4 +7,4 @@ from rhapsode_worker import serve
 from rhapsode_engine_dia import DiaEngine
 
 if __name__ == "__main__":
-    serve(DiaEngine())
+    serve(DiaEngine)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -42,7 +41,6 @@ from rhapsode_worker import (
     BadRequest,
     DialogueRequest,
     Engine,
-    License,
     ModelUnavailable,
     NativeFormat,
     Reference,
@@ -50,6 +48,7 @@ from rhapsode_worker import (
     Unsupported,
     Variant,
     Voice,
+    WorkerContext,
 )
 from rhapsode_worker.audioref import decode_reference
 from rhapsode_worker.clips import ClipStore, StoredClip
@@ -152,30 +151,16 @@ class DiaEngine(Engine):
     its transcript.
     """
 
-    id = "dia"
-    display_name = "Dia"
-    license = License(
-        code="Apache-2.0",
-        weights="Apache-2.0",
-        weights_commercial_use=True,
-        notes=(
-            "Dia-1.6B (nari-labs/Dia-1.6B-0626) is Apache-2.0, as is transformers, whose "
-            "DiaForConditionalGeneration runs it; torch BSD-3-Clause. Its codec, the Descript Audio "
-            "Codec (descript/dac_44khz), is MIT. Nari Labs' model card forbids using it to imitate a "
-            "real person without consent, to deceive, or for illegal or malicious ends."
-        ),
-    )
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
-    default_variant = VARIANT
-    adapter_version = version("rhapsode-engine-dia")
-    upstream_version = version("transformers")
+    upstream_distribution = "transformers"
     segment_characters = 250
     joint_silence_ms = 0
     reference_formats = ("wav", "flac", "mp3", "ogg")
     private_tag_patterns = PRIVATE_TAGS
 
-    def __init__(self, environ: Mapping[str, str] | None = None, device: TorchDevice | None = None) -> None:
-        self._environ = os.environ if environ is None else environ
+    def __init__(self, context: WorkerContext | None = None, device: TorchDevice | None = None) -> None:
+        super().__init__(context)
+        self._environ: Mapping[str, str] = os.environ if context is None else context.environ
         self._cap = max_tokens(self._environ)
         self._device = device if device is not None else TorchDevice.probe(self._environ)
         self._model: DiaForConditionalGeneration | None = None
@@ -304,7 +289,7 @@ class DiaEngine(Engine):
         self._store().delete(voice_id)
 
     def _store(self) -> ClipStore:
-        return ClipStore(Path(self.voice_dir))
+        return ClipStore(self.context.voice_dir)
 
     # -- checks ---------------------------------------------------------------------------
 

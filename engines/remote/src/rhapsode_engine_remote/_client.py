@@ -75,10 +75,23 @@ class NotJSON(ServerError):
     """
 
 
+def _document(raw: bytes, where: str) -> Any:
+    """
+    A 2xx answer's JSON document; C{where} says whose answer, for the error.
+
+    @raise NotJSON: it is not JSON, or nests deeper than Python's parser recurses.
+    """
+    try:
+        return json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        raise NotJSON(502, f"{where} with no JSON") from None
+
+
 def _message(raw: bytes) -> tuple[str, str | None]:
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # Not JSON, or nested past the parser's recursion: a server's words all the same.
         return raw[:200].decode("utf-8", "replace").strip() or "no message", None
     error = doc.get("error") if isinstance(doc, dict) else None
     if isinstance(error, dict):
@@ -215,10 +228,7 @@ class Server:
             if not 200 <= response.status < 300:
                 message, param = _message(raw)
                 raise ServerError(response.status, message, param)
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError:
-            raise NotJSON(502, f"{self.origin}{path} answered {response.status} with no JSON") from None
+        return _document(raw, f"{self.origin}{path} answered {response.status}")
 
     def upload(self, path: str, fields: list[tuple[str, str | None, bytes, str | None]]) -> Any:
         """
@@ -241,7 +251,7 @@ class Server:
             if not 200 <= response.status < 300:
                 message, param = _message(raw)
                 raise ServerError(response.status, message, param)
-        return json.loads(raw) if raw else None
+        return _document(raw, f"{self.origin}{path} answered {response.status}")
 
 
 def read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:

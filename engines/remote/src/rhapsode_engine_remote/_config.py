@@ -229,6 +229,8 @@ def read_config(environ: Mapping[str, str]) -> RemoteConfig:
         parsed = json.loads(document)
     except ValueError as exc:
         raise RemoteConfigError(f"{where}: not JSON ({exc})") from None
+    except RecursionError:
+        raise RemoteConfigError(f"{where}: not JSON (it nests deeper than can be read)") from None
     if not isinstance(parsed, dict):
         raise _fail(where, "an object", parsed)
     for key in parsed:

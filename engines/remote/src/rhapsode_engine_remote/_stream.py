@@ -101,7 +101,7 @@ def sse_pcm(response: Any, where: str) -> Iterator[bytes]:
         raw, data = b"\n".join(data), []
         try:
             event = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's recursion, too
             raise ModelUnavailable(f"{where} sent an event that is not JSON") from None
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "speech.audio.delta":

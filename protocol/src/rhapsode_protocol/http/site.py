@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 from urllib.parse import unquote_to_bytes, urlsplit
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger, LogLevel
@@ -176,6 +176,8 @@ class EagerChannel(http.HTTPChannel):
         #: A head has begun and is not complete: it is on its deadline.
         self._head_pending = False
         self._head_timer: IDelayedCall | None = None
+        #: Waiting for what was written to leave the process (L{when_sent}).
+        self._sent_waiters: list[Deferred[None]] = []
 
     # -- the connection ----------------------------------------------------------------
 
@@ -197,6 +199,8 @@ class EagerChannel(http.HTTPChannel):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._stop_head_timer()
         super().connectionLost(reason)
+        # Nothing is left to send: whoever waited for the bytes to go is told.
+        self._sent()
         tracker = getattr(self.site, "connections", None)
         if tracker is not None:
             tracker.closed(self)
@@ -392,6 +396,36 @@ class EagerChannel(http.HTTPChannel):
             self._held.extend(iovec)
         else:
             send_now(self.transport, b"".join(iovec))
+
+    def when_sent(self) -> "Deferred[None]":
+        """
+        Fires once what has been written to this connection has left the process, or
+        the connection has gone.
+
+        A socket transport that holds more than its buffer size pauses this channel (its
+        producer) and resumes it only once it holds nothing at all; until then the bytes
+        are still this process's memory.  One that holds less sends it without telling
+        anybody, so this fires at once then, with at most the transport's buffer size
+        (64 KiB) still queued; and at once on a transport that is not a socket.
+        """
+        transport = self.transport
+        if transport is None or not getattr(transport, "producerPaused", False):
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._sent_waiters.append(waiter)
+        return waiter
+
+    def resumeProducing(self) -> None:
+        super().resumeProducing()
+        # The transport resumes its producer once it has sent everything; a resume from
+        # anybody else (an upload's consumer) leaves it paused, and the waiters waiting.
+        if self._sent_waiters and not getattr(self.transport, "producerPaused", False):
+            self._sent()
+
+    def _sent(self) -> None:
+        waiters, self._sent_waiters = self._sent_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     def getHost(self) -> Any:
         # Asked once per request by twisted.web; a connection's own address never
