@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from _deferreds import failure_of, result_of
 from test_install_residency import Settings
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
@@ -28,8 +29,6 @@ from rhapsode._manage.installer import PACKAGES_SECONDS, QUICK_SECONDS, SILENCE_
 from rhapsode._manage.jobs import Job, JobContext, JobFailed, Jobs
 from rhapsode._manage.state import InstalledEngine, StateDatabase, StateStore
 from rhapsode_protocol.errors import BadRequest, Conflict, Internal, UnknownEngine, Unsupported
-
-from _deferreds import failure_of, result_of
 
 _T = TypeVar("_T")
 CORE = "0.1.0"

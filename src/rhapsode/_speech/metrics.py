@@ -5,10 +5,11 @@ Counters and histograms are recorded as speech happens (L{Metrics.begin} gives e
 speech request a L{Measured} to fill in); what is a state rather than an event (queue
 depth, models resident and their bytes, workers and their restarts) is read at scrape
 time from the core's own structures by a collector, so nothing is updated per event that
-only a scrape reads.  The registry is this core's own, never prometheus_client's global
-one, and it is rendered on the reactor thread: its collector reads reactor-owned state.
-prometheus_client's Twisted resource is not used (it imports the global reactor and
-renders in a thread).
+only a scrape reads.  The families are this core's own (nothing global), rendered on
+the reactor thread: the collector reads reactor-owned state.
+The text is written by L{rhapsode._speech.exposition}, the core's own writer, which
+escapes each series' labels once rather than at every scrape (prometheus_client's
+generate_latest took 12-38 ms a scrape of 1,200-1,900 series; bench/metrics.py).
 
 Every label value is bounded: a route from a fixed set, an engine id from the registry
 (a request naming an engine the registry lacks is counted under C{"-"}), an outcome from
@@ -19,9 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
@@ -32,6 +30,7 @@ from .._fleet.cluster import ClusterView
 from .._fleet.registry import Registry
 from .._fleet.residency import Residency
 from .._interfaces import IResidencyObserver
+from .exposition import CounterFamily, Family, GaugeFamily, HistogramFamily, render
 from .limits import Turnstile
 
 __all__ = ["CONTENT_TYPE", "Measured", "Metrics", "ROUTES"]
@@ -99,39 +98,37 @@ class Metrics:
         requests: InFlight,
         cluster: ClusterView | None = None,
     ) -> None:
-        # The _created series say when a label set was first seen, which nobody reads.
-        disable_created_metrics()
         self.engines = engines
         self.clock = clock
-        self.registry = CollectorRegistry(auto_describe=False)
-        registry = self.registry
-        self.requests = Counter(
+        self.requests = CounterFamily(
             "rhapsode_requests", "Speech requests answered, by route, engine and outcome (ok or the error code).",
-            ["route", "engine", "code"], registry=registry)
-        self.sent = Counter(
-            "rhapsode_audio_bytes", "Audio bytes sent to clients, by route and engine.",
-            ["route", "engine"], registry=registry)
-        self.first_audio = Histogram(
+            ["route", "engine", "code"])
+        self.sent = CounterFamily(
+            "rhapsode_audio_bytes", "Audio bytes sent to clients, by route and engine.", ["route", "engine"])
+        self.first_audio = HistogramFamily(
             "rhapsode_time_to_first_audio_seconds", "From a speech request's arrival to its first audio byte.",
-            ["engine"], buckets=_FIRST, registry=registry)
-        self.duration = Histogram(
+            ["engine"], buckets=_FIRST)
+        self.duration = HistogramFamily(
             "rhapsode_request_duration_seconds", "A speech request's whole time, by engine.",
-            ["engine"], buckets=_WHOLE, registry=registry)
-        self.realtime = Histogram(
+            ["engine"], buckets=_WHOLE)
+        self.realtime = HistogramFamily(
             "rhapsode_realtime_factor", "Audio seconds per wall second of a whole answer (over 1 is faster "
-            "than real time), where the audio's length is known.", ["engine"], buckets=_RATIO, registry=registry)
-        self.loads = Counter("rhapsode_model_loads", "Models admitted to load, by engine.", ["engine"],
-                             registry=registry)
-        self.load_time = Histogram(
+            "than real time), where the audio's length is known.", ["engine"], buckets=_RATIO)
+        self.loads = CounterFamily("rhapsode_model_loads", "Models admitted to load, by engine.", ["engine"])
+        self.load_time = HistogramFamily(
             "rhapsode_model_load_seconds", "From a model's admission to its worker's first answer in it.",
-            ["engine"], buckets=_LOAD, registry=registry)
-        self.evictions = Counter(
+            ["engine"], buckets=_LOAD)
+        self.evictions = CounterFamily(
             "rhapsode_model_evictions", "Models that left the card, by engine and why (room, expired, unload, crash).",
-            ["engine", "reason"], registry=registry)
-        self.jobs = Counter(
+            ["engine", "reason"])
+        self.jobs = CounterFamily(
             "rhapsode_install_jobs", "Install, reinstall and pull jobs finished, by kind, engine and outcome.",
-            ["kind", "engine", "outcome"], registry=registry)
-        registry.register(_StateCollector(self.engines, residency, turnstile, requests, cluster))
+            ["kind", "engine", "outcome"])
+        self._events: tuple[Family, ...] = (
+            self.requests, self.sent, self.first_audio, self.duration, self.realtime, self.loads, self.load_time,
+            self.evictions, self.jobs,
+        )
+        self._state = _StateCollector(self.engines, residency, turnstile, requests, cluster)
 
     def engine_label(self, engine_id: str) -> str:
         return engine_id if engine_id in self.engines else UNKNOWN
@@ -151,11 +148,11 @@ class Metrics:
         if outcome != "ok":
             return
         elapsed = now - measured.started
-        self.duration.labels(engine).observe(elapsed)
+        self.duration.observe((engine,), elapsed)
         if measured.first is not None:
-            self.first_audio.labels(engine).observe(measured.first - measured.started)
+            self.first_audio.observe((engine,), measured.first - measured.started)
         if measured.audio_ms and elapsed > 0:
-            self.realtime.labels(engine).observe(measured.audio_ms / 1000 / elapsed)
+            self.realtime.observe((engine,), measured.audio_ms / 1000 / elapsed)
 
     # -- residency, as it happens (rhapsode._fleet.residency's observer) ------------------------
 
@@ -163,7 +160,7 @@ class Metrics:
         self.loads.labels(self.engine_label(engine)).inc()
 
     def load_finished(self, engine: str, variant: str, seconds: float) -> None:
-        self.load_time.labels(self.engine_label(engine)).observe(seconds)
+        self.load_time.observe((self.engine_label(engine),), seconds)
 
     def evicted(self, engine: str, reason: str) -> None:
         self.evictions.labels(self.engine_label(engine), reason).inc()
@@ -176,10 +173,10 @@ class Metrics:
         """
         Every series now, in the text format.
         """
-        return generate_latest(self.registry)
+        return render((*self._events, *self._state.collect()))
 
 
-class _StateCollector(Collector):
+class _StateCollector:
     """
     What is a state rather than an event, read from the core at scrape time.
     """
@@ -198,55 +195,46 @@ class _StateCollector(Collector):
         self._requests = requests
         self._cluster = cluster
 
-    def collect(self) -> Iterator[Metric]:
-        speaking = GaugeMetricFamily("rhapsode_requests_speaking", "Speech requests holding a turn, by engine.",
-                                     labels=["engine"])
-        queued = GaugeMetricFamily("rhapsode_requests_queued", "Speech requests waiting for a turn, by engine.",
-                                   labels=["engine"])
-        up = GaugeMetricFamily("rhapsode_worker_up", "1 where the engine's worker process is up.",
-                               labels=["engine", "state"])
-        restarts = CounterMetricFamily("rhapsode_worker_restarts", "Worker restarts after a crash, by engine.",
-                                       labels=["engine"])
+    def collect(self) -> Iterator[Family]:
+        speaking = GaugeFamily("rhapsode_requests_speaking", "Speech requests holding a turn, by engine.", ["engine"])
+        queued = GaugeFamily("rhapsode_requests_queued", "Speech requests waiting for a turn, by engine.", ["engine"])
+        up = GaugeFamily("rhapsode_worker_up", "1 where the engine's worker process is up.", ["engine", "state"])
+        restarts = CounterFamily("rhapsode_worker_restarts", "Worker restarts after a crash, by engine.", ["engine"])
         turnstile = self._turnstile
         for handle in self._engines:
             line = turnstile.state(handle.id)
-            speaking.add_metric([handle.id], line["speaking"])
-            queued.add_metric([handle.id], line["queued"])
+            speaking.set([handle.id], line["speaking"])
+            queued.set([handle.id], line["queued"])
             health = handle.health()
             state = str(health.get("process", "remote"))
-            up.add_metric([handle.id, state], 1.0 if state == "up" else 0.0)
-            restarts.add_metric([handle.id], float(health.get("restarts", 0)))
-        resident = GaugeMetricFamily("rhapsode_model_resident", "1 for each model resident now.",
-                                     labels=["engine", "variant", "loaded"])
-        size = GaugeMetricFamily("rhapsode_model_bytes", "What a resident model's load cost, where measured.",
-                                 labels=["engine", "variant"])
-        leases = GaugeMetricFamily("rhapsode_model_leases", "Requests holding a resident model.", labels=["engine"])
+            up.set([handle.id, state], 1.0 if state == "up" else 0.0)
+            restarts.set([handle.id], float(health.get("restarts", 0)))
+        resident = GaugeFamily("rhapsode_model_resident", "1 for each model resident now.", ["engine", "variant", "loaded"])
+        size = GaugeFamily("rhapsode_model_bytes", "What a resident model's load cost, where measured.", ["engine", "variant"])
+        leases = GaugeFamily("rhapsode_model_leases", "Requests holding a resident model.", ["engine"])
         for handle in self._engines:
             model = self._residency.state(handle.id)
             if not model["resident"]:
                 continue
-            resident.add_metric([handle.id, model["variant"], "true" if model["loaded"] else "false"], 1.0)
-            leases.add_metric([handle.id], float(model["leases"]))
+            resident.set([handle.id, model["variant"], "true" if model["loaded"] else "false"], 1.0)
+            leases.set([handle.id], float(model["leases"]))
             if model.get("sizeBytes") is not None:
-                size.add_metric([handle.id, model["variant"]], float(model["sizeBytes"]))
-        in_flight = GaugeMetricFamily("rhapsode_requests_in_flight", "Requests being answered, every route.",
-                                      value=float(self._requests.count))
+                size.set([handle.id, model["variant"]], float(model["sizeBytes"]))
+        in_flight = GaugeFamily("rhapsode_requests_in_flight", "Requests being answered, every route.")
+        in_flight.set((), float(self._requests.count))
         yield from (speaking, queued, up, restarts, resident, size, leases, in_flight)
         if self._cluster is not None and self._cluster.urls:
             yield from self._nodes(self._cluster)
 
-    def _nodes(self, cluster: ClusterView) -> Iterator[Metric]:
+    def _nodes(self, cluster: ClusterView) -> Iterator[Family]:
         # At a cluster's front: each node as it last said (names are the directory's).
-        answering = GaugeMetricFamily("rhapsode_cluster_node_up", "1 where a cluster node answered its last ask.",
-                                      labels=["node"])
-        resident = GaugeMetricFamily("rhapsode_cluster_model_resident", "1 for each model resident on a node.",
-                                     labels=["node", "engine", "variant"])
-        leases = GaugeMetricFamily("rhapsode_cluster_model_leases", "Requests holding a model, by node.",
-                                   labels=["node", "engine", "variant"])
+        answering = GaugeFamily("rhapsode_cluster_node_up", "1 where a cluster node answered its last ask.", ["node"])
+        resident = GaugeFamily("rhapsode_cluster_model_resident", "1 for each model resident on a node.", ["node", "engine", "variant"])
+        leases = GaugeFamily("rhapsode_cluster_model_leases", "Requests holding a model, by node.", ["node", "engine", "variant"])
         for node in cluster.summaries():
-            answering.add_metric([node["node"]], 1.0 if node["answering"] else 0.0)
+            answering.set([node["node"]], 1.0 if node["answering"] else 0.0)
         for model in cluster.models():
             labels = [model["node"], model["engine"], model["variant"]]
-            resident.add_metric(labels, 1.0)
-            leases.add_metric(labels, float(model.get("leases", 0)))
+            resident.set(labels, 1.0)
+            leases.set(labels, float(model.get("leases", 0)))
         yield from (answering, resident, leases)
