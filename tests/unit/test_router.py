@@ -284,6 +284,7 @@ UNDOCUMENTED = {
     ("POST", "/mcp"),
     ("POST", "/v1/audio/speech"),
     ("POST", "/v1/audio/speech/batch"),
+    ("POST", "/dev/captioned_speech"),
     ("GET", "/v1/audio/speech/stream"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{}"),
