@@ -204,11 +204,11 @@ def routing_overhead(home: Path, rounds: int) -> None:
         cloud.close()
 
 
-def throughput(home: Path, seconds: float, clients: int) -> None:
-    print(f"2. throughput, tone paced at 0.5 s per second of audio, {clients} clients for {seconds:g} s")
+def throughput(home: Path, seconds: float, clients: int, pace: float = 0.5) -> None:
+    print(f"2. throughput, tone paced at {pace:g} s per second of audio, {clients} clients for {seconds:g} s")
     one = None
     for nodes in (1, 2, 3):
-        cloud = Cloud(nodes, {"engines": tone_engines(["tone"], pace=0.5),
+        cloud = Cloud(nodes, {"engines": tone_engines(["tone"], pace=pace),
                               "limits": {"concurrentPerEngine": 64, "queuedPerEngine": 256}})
         try:
             front = Front(home, {"tone": {"cluster": cloud.url}})
@@ -278,13 +278,20 @@ def main() -> None:
     options.add_argument("--seconds", type=float, default=20)
     options.add_argument("--clients", type=int, default=24)
     options.add_argument("--mix", type=int, default=300)
+    options.add_argument("--pace", type=float, default=0.5, help="tone's wall seconds per second of audio (part 2)")
+    options.add_argument("--only", type=int, choices=(1, 2, 3), action="append",
+                         help="run only this part (again for more); all three by default")
     ns = options.parse_args()
+    parts = set(ns.only or (1, 2, 3))
     print(f"load average at the start: {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as folder:
         home = Path(folder)
-        routing_overhead(home, ns.rounds)
-        throughput(home, ns.seconds, ns.clients)
-        hit_rate(home, ns.mix)
+        if 1 in parts:
+            routing_overhead(home, ns.rounds)
+        if 2 in parts:
+            throughput(home, ns.seconds, ns.clients, ns.pace)
+        if 3 in parts:
+            hit_rate(home, ns.mix)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "IResidencySettings",
     "ISpeech",
     "ISupervisor",
+    "ITimedSink",
     "IWorkerClient",
     "Prepared",
     "Utterance",
@@ -258,6 +259,24 @@ class IAudioSink(Interface):
         a clean end (an event stream, which can say so, ends with an error event).
         Fires once the cut has landed (a connection aborted is gone), when the door may
         look at its request again; it never fails.
+        """
+
+
+class ITimedSink(IAudioSink):
+    """
+    A sink that can carry an utterance's timings (protocol.md section 4, "timestamps")
+    beside its audio: server-sent events, a JSON document, WebSocket messages, memory.
+    The relay sends timings only to one; a door whose answer has no place for them
+    (raw audio, OpenAI's shapes) never asks for them.
+
+    Timings come between L{begin} and L{end}, each batch before the audio holding the
+    first sample of each of its entries, and the sink keeps that order.
+    """
+
+    def timestamps(alignment: Sequence[Mapping[str, Any]]) -> None:
+        """
+        The next entries of the answer's alignment (the contract's Timing shape), in
+        order; seconds from the start of this answer's audio.
         """
 
 

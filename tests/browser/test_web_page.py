@@ -9,6 +9,7 @@ has them saved in docs/screenshots/ for the README instead.
 from __future__ import annotations
 
 import io
+import time
 import math
 import os
 import struct
@@ -295,4 +296,44 @@ def test_played_counts_audio_time_not_the_wall_time_of_an_underrun(served: Serve
         }"""
     )
     assert [round(x, 2) for x in played] == [1.0, 1.0, 1.5, 2.0], played
+def test_words_light_up_as_they_are_spoken(served: Served, page: Page) -> None:
+    """
+    Try it, for a variant that times words (tone): the page asks for word timings and
+    marks each word of the text while the audio plays it; the word marked is always the
+    one whose span holds the playback position, the marks follow the text's order, and
+    every word has been spoken once the audio has played.
+    """
+    text = "One two three, four five six. Seven eight nine ten!"
+    p = page.open(served.web, "try")
+    p.select_option("#main select >> nth=0", "tone")
+    assert p.get_by_label("Light up the words as they are spoken").is_checked()
+    p.get_by_label("Text").fill(text)
+    p.get_by_role("button", name="Speak").click()
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        # One evaluation: the word marked, its span, and where playback is, together.
+        state = p.evaluate(
+            """() => { const w = document.getElementById('words');
+                       const c = w.querySelector('.word.current');
+                       return {current: c ? c.textContent : null, start: c ? Number(c.dataset.start) : null,
+                               end: c ? Number(c.dataset.end) : null, position: Number(w.dataset.position || 0),
+                               spoken: Number(w.dataset.spoken || 0), words: w.querySelectorAll('.word').length,
+                               response: document.getElementById('playback').dataset.response}; }"""
+        )
+        if state["current"] is not None:
+            assert state["start"] <= state["position"] < state["end"] + 0.05, state
+            if not seen or seen[-1] != state["current"]:
+                seen.append(state["current"])
+        if state["response"] in ("ended", "failed", "stopped") and state["words"] and state["spoken"] == state["words"]:
+            break
+        time.sleep(0.03)
+    assert state["response"] == "ended", state
+    order = [word.strip(",.!") for word in text.split()]
+    assert len(seen) >= 5, seen
+    assert seen == sorted(seen, key=order.index), seen
+    spans = p.locator("#words .word")
+    assert spans.count() == len(order) and spans.all_inner_texts() == order
+    assert p.locator("#words").inner_text() == text
+    page.screenshot("try-words")
     assert page.errors == []

@@ -181,6 +181,22 @@ def test_the_capabilities_say_what_each_server_serves(box: dict[str, Any]) -> No
     assert engines["fish"]["license"]["weightsCommercialUse"] is False and engines["qwen"]["adapter"] == "remote"
 
 
+def test_a_remote_model_times_nothing_and_a_timed_request_is_refused(box: dict[str, Any]) -> None:
+    """
+    The server's answer is audio only, so no variant declares timestamps, and a request
+    for them is unsupported naming the field, before it reaches the server.
+    """
+    port, custom = box["port"], box["custom"]
+    caps = get(port, "/engines/qwen/capabilities")
+    assert all("timestamps" not in variant for variant in caps["variants"].values())
+    asked = len(custom.requests())
+    status, _, refused = post(port, "/speak", {"engine": "qwen", "variant": "custom", "text": "Hi there.",
+                                              "voice": "aiden", "timestamps": "word"},
+                              {"Accept": "text/event-stream"})
+    error = json.loads(refused)["error"]
+    assert (status, error["code"], error["field"]) == (422, "unsupported", "timestamps")
+    assert len(custom.requests()) == asked
+
 def test_each_task_type_sends_what_its_checkpoint_takes(box: dict[str, Any]) -> None:
     """
     CustomVoice gets its speaker, the language by name and the style instructions;

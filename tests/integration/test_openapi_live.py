@@ -40,8 +40,9 @@ def test_schemathesis_finds_no_mismatch_between_the_document_and_the_server(
     # Nothing a PATCH may write reaches the network: no update check is ever made.
     monkeypatch.setenv("RHAPSODE_UPDATE_CHECK", "0")
     install = {"sourceDir": str(tmp_path / "src"), "venvDir": str(tmp_path / "venvs")}
-    # The hook leaves out texts with nothing to speak, a rule the document states in words;
-    # only schemathesis loads it (the core and its workers run without it on their path).
+    # The hooks apply two rules the document states in words (texts with nothing to speak
+    # are left out; a request for timestamps sends the Accept they need); only schemathesis
+    # loads them (the core and its workers run without them on their path).
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS, "PYTHONPATH": path}
     with serving_core(tmp_path, TONE, install=install) as (core, port):

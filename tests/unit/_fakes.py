@@ -6,7 +6,7 @@ rather than letting the tests drift from the code.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
@@ -17,7 +17,7 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rhapsode._interfaces import IAudioSink, ISupervisor, IWorkerClient
+from rhapsode._interfaces import IAudioSink, ISupervisor, ITimedSink, IWorkerClient
 from rhapsode_protocol.errors import SpeechError
 
 Answer = tuple[int, Any]
@@ -177,9 +177,28 @@ class RecordingSink:
         return succeed(None)
 
 
+@implementer(ITimedSink)
+class TimedRecordingSink(RecordingSink):
+    """
+    A sink that can carry timings: it records, in one list beside the writes, what came
+    in order (("audio", bytes) and ("timestamps", entries)).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[tuple[str, Any]] = []
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.order.append(("audio", data))
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self.order.append(("timestamps", list(alignment)))
+
+
 def _check(*fakes: Any) -> None:
     for fake, interface in fakes:
         verifyObject(interface, fake)
 
 
-_check((RecordingSink(), IAudioSink), (FakeClient(), IWorkerClient), (FakeSupervisor(), ISupervisor))
+_check((RecordingSink(), IAudioSink), (TimedRecordingSink(), ITimedSink), (FakeClient(), IWorkerClient), (FakeSupervisor(), ISupervisor))

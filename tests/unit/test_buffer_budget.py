@@ -4,7 +4,8 @@ the core really holds until it has left the process: every route that buffers, t
 the core's own site, to a client that reads nothing (a socket whose kernel takes no byte),
 keeps its answer counted until the socket has sent it; past the budget a request is
 overloaded, retryable, with a Retry-After, and what was admitted is whole.  The batch
-counts its items' base64 and the JSON around them, and MCP its tool result's.
+counts its items' base64 and the JSON around them, and MCP its tool result's; a timed
+answer counts the worker's frames until its document has left.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from twisted.web.http_headers import Headers
 
 from rhapsode._fleet.registry import EngineHandle, Registry
 from rhapsode._service import build_core
+from rhapsode_protocol import frames
 
 VARIANT = {
     "cues": [],
@@ -129,8 +131,8 @@ class Core:
     kernel takes nothing until a test says so.
     """
 
-    def __init__(self, budget: int) -> None:
-        handle = EngineHandle("tone", Worker(), FakeSupervisor())
+    def __init__(self, budget: int, worker: FakeClient | None = None) -> None:
+        handle = EngineHandle("tone", worker or Worker(), FakeSupervisor())
         self.app = build_core(Registry({"tone": handle}), reactor=MemoryReactorClock(), admission=Limits(budget))
         self.site = self.app.site(access_log=False)
 
@@ -308,3 +310,56 @@ def test_an_mcp_speak_past_the_budget_is_an_overloaded_tool_error_with_retry_aft
     assert result["content"][0]["text"].startswith("overloaded:")
     assert result["content"][0]["text"].endswith("(retryable: true)")
     assert read(first)[0] == 200 and core.held == 0
+
+
+WORD = {"unit": "word", "text": "Hello", "start": 0.0, "end": 0.4, "textStart": 0, "textEnd": 5}
+
+
+def timed_frames() -> bytes:
+    """A worker's buffered timed answer in frames: its timings, its audio, its end."""
+    end = {"format": "wav", "contentType": "audio/wav", "sampleRate": 24000, "channels": 1, "durationMs": 4166}
+    return b"".join([
+        frames.frame(frames.TIMINGS, json.dumps([WORD]).encode()),
+        frames.frame(frames.AUDIO, AUDIO),
+        frames.frame(frames.DONE, json.dumps(end).encode()),
+    ])
+
+
+class TimedWorker(Worker):
+    """The tone worker, its variant timing words, answering a timed request in frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        timed = {**CAPABILITIES["variants"]["expressive"],  # type: ignore[dict-item]
+                 "timestamps": {"units": ["word"], "source": "synthesizer", "textOffsets": True}}
+        self.answers[(b"GET", "/capabilities")] = (200, {**CAPABILITIES, "variants": {"expressive": timed}})
+
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        self.calls.append((method, path))
+        response = AudioResponse(timed_frames())
+        response.headers = Headers({b"Content-Type": [frames.FRAMES.encode()]})
+        return succeed(response)
+
+
+def test_a_buffered_timed_answer_stays_counted_until_it_has_left_the_process() -> None:
+    """
+    With timestamps, the worker's frames stay counted while the document waits for a
+    client that reads nothing, and are given back once it has read the whole document.
+    """
+    core = Core(len(AUDIO) * 2, TimedWorker())
+    body = {**SPEAK, "timestamps": "word"}
+    sock = FakeSocket(room=0)
+    channel = core.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 8080))
+    channel.makeConnection(sock)
+    sock.protocol = channel
+    data = json.dumps(body).encode()
+    channel.dataReceived(
+        b"POST /speak HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nAccept: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
+    assert core.held == len(timed_frames())
+    status, headers, raw = read(sock)
+    document = json.loads(raw)
+    assert status == 200 and headers[b"content-type"] == b"application/json"
+    assert base64.b64decode(document["audio"]) == AUDIO and document["alignment"] == [WORD]
+    assert core.held == 0

@@ -7,6 +7,7 @@ the model each request is for, and passes on the node that answered.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from rhapsode._fleet.registry import EngineHandle, Registry
 from rhapsode._service import RhapsodeService, build_core
 from rhapsode._speech.relay import KEEP_ALIVE_HEADER, MODEL_HEADER, NODE_HEADER
 from rhapsode._upstream import ClusterClient
+from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import ModelUnavailable
 
 from _fakes import FakeClient, FakeResponse, FakeSupervisor
@@ -277,3 +279,126 @@ def test_a_cluster_client_keeps_the_clusters_answer_a_moment_and_drops_it_on_fai
     assert len(app.requests) == 3
     first.cancel()
     case.failureResultOf(first)
+
+
+TIMED_CAPABILITIES = {
+    **CAPABILITIES,
+    "variants": {
+        name: {**variant, "timestamps": {"units": ["word"], "source": "synthesizer", "textOffsets": True}}
+        for name, variant in CAPABILITIES["variants"].items()
+    },
+}
+WORD = {"unit": "word", "text": "Hello", "start": 0.0, "end": 0.3, "textStart": 0, "textEnd": 5}
+LATER = {"unit": "word", "text": "there", "start": 0.35, "end": 0.6, "textStart": 6, "textEnd": 11}
+PCM = b"\x01\x02" * 400
+
+
+def worker_frames(stream: bool) -> bytes:
+    """What a worker answers a timed request in frames: timings before their audio, then the end."""
+    end: dict[str, Any] = {"durationMs": 18}
+    if not stream:
+        end.update({"format": "wav", "contentType": "audio/wav", "sampleRate": 22050,
+                    "channels": 1})
+    return b"".join([
+        frames.frame(frames.TIMINGS, json.dumps([WORD]).encode()),
+        frames.frame(frames.AUDIO, PCM[:400]),
+        frames.frame(frames.TIMINGS, json.dumps([LATER]).encode()),
+        frames.frame(frames.AUDIO, PCM[400:]),
+        frames.frame(frames.DONE, json.dumps(end).encode()),
+    ])
+
+
+class FramingWorker(FakeClient):
+    """
+    A node's worker that times words: it answers a timed request in the frames the core
+    asks for, with the audio's own type in its header, and records what it was asked.
+    """
+
+    def __init__(self) -> None:
+        super().__init__({(b"GET", "/capabilities"): (200, TIMED_CAPABILITIES), (b"GET", "/voices"): (200, [])})
+
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        super().request(method, path, body, headers)
+        stream = json.loads(body.data).get("stream", True)
+        answer = {b"Content-Type": frames.FRAMES.encode(), b"X-Rhapsode-Audio-Type": b"audio/wav"}
+        return succeed(FakeResponse(200, worker_frames(stream), answer))
+
+
+class NodeDoor(FakeClient):
+    """
+    A cluster front's client of one node: JSON from the table, speech sent through the
+    node core's own resource at /worker/tone, as the cluster client sends it.
+    """
+
+    def __init__(self, node: StubTreq) -> None:
+        super().__init__({(b"GET", "/capabilities"): (200, TIMED_CAPABILITIES)})
+        self.node = node
+
+    def request(self, method: bytes, path: str, body: Any = None, headers: Any = None) -> "Deferred[Any]":
+        super().request(method, path, body, headers)
+        return self.node.request(method.decode(), "http://node/worker/tone" + path, data=body.data,
+                                 headers=dict(headers or {}))
+
+
+def front_of_a_node() -> tuple[StubTreq, StubTreq, FramingWorker, NodeDoor]:
+    worker = FramingWorker()
+    _, node, _, _ = node_core(worker)
+    door = NodeDoor(node)
+    front = build_core(Registry({"tone": EngineHandle("tone", door, None, elsewhere=True)}),
+                       reactor=MemoryReactorClock())
+    return StubTreq(front.resource()), node, worker, door
+
+
+def test_timings_pass_through_a_node_in_frames_to_the_fronts_events() -> None:
+    """
+    A timed stream to a cluster engine: the front asks the node for frames as it asks a
+    worker, the node asks its worker the same and passes the frames on (the audio's
+    type in its header), and the front's caller gets the contract's events, each
+    timing before the audio holding its first sample, and the end with the duration.
+    """
+    front, node, worker, door = front_of_a_node()
+    body = {"engine": "tone", "text": "Hello there.", "format": "wav", "timestamps": "word"}
+    response, raw = answered(front, "POST", "/speak", body, {b"Accept": [b"text/event-stream"]})
+    assert response.code == 200, raw
+    assert response.headers.getRawHeaders(b"Content-Type") == [b"text/event-stream"]
+    assert response.headers.getRawHeaders(NODE_HEADER) == [b"box-1"]
+    assert door.sent_headers[0][b"Accept"] == [frames.FRAMES.encode()]
+    assert worker.sent_headers[0][b"Accept"] == [frames.FRAMES.encode()]
+    events = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "speech.timestamps.delta" and kinds[-1] == "speech.audio.done"
+    assert [e["alignment"] for e in events if e["type"] == "speech.timestamps.delta"] == [[WORD], [LATER]]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert audio == PCM and events[-1]["durationMs"] == 18
+    # LATER's first sample is in the second piece: its timing comes before that piece.
+    later = kinds.index("speech.timestamps.delta", 1)
+    assert 0 < later < len(kinds) - 1 and "speech.audio.delta" in kinds[later + 1:]
+
+
+def test_a_buffered_timed_answer_passes_through_a_node_as_one_document() -> None:
+    """
+    Buffered, the node writes its worker's frames whole, its end saying what the audio
+    is, and the front answers the contract's JSON document with all of the alignment.
+    """
+    front, node, worker, door = front_of_a_node()
+    body = {"engine": "tone", "text": "Hello there.", "format": "wav", "stream": False, "timestamps": "word"}
+    response, raw = answered(front, "POST", "/speak", body, {b"Accept": [b"application/json"]})
+    assert response.code == 200, raw
+    document = json.loads(raw)
+    contract.validate(contract.TIMED_AUDIO, document)
+    assert base64.b64decode(document["audio"]) == PCM and document["alignment"] == [WORD, LATER]
+    assert (document["sampleRate"], document["durationMs"]) == (22050, 18)
+
+
+def test_a_node_answers_anyone_else_timings_as_the_public_api_does() -> None:
+    """
+    Asked for timings without frames in its Accept (a person with curl at the node
+    door), the node answers the contract's events, and refuses an Accept that names
+    neither with the field named.
+    """
+    _, node, _, _ = node_core(FramingWorker())
+    body = {"text": "Hello there.", "variant": "expressive", "format": "wav", "timestamps": "word"}
+    response, raw = answered(node, "POST", "/worker/tone/speak", body, {b"Accept": [b"text/event-stream"]})
+    assert response.code == 200 and raw.startswith(b"event: speech.timestamps.delta")
+    response, raw = answered(node, "POST", "/worker/tone/speak", body, {b"Accept": [b"audio/wav"]})
+    assert response.code == 400 and json.loads(raw)["error"]["field"] == "timestamps"

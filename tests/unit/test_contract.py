@@ -697,7 +697,10 @@ def test_worker_document_routes_use_the_shapes() -> None:
         ok = paths[path]["post"]["responses"]["200"]
         assert set(ok["content"]) == {
             "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/L16", "audio/aac",
+            # With timestamps: the buffered document and the event stream, and the core's frames.
+            "application/json", "text/event-stream", "application/vnd.rhapsode.frames",
         }
+        assert ok["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/TimedAudio"}
         assert "X-Rhapsode-Duration-Ms" in ok["headers"]
         assert "trailer" in ok["headers"]["X-Rhapsode-Duration-Ms"]["description"]
     assert set(paths["/voices/{id}/preview"]["get"]["responses"]["200"]["content"]) == {
@@ -896,7 +899,7 @@ def test_contract_module_imports_stay_light() -> None:
     other, and importing them loads no Twisted, Klein, treq or Automat, because the core
     imports them.
     """
-    light = {"contract", "schemas", "validation", "openapi", "errors", "vocab", "_yaml"}
+    light = {"contract", "schemas", "validation", "openapi", "errors", "vocab", "_yaml", "frames"}
     for name in sorted(light):
         module = importlib.import_module(f"rhapsode_protocol.{name}")
         tree = ast.parse(Path(str(module.__file__)).read_text(encoding="utf-8"))

@@ -213,7 +213,10 @@ def test_audio_routes_document_formats_and_duration() -> None:
         ok = paths[path]["post"]["responses"]["200"]
         assert set(ok["content"]) == {
             "audio/wav", "audio/mpeg", "audio/opus", "audio/flac", "audio/aac", "audio/L16",
+            # With timestamps: the buffered document and the event stream.
+            "application/json", "text/event-stream",
         }
+        assert ok["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/TimedAudio"}
         assert "trailer" in ok["headers"]["X-Rhapsode-Duration-Ms"]["description"]
     preview = paths["/engines/{engine}/voices/{voice}/preview"]["get"]["responses"]["200"]
     assert set(preview["content"]) == {"audio/wav"}

@@ -46,6 +46,8 @@ SURFACE: dict[Any, dict[str, Any]] = {
         "SpeakRequest": _engine,
         "SpeechError": errors,
         "Speed": _engine,
+        "Timestamps": _engine,
+        "Timing": _engine,
         "Turn": _engine,
         "UnknownEngine": errors,
         "UnknownVoice": errors,

@@ -700,6 +700,72 @@ def check_blending(ctx: Context) -> list[Result]:
 _MESSAGE_STATUSES = frozenset({404, 405, 408, 413, 414, 431})
 
 
+TIMED_TEXT = "Hello there, it was 3:45 pm and time to go."
+
+
+def check_timestamps(ctx: Context) -> list[Result]:
+    """
+    A variant that declares timestamps answers each unit it lists in the contract's
+    document: entries of a unit in order and within the audio, words with offsets the
+    request's text at them where it claims offsets and none where it does not; a unit it
+    does not list is unsupported, and timings without the Accept of their framing are
+    bad_request, both naming timestamps.
+    """
+    results = []
+    json_accept = {"Accept": contract.TIMED_JSON}
+    for variant, caps in ctx.variants().items():
+        declared = caps.get("timestamps")
+        units = list(declared["units"]) if isinstance(declared, dict) else []
+        claims_offsets = bool(declared.get("textOffsets")) if isinstance(declared, dict) else False
+        for unit in units:
+
+            def timed(variant: str = variant, unit: str = unit, offsets: bool = claims_offsets) -> None:
+                body = {"text": TIMED_TEXT, "variant": variant, "format": "wav", "stream": False, "timestamps": unit}
+                response = ctx.client.post("/speak", body, json_accept)
+                if response.status != 200:
+                    raise Failed(f"timestamps {unit} answered {response.describe()}")
+                doc = response.json()
+                conforms(contract.TIMED_AUDIO, doc, "the timed answer")
+                seconds = doc["durationMs"] / 1000
+                entries = doc["alignment"]
+                if not any(e["unit"] == unit for e in entries):
+                    raise Failed(f"no {unit} was timed")
+                for name in {e["unit"] for e in entries}:
+                    timed_ = [e for e in entries if e["unit"] == name]
+                    if any(a["end"] > b["start"] + 1e-6 for a, b in zip(timed_, timed_[1:])):
+                        raise Failed(f"{name} entries overlap or are out of order")
+                    if timed_[-1]["end"] > seconds + DURATION_TOLERANCE_MS / 1000:
+                        raise Failed(f"a {name} ends at {timed_[-1]['end']} s, after the audio ({seconds} s)")
+                for entry in entries:
+                    if entry["unit"] != "word":
+                        continue
+                    if offsets and "textStart" in entry:
+                        if TIMED_TEXT[entry["textStart"]:entry["textEnd"]] != entry["text"]:
+                            raise Failed(f"{entry['text']!r} is not the text at {entry['textStart']}:{entry['textEnd']}")
+                    elif not offsets and "textStart" in entry:
+                        raise Failed("a word carries offsets, which the variant does not claim")
+
+            results.append(ctx.probe(f"timestamps {unit} are timed in variant {variant}", timed))
+        others = [u for u in contract.TIMESTAMP_UNITS if u not in units]
+
+        def undeclared(variant: str = variant) -> None:
+            if not others:
+                raise Undecidable("the variant times every unit")
+            body = {"text": BASE_TEXT, "variant": variant, "stream": False, "timestamps": others[0]}
+            refused(ctx.client.post("/speak", body, json_accept), 422, "unsupported", "timestamps")
+
+        results.append(ctx.probe(f"an undeclared timestamps unit is unsupported in variant {variant}", undeclared))
+        if units:
+
+            def without_accept(variant: str = variant, unit: str = units[0]) -> None:
+                body = {"text": BASE_TEXT, "variant": variant, "stream": False, "timestamps": unit}
+                refused(ctx.client.post("/speak", body), 400, "bad_request", "timestamps")
+
+            results.append(ctx.probe(f"timestamps without their Accept are refused in variant {variant}",
+                                     without_accept))
+    return results
+
+
 def check_error_envelopes(ctx: Context) -> list[Result]:
     def test() -> None:
         if not ctx.client.errors:
@@ -746,5 +812,6 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("instructions are as declared", check_instructions),
     ("cloning is as declared", check_cloning),
     ("blending is as declared", check_blending),
+    ("timestamps are as declared", check_timestamps),
     ("every error carries code, message and retryable", check_error_envelopes),
 )

@@ -177,11 +177,16 @@ class Client:
         return left
 
     def request(
-        self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+        extra: dict[str, str] | None = None,
     ) -> Response:
         label = f"{method} {path}"
         conn = self.target.connection(self.remaining(label))
-        headers = {"Connection": "close"}
+        headers = {"Connection": "close", **(extra or {})}
         if body is not None:
             headers["Content-Type"] = content_type
         try:
@@ -210,8 +215,8 @@ class Client:
             self.errors.append(response)
         return response
 
-    def post(self, path: str, doc: Any) -> Response:
-        return self.request("POST", path, json.dumps(doc).encode("utf-8"))
+    def post(self, path: str, doc: Any, headers: dict[str, str] | None = None) -> Response:
+        return self.request("POST", path, json.dumps(doc).encode("utf-8"), extra=headers)
 
     def get(self, path: str) -> Response:
         return self.request("GET", path)

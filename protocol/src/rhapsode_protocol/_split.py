@@ -29,6 +29,9 @@ where its whole text would have been.
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from typing import Iterable, Iterator
 
@@ -111,6 +114,75 @@ def split_text(text: str, limit: int | None, first_limit: int | None = None) -> 
     return _pack(text, limit, first)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """
+    One piece of L{split_pieces}: its text, and the spans of the source text it was
+    packed from, in order; where two were apart in the source one space joins them.
+    """
+
+    text: str
+    atoms: tuple[Span, ...]
+
+    def source(self, start: int, end: int) -> Span:
+        """
+        The span of the source text that the piece's C{[start, end)} was taken from; a
+        span that begins or ends on a joining space is taken to the atom beside it.
+        """
+        begin = self._at(start, False)
+        return begin, max(self._at(end, True), begin)
+
+    @cached_property
+    def _layout(self) -> tuple[list[int], list[int], list[int]]:
+        """
+        Where each atom begins in the piece, and its span in the source.
+        """
+        offsets: list[int] = []
+        position = 0
+        previous_end = self.atoms[0][0]
+        for index, (a_start, a_end) in enumerate(self.atoms):
+            if index and a_start > previous_end:
+                position += 1  # the joining space
+            offsets.append(position)
+            position += a_end - a_start
+            previous_end = a_end
+        return offsets, [a for a, _ in self.atoms], [b for _, b in self.atoms]
+
+    def _at(self, offset: int, closing: bool) -> int:
+        offsets, starts, ends = self._layout
+        # The atom holding the offset (an end offset is held by the atom it closes).
+        index = max(bisect_right(offsets, offset - 1 if closing else offset) - 1, 0)
+        inside = offset - offsets[index]
+        size = ends[index] - starts[index]
+        if inside <= size if closing else inside < size:
+            return starts[index] + inside
+        if index + 1 < len(offsets):
+            # On the space joining this atom to the next.
+            return ends[index] if closing else starts[index + 1]
+        return ends[index]
+
+
+def split_pieces(text: str, limit: int | None, first_limit: int | None = None) -> list[Piece]:
+    """
+    L{split_text}'s pieces, each with the spans of C{text} it holds, so that an offset
+    into a piece can be taken back to C{text} (L{Piece.source}).
+
+    @raise ValueError: if a limit is given that is less than one.
+    """
+    if limit is not None and (limit < 1 or (first_limit is not None and first_limit < 1)):
+        raise ValueError(f"limits must be at least 1, not {limit!r} and {first_limit!r}")
+    whole = text.strip()
+    if not whole:
+        return []
+    if limit is None or (len(whole) <= (limit if first_limit is None else min(first_limit, limit))
+                         and _plainly_spaced(whole)):
+        # The short path, as split_text takes it.
+        start = len(text) - len(text.lstrip())
+        return [Piece(whole, ((start, start + len(whole)),))]
+    first = limit if first_limit is None else min(first_limit, limit)
+    return _pack_pieces(text, limit, first)
+
+
 def _plainly_spaced(text: str) -> bool:
     """
     Whether every whitespace character in C{text} is a lone ASCII space (packing turns
@@ -123,8 +195,16 @@ def _pack(text: str, limit: int, first: int) -> list[str]:
     """
     L{split_text} in general: the sentences, refined to fit, packed greedily.
     """
-    pieces: list[str] = []
+    return [piece.text for piece in _pack_pieces(text, limit, first)]
+
+
+def _pack_pieces(text: str, limit: int, first: int) -> list[Piece]:
+    """
+    L{_pack}, each piece with the spans it was packed from.
+    """
+    pieces: list[Piece] = []
     parts: list[str] = []
+    atoms: list[Span] = []
     size = 0
     last_end = 0
     for sentence in _sentences(text):
@@ -132,13 +212,14 @@ def _pack(text: str, limit: int, first: int) -> list[str]:
             atom = text[start:end]
             joint = " " if parts and start > last_end else ""
             if parts and size + len(joint) + len(atom) > (limit if pieces else first):
-                pieces.append("".join(parts))
-                parts, size, joint = [], 0, ""
+                pieces.append(Piece("".join(parts), tuple(atoms)))
+                parts, atoms, size, joint = [], [], 0, ""
             parts.append(joint + atom)
+            atoms.append((start, end))
             size += len(joint) + len(atom)
             last_end = end
     if parts:
-        pieces.append("".join(parts))
+        pieces.append(Piece("".join(parts), tuple(atoms)))
     return pieces
 
 

@@ -16,6 +16,8 @@ import sys
 from ._yaml import dump_yaml
 from .openapi import public_openapi, worker_openapi
 from .schemas import (
+    AUDIO_DELTA_EVENT,
+    AUDIO_DONE_EVENT,
     CAPABILITIES,
     CATALOG,
     CATALOG_ENTRY,
@@ -63,6 +65,13 @@ from .schemas import (
     SETTINGS_PATCH,
     SPEAK_REQUEST,
     TERMINATE_RESPONSE,
+    TIMED_AUDIO,
+    TIMED_EVENTS,
+    TIMED_JSON,
+    TIMESTAMP_SOURCES,
+    TIMESTAMP_UNITS,
+    TIMESTAMPS_EVENT,
+    TIMING,
     UPDATE_STATUS,
     VARIANT_CAPS,
     VARIANT_NAME_PATTERN,
@@ -84,6 +93,8 @@ from .validation import (
 )
 
 __all__ = [
+    "AUDIO_DELTA_EVENT",
+    "AUDIO_DONE_EVENT",
     "INSTRUCTION_KINDS",
     "LANGUAGE_PATTERN",
     "MAX_INSTRUCTION_CHARACTERS",
@@ -133,6 +144,13 @@ __all__ = [
     "SPEAK_REQUEST",
     "Schema",
     "TERMINATE_RESPONSE",
+    "TIMED_AUDIO",
+    "TIMED_EVENTS",
+    "TIMED_JSON",
+    "TIMESTAMP_SOURCES",
+    "TIMESTAMP_UNITS",
+    "TIMESTAMPS_EVENT",
+    "TIMING",
     "VARIANT_CAPS",
     "VARIANT_NAME_PATTERN",
     "VOICE",

@@ -11,6 +11,7 @@ import copy
 from typing import Any, Sequence
 
 from .errors import ERROR_TABLE
+from .frames import FRAMES
 from .schemas import (
     _COMPONENTS,
     BATCH_ITEMS,
@@ -90,7 +91,21 @@ def _operation(
     return {"operationId": operation_id, "summary": summary, **extra, "responses": responses}
 
 
-def _audio_response() -> dict[str, Any]:
+def _audio_response(worker: bool = False) -> dict[str, Any]:
+    framed = {
+        # The core's own framing of a timed answer (rhapsode_protocol.frames).
+        FRAMES: {
+            "schema": {
+                "description": "With timestamps, asked for by the core: frames of one byte naming "
+                "each (a: audio, t: a JSON array of Timing, d: the end, a JSON object with "
+                "durationMs, and for a buffered answer format, contentType, sampleRate and "
+                "channels), four bytes of big-endian length, and that many bytes. Timings come "
+                "before the audio holding their first samples.",
+                "type": "string",
+                "contentMediaType": FRAMES,
+            }
+        }
+    } if worker else {}
     return {
         "description": (
             "The audio, in the Content-Type format asked for (authoritative; opus is "
@@ -112,7 +127,22 @@ def _audio_response() -> dict[str, Any]:
                 "schema": _string(),
             },
         },
-        "content": {media_type: {} for media_type in MEDIA_TYPES.values()},
+        "content": {
+            **{media_type: {} for media_type in MEDIA_TYPES.values()},
+            # With timestamps (protocol.md section 4, "timestamps"), asked for by Accept.
+            "application/json": {"schema": _ref("TimedAudio")},
+            "text/event-stream": {
+                "schema": {
+                    "description": "With timestamps and stream true: one server-sent event per "
+                    "frame, named by its type, whose data is one of these; every "
+                    "speech.timestamps.delta comes before the speech.audio.delta holding the "
+                    "first sample of each of its entries. X-Rhapsode-Audio-Type says what the "
+                    "audio's Content-Type would have been.",
+                    "oneOf": [_ref("AudioDeltaEvent"), _ref("TimestampsEvent"), _ref("AudioDoneEvent")],
+                }
+            },
+            **framed,
+        },
     }
 
 
@@ -188,21 +218,21 @@ def _voice_paths(
     }
 
 
-def _speak_operation(request: str) -> dict[str, Any]:
+def _speak_operation(request: str, worker: bool = False) -> dict[str, Any]:
     return _operation(
         "speak",
         "Speak text in one voice, loading the model on demand.",
-        (200, _audio_response()),
+        (200, _audio_response(worker)),
         _SPEAKING_ERRORS,
         requestBody=_json_body(request, "What to say and how."),
     )
 
 
-def _dialogue_operation(request: str) -> dict[str, Any]:
+def _dialogue_operation(request: str, worker: bool = False) -> dict[str, Any]:
     return _operation(
         "dialogue",
         "Speak a conversation in one take, where the variant declares dialogue.",
-        (200, _audio_response()),
+        (200, _audio_response(worker)),
         _SPEAKING_ERRORS,
         requestBody=_json_body(request, "The turns and who speaks them."),
     )
@@ -269,8 +299,8 @@ def _worker_paths() -> dict[str, Any]:
                 requestBody=_json_body("FetchRequest", "Which variant; {} fetches the default."),
             )
         },
-        "/speak": {"post": _speak_operation("SpeakRequest")},
-        "/dialogue": {"post": _dialogue_operation("DialogueRequest")},
+        "/speak": {"post": _speak_operation("SpeakRequest", worker=True)},
+        "/dialogue": {"post": _dialogue_operation("DialogueRequest", worker=True)},
     }
 
 

@@ -79,6 +79,17 @@ INSTRUCTION_KINDS: tuple[str, ...] = ("style", "design")
 MAX_PARAMS = 32
 MAX_TURNS = 256
 
+#: What a request may ask to have timed (protocol.md section 4, "timestamps"): words,
+#: or phonemes (with the words they make up, where the variant times words too).
+TIMESTAMP_UNITS: tuple[str, ...] = ("word", "phoneme")
+#: Where a variant's timings come from: the synthesizer's own events (eSpeak NG, the
+#: tone engine's arithmetic), or the durations the model predicted (Piper).  Nothing
+#: estimates timings on an engine's behalf, so there is no third source.
+TIMESTAMP_SOURCES: tuple[str, ...] = ("synthesizer", "model")
+#: The media type a buffered answer with timings is asked for by, and a streamed one.
+TIMED_JSON = "application/json"
+TIMED_EVENTS = "text/event-stream"
+
 _REF_PREFIX = "#/components/schemas/"
 
 
@@ -234,6 +245,18 @@ def _stream_field() -> Schema:
     )
 
 
+def _timestamps_field() -> Schema:
+    return _enum(
+        TIMESTAMP_UNITS,
+        "Time the audio: word, or phoneme (phonemes, with the words they make up where the "
+        "variant times words). Only a unit the effective variant's timestamps.units lists; "
+        "any other is unsupported. The answer is then a JSON document (stream false, "
+        "Accept: application/json) or server-sent events (stream true, Accept: "
+        "text/event-stream); raw audio cannot carry timings, so without that Accept the "
+        "request is bad_request.",
+    )
+
+
 def _keep_alive_field() -> Schema:
     return _integer(
         "Seconds to keep the model this request loads once it is done: -1 until the room "
@@ -279,6 +302,7 @@ SPEAK_REQUEST: Schema = _object(
         ),
         "stream": _stream_field(),
         "sampleRate": _sample_rate_field(),
+        "timestamps": _timestamps_field(),
     },
     required=["text"],
     closed=True,
@@ -329,6 +353,7 @@ DIALOGUE_REQUEST: Schema = _object(
         "seed": _seed_field(),
         "stream": _stream_field(),
         "sampleRate": _sample_rate_field(),
+        "timestamps": _timestamps_field(),
     },
     required=["turns"],
     closed=True,
@@ -467,6 +492,26 @@ VARIANT_CAPS: Schema = _object(
             required=["supported", "granularity"],
         ),
         "seeding": _object({"reproducible": _boolean()}, required=["reproducible"]),
+        "timestamps": _object(
+            {
+                "units": _array(
+                    _enum(TIMESTAMP_UNITS),
+                    "What a request's timestamps field may ask for.",
+                    minItems=1,
+                ),
+                "source": _enum(
+                    TIMESTAMP_SOURCES,
+                    "synthesizer: the synthesizer's own events or arithmetic; model: the "
+                    "durations the model predicted. Nothing is estimated.",
+                ),
+                "textOffsets": _boolean(
+                    "Whether word entries carry textStart and textEnd, offsets into the "
+                    "request's text."
+                ),
+            },
+            required=["units", "source", "textOffsets"],
+            description="Present only where the variant can time its audio.",
+        ),
         "instructions": _object(
             {
                 "kind": _enum(
@@ -626,6 +671,67 @@ TERMINATE_RESPONSE: Schema = _object(
 
 FETCH_RESPONSE: Schema = _object(
     {"variant": _string(), "fetched": _boolean()}, required=["variant", "fetched"]
+)
+
+TIMING: Schema = _object(
+    {
+        "unit": _enum(TIMESTAMP_UNITS),
+        "text": _string(
+            "What was timed: for a word with offsets, the request's text at them; for a "
+            "word without, what the engine read (Piper's phonemes); for a phoneme, its IPA."
+        ),
+        "start": _number("Seconds from the start of this answer's audio.", minimum=0),
+        "end": _number("Seconds from the start of this answer's audio; at least start.", minimum=0),
+        "textStart": _integer(
+            "Where the word begins in the request's text (a dialogue turn's text), in "
+            "code points; only where the variant's textOffsets is true, and on words.",
+            minimum=0,
+        ),
+        "textEnd": _integer("Where it ends, exclusive.", minimum=0),
+        "turn": _integer("In a dialogue, the index of the turn it belongs to.", minimum=0),
+        "speaker": _string("In a dialogue, that turn's speaker."),
+    },
+    required=["unit", "text", "start", "end"],
+    description="One timed word or phoneme. Entries of one unit are in order and never "
+    "overlap; the words spoken for one stretch of text (an expansion, like 3:45) are one "
+    "entry covering that stretch.",
+)
+
+TIMED_AUDIO: Schema = _object(
+    {
+        "audio": _string("The whole audio, base64.", contentEncoding="base64"),
+        "format": _string("The format asked for."),
+        "contentType": _string("What the audio's Content-Type would have been."),
+        "sampleRate": _integer("The audio's sample rate.", minimum=1),
+        "channels": _integer(minimum=1),
+        "durationMs": _integer("The audio's length.", minimum=0),
+        "alignment": _array(_ref("Timing"), "Every entry, in order of start."),
+    },
+    required=["audio", "format", "contentType", "sampleRate", "channels", "durationMs", "alignment"],
+    description="A buffered answer with timestamps (stream false, Accept: application/json).",
+)
+
+AUDIO_DELTA_EVENT: Schema = _object(
+    {"type": _string(const="speech.audio.delta"), "audio": _string("base64", contentEncoding="base64")},
+    required=["type", "audio"],
+    description="The next piece of audio, in the format asked for.",
+)
+
+TIMESTAMPS_EVENT: Schema = _object(
+    {"type": _string(const="speech.timestamps.delta"), "alignment": _array(_ref("Timing"))},
+    required=["type", "alignment"],
+    description="Entries sent before the speech.audio.delta that holds the first sample of "
+    "each of them.",
+)
+
+AUDIO_DONE_EVENT: Schema = _object(
+    {
+        "type": _string(const="speech.audio.done"),
+        "durationMs": _integer("The audio's length.", minimum=0),
+    },
+    required=["type"],
+    description="The stream is whole. A stream that ends without it broke off; one whose "
+    "speech failed after it began ends with speech.audio.error instead.",
 )
 
 # The core's own answers, in the public API only.
@@ -1126,6 +1232,11 @@ _COMPONENTS: dict[str, Schema] = {
     "VoiceDeleted": VOICE_DELETED,
     "TerminateResponse": TERMINATE_RESPONSE,
     "FetchResponse": FETCH_RESPONSE,
+    "Timing": TIMING,
+    "TimedAudio": TIMED_AUDIO,
+    "AudioDeltaEvent": AUDIO_DELTA_EVENT,
+    "TimestampsEvent": TIMESTAMPS_EVENT,
+    "AudioDoneEvent": AUDIO_DONE_EVENT,
     "EngineState": ENGINE_STATE,
     "EngineSummary": ENGINE_SUMMARY,
     "EngineList": ENGINE_LIST,

@@ -17,9 +17,9 @@ whole of it.
 
 from __future__ import annotations
 
-from ._split import _clauses, _sentence_spans, _undecided_from, split_text
+from ._split import Piece, _clauses, _sentence_spans, _undecided_from, split_pieces, split_text
 
-__all__ = ["GRANULARITIES", "TextCutter", "cut_text", "split_text"]
+__all__ = ["GRANULARITIES", "Piece", "TextCutter", "cut_text", "split_pieces", "split_text"]
 
 #: What a piece is: the whole text until a flush, a sentence, or a clause of one.
 GRANULARITIES = ("none", "sentence", "clause")

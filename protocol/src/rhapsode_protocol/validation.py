@@ -46,7 +46,7 @@ _VALIDATION_KEYWORDS = frozenset(
         "maximum",
     }
 )
-_ANNOTATIONS = frozenset({"description", "default", "contentMediaType"})
+_ANNOTATIONS = frozenset({"description", "default", "contentMediaType", "contentEncoding"})
 _KEYWORDS = _VALIDATION_KEYWORDS | _ANNOTATIONS
 
 

@@ -14,7 +14,15 @@ import re
 import unicodedata
 from typing import Iterable, Sequence
 
-__all__ = ["ALL_CUES", "ALL_DELIVERIES", "canonical_cue", "clean_text", "is_speakable"]
+__all__ = [
+    "ALL_CUES",
+    "ALL_DELIVERIES",
+    "TextMap",
+    "canonical_cue",
+    "clean_text",
+    "clean_text_mapped",
+    "is_speakable",
+]
 
 #: The closed vocabulary of cues (protocol.md section 5), in the spec's order.
 ALL_CUES: tuple[str, ...] = (
@@ -58,34 +66,39 @@ def canonical_cue(inner: str) -> str | None:
     return word if word in ALL_CUES else None
 
 
+def _joint(left: str, right: str) -> tuple[int, int, bool]:
+    """
+    How the text on either side of a removed tag is glued: how much of C{left} is kept,
+    where C{right} is taken from, and whether one space goes between (at most one is
+    left, and none beside an opener, a closer or a line break).
+    """
+    trimmed_left = left.rstrip(" \t")
+    trimmed_right = right.lstrip(" \t")
+    keep, skip = len(trimmed_left), len(right) - len(trimmed_right)
+    had_space = keep != len(left) or skip != 0
+    if not trimmed_left or trimmed_left.endswith("\n") or trimmed_left[-1] in _OPENERS:
+        return keep, skip, False
+    if not trimmed_right or trimmed_right[0] == "\n" or trimmed_right[0] in _CLOSERS:
+        return keep, skip, False
+    return keep, skip, had_space
+
+
 def _join(left: str, right: str) -> str:
     """
     Glue the text on either side of a removed tag, leaving at most one space.
     """
-    trimmed_left = left.rstrip(" \t")
-    trimmed_right = right.lstrip(" \t")
-    had_space = len(trimmed_left) != len(left) or len(trimmed_right) != len(right)
-    if not trimmed_left or trimmed_left.endswith("\n") or trimmed_left[-1] in _OPENERS:
-        return trimmed_left + trimmed_right
-    if not trimmed_right or trimmed_right[0] == "\n" or trimmed_right[0] in _CLOSERS:
-        return trimmed_left + trimmed_right
-    return trimmed_left + (" " if had_space else "") + trimmed_right
+    keep, skip, space = _joint(left, right)
+    return left[:keep] + (" " if space else "") + right[skip:]
 
 
-def clean_text(
-    text: str, claimed: Iterable[str], private_patterns: Sequence[str | re.Pattern[str]] = ()
-) -> str:
+def _removals(
+    text: str, keep: frozenset[str], private_patterns: Sequence[str | re.Pattern[str]]
+) -> list[tuple[int, int, str]]:
     """
-    Keep claimed cues (rewritten canonically as C{[cue]}), remove every other bracketed
-    tag and every match of the engine's private tag patterns, and close the gaps.
-
-    The result is stripped; it may be empty when the text was nothing but tags.
+    What cleaning replaces in C{text} (control characters already translated), in
+    order and without overlaps: each span with the canonical C{[cue]} it becomes, or
+    the removal mark.
     """
-    keep = frozenset(claimed)
-    # Removals are marked with NUL (never meaningful in text, so dropped from the input
-    # first, with every other control character) and closed in one pass, so adjacent
-    # removals ("a [x] [y] b") make one joint.
-    text = text.translate(_SPACING)
     spans: list[tuple[int, int, str]] = []
     for pattern in private_patterns:
         regex = re.compile(pattern) if isinstance(pattern, str) else pattern
@@ -97,11 +110,32 @@ def clean_text(
     # Where two start together the longer wins: a private pattern that begins with a
     # control character takes the whole command, not just its first character.
     spans.sort(key=lambda span: (span[0], -span[1]))
-    out: list[str] = []
+    chosen: list[tuple[int, int, str]] = []
     position = 0
     for start, end, replacement in spans:
         if start < position:  # overlapping matches: the earlier one already took it
             continue
+        chosen.append((start, end, replacement))
+        position = end
+    return chosen
+
+
+def clean_text(
+    text: str, claimed: Iterable[str], private_patterns: Sequence[str | re.Pattern[str]] = ()
+) -> str:
+    """
+    Keep claimed cues (rewritten canonically as C{[cue]}), remove every other bracketed
+    tag and every match of the engine's private tag patterns, and close the gaps.
+
+    The result is stripped; it may be empty when the text was nothing but tags.
+    """
+    # Removals are marked with NUL (never meaningful in text, so dropped from the input
+    # first, with every other control character) and closed in one pass, so adjacent
+    # removals ("a [x] [y] b") make one joint.
+    text = text.translate(_SPACING)
+    out: list[str] = []
+    position = 0
+    for start, end, replacement in _removals(text, frozenset(claimed), private_patterns):
         out.append(text[position:start])
         out.append(replacement)
         position = end
@@ -111,6 +145,100 @@ def clean_text(
     for piece in pieces[1:]:
         joined = _join(joined, piece)
     return joined.strip()
+
+
+class TextMap:
+    """
+    Where each character of a cleaned text came from in the text it was cleaned from
+    (L{clean_text_mapped}): a kept character from itself, a canonical cue from the
+    whole tag it was written as, a space left at a joint from the whitespace it stands
+    for.
+    """
+
+    __slots__ = ("_starts", "_ends", "_length")
+
+    def __init__(self, starts: list[int], ends: list[int], length: int) -> None:
+        self._starts = starts
+        self._ends = ends
+        self._length = length
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """
+        The source span of the cleaned text's C{[start, end)}, as code-point offsets.
+        An empty span maps to the point before the character at C{start}.
+        """
+        size = len(self._starts)
+        start = min(max(start, 0), size)
+        end = min(max(end, start), size)
+        if start == size:
+            point = self._ends[-1] if size else self._length
+            return point, point
+        if end == start:
+            return self._starts[start], self._starts[start]
+        return self._starts[start], max(self._ends[end - 1], self._starts[start])
+
+
+def clean_text_mapped(
+    text: str, claimed: Iterable[str], private_patterns: Sequence[str | re.Pattern[str]] = ()
+) -> tuple[str, TextMap]:
+    """
+    L{clean_text}, and where each character of its result came from in C{text}: what a
+    worker uses to give timings offsets into the text it was sent, not the text it spoke.
+    The cleaned text is always exactly L{clean_text}'s.
+    """
+    # Where each character left by the translation stood (it drops only NUL).
+    kept: Sequence[int] = [i for i, ch in enumerate(text) if ch != "\x00"] if "\x00" in text else range(len(text))
+    translated = text.translate(_SPACING)
+    # Each piece between two removals: its text, and each character's source span.
+    pieces: list[tuple[list[str], list[int], list[int]]] = [([], [], [])]
+
+    def add(fragment: str, starts: list[int], ends: list[int]) -> None:
+        piece = pieces[-1]
+        piece[0].append(fragment)
+        piece[1].extend(starts)
+        piece[2].extend(ends)
+
+    def add_source(start: int, end: int) -> None:
+        if end > start:
+            origins = kept[start:end]
+            if isinstance(origins, range):
+                add(translated[start:end], list(origins), list(range(origins.start + 1, origins.stop + 1)))
+            else:
+                add(translated[start:end], list(origins), [k + 1 for k in origins])
+
+    position = 0
+    for start, end, replacement in _removals(translated, frozenset(claimed), private_patterns):
+        add_source(position, start)
+        if replacement == _MARK:
+            pieces.append(([], [], []))
+        else:
+            count = len(replacement)
+            add(replacement, [kept[start]] * count, [kept[end - 1] + 1] * count)
+        position = end
+    add_source(position, len(translated))
+
+    joined = "".join(pieces[0][0])
+    starts, ends = pieces[0][1], pieces[0][2]
+    for fragments, piece_starts, piece_ends in pieces[1:]:
+        right = "".join(fragments)
+        keep, skip, space = _joint(joined, right)
+        # A space left at a joint stands for the first whitespace it replaced.
+        if space:
+            origin = (starts[keep], ends[keep]) if keep < len(joined) else (piece_starts[0], piece_ends[0])
+        joined = joined[:keep] + (" " if space else "") + right[skip:]
+        del starts[keep:], ends[keep:]
+        if space:
+            starts.append(origin[0])
+            ends.append(origin[1])
+        starts.extend(piece_starts[skip:])
+        ends.extend(piece_ends[skip:])
+    head = len(joined) - len(joined.lstrip())
+    cleaned = joined.strip()
+    tail = head + len(cleaned)
+    return cleaned, TextMap(starts[head:tail], ends[head:tail], len(text))
 
 
 def is_speakable(text: str) -> bool:

@@ -123,15 +123,19 @@ def _f32_to_s16(data: bytes) -> bytes:
     return samples.tobytes()
 
 
-def pcm16_from_f32le(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def pcm16_from_f32le(chunks: Iterator[Any]) -> Iterator[Any]:
     """
     An adapter's float32 PCM as 16-bit PCM, chunk by chunk; a sample split across two
-    chunks is joined.  Closing this closes the adapter's generator.
+    chunks is joined.  Anything that is not bytes (a timing) passes as it is, in its
+    place.  Closing this closes the adapter's generator.
     """
     pending = b""
     try:
         for chunk in chunks:
-            data = pending + chunk if pending else chunk
+            if not isinstance(chunk, (bytes, bytearray, memoryview)):
+                yield chunk
+                continue
+            data = pending + bytes(chunk) if pending else bytes(chunk)
             whole = len(data) - len(data) % 4
             pending = data[whole:]
             if whole:

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from zope.interface import Attribute, Interface, implementer
 
 from rhapsode_protocol.errors import Unsupported
+from rhapsode_protocol.schemas import TIMESTAMP_SOURCES, TIMESTAMP_UNITS
 from rhapsode_protocol.schemas import INSTRUCTION_KINDS, MAX_INSTRUCTION_CHARACTERS
 from rhapsode_protocol.vocab import ALL_CUES, ALL_DELIVERIES
 
@@ -133,6 +134,64 @@ class License:
 
 
 @dataclass(frozen=True)
+class Timestamps:
+    """
+    What a variant can time (protocol.md section 4, "timestamps"), declared only where
+    the engine really knows: its synthesizer's events or arithmetic, or the durations
+    its model predicted.  Nothing estimates timings on an engine's behalf.
+
+    @ivar units: what a request may ask for, among C{"word"} and C{"phoneme"}.
+    @ivar source: C{"synthesizer"} or C{"model"}.
+    @ivar text_offsets: whether the adapter gives each word's place in the text it was
+        handed (L{Timing.text_start}); the SDK takes them back to the caller's text.
+    """
+
+    units: Sequence[str]
+    source: str
+    text_offsets: bool = False
+
+    def __post_init__(self) -> None:
+        units = tuple(self.units)
+        if not units or any(unit not in TIMESTAMP_UNITS for unit in units):
+            raise ValueError(f"timestamp units are some of {', '.join(TIMESTAMP_UNITS)}, not {units}")
+        if self.source not in TIMESTAMP_SOURCES:
+            raise ValueError(f"a timestamp source is one of {', '.join(TIMESTAMP_SOURCES)}, not {self.source!r}")
+        object.__setattr__(self, "units", units)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """
+    One timed word or phoneme, which an adapter yields among its PCM when the request
+    asks for timestamps (L{SpeakRequest.timestamps}): before the audio that holds its
+    first sample, and the words of one expansion (eSpeak's "3:45") together, before the
+    audio of the first of them.  The SDK offsets it by the segments and pauses before
+    it, takes its offsets back to the caller's text, merges the words spoken for one
+    stretch of it, and frames it; an adapter never sees the wire.
+
+    @ivar unit: C{"word"} or C{"phoneme"}.
+    @ivar start: seconds from the start of the audio this call of C{speak} (or
+        C{dialogue}) yields, as the adapter's own samples count it.
+    @ivar end: likewise; at least C{start}.
+    @ivar text: what was timed, where there are no offsets: a phoneme's IPA, or the
+        phonemes of a word the engine cannot place in the text.
+    @ivar text_start: where the word begins in C{request.text} (a dialogue's
+        C{request.turns[turn].text}), in code points; only from a variant whose
+        L{Timestamps.text_offsets} is true.
+    @ivar text_end: where it ends, exclusive.
+    @ivar turn: in a dialogue, the index of the turn it belongs to.
+    """
+
+    unit: str
+    start: float
+    end: float
+    text: str = ""
+    text_start: int | None = None
+    text_end: int | None = None
+    turn: int | None = None
+
+
+@dataclass(frozen=True)
 class Instructions:
     """
     That a variant takes a request's C{instructions}, words for the model (section 4).
@@ -189,6 +248,8 @@ class Variant:
         C{dialogue}; 0 means this variant does not perform dialogue.
     @ivar seed_reproducible: whether the same seed gives the same audio.  Claim it
         only if it is true: the conformance checker tests it.
+    @ivar timestamps: what it can time, if anything (L{Timestamps}); a request asking
+        for a unit it does not list is refused before the adapter sees it.
     @ivar instructions: whether, and how, the variant takes a request's instructions
         (L{Instructions}); None refuses them.
     @ivar remote: where the variant's model is served, for an adapter that fronts a
@@ -206,6 +267,7 @@ class Variant:
     seed_reproducible: bool = False
     reference_seconds: tuple[float, float] | None = None
     speed: Speed | str | None = None
+    timestamps: Timestamps | None = None
     instructions: Instructions | None = None
     remote: Remote | None = None
 
@@ -267,6 +329,9 @@ class SpeakRequest:
     instructions: str | None = None
     segment_index: int = 0
     segment_count: int = 1
+    #: The unit the request asks to have timed ("word" or "phoneme"), only ever one
+    #: the variant's L{Timestamps} lists; None when it asks for none.
+    timestamps: str | None = None
 
 
 @dataclass(frozen=True)
@@ -288,6 +353,8 @@ class DialogueRequest:
     language: str = "en"
     params: Mapping[str, float] = field(default_factory=dict)
     seed: int | None = None
+    #: As L{SpeakRequest.timestamps}; each L{Timing} names its C{turn}.
+    timestamps: str | None = None
 
 
 @dataclass(frozen=True)
@@ -335,11 +402,11 @@ class IEngine(Interface):
     def voices() -> Sequence[Voice]:
         """Built-in and created voices; cheap, no model needed."""
 
-    def speak(request: SpeakRequest) -> Iterator[bytes]:
-        """Blocking: yield native PCM for one segment; only after load(request.variant)."""
+    def speak(request: SpeakRequest) -> Iterator[bytes | Timing]:
+        """Blocking: yield native PCM for one segment (and L{Timing}s, when asked); only after load(request.variant)."""
 
-    def dialogue(request: DialogueRequest) -> Iterator[bytes]:
-        """Blocking: yield native PCM for a conversation; only after load(request.variant). Optional."""
+    def dialogue(request: DialogueRequest) -> Iterator[bytes | Timing]:
+        """Blocking: yield native PCM for a conversation (and L{Timing}s); only after load(request.variant). Optional."""
 
     def create_voice(voice_id: str, label: str, reference: Reference) -> Voice:
         """Blocking: store a voice made from a reference; loads no model. Optional."""
@@ -521,10 +588,10 @@ class Engine:
     def voices(self) -> Sequence[Voice]:
         return []
 
-    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+    def speak(self, request: SpeakRequest) -> Iterator[bytes | Timing]:
         raise NotImplementedError
 
-    def dialogue(self, request: DialogueRequest) -> Iterator[bytes]:
+    def dialogue(self, request: DialogueRequest) -> Iterator[bytes | Timing]:
         raise Unsupported("this engine does not perform dialogue", field="turns")
 
     def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:

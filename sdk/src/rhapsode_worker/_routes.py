@@ -39,9 +39,9 @@ from rhapsode_protocol.http.answers import (
 )
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
-from rhapsode_protocol.text import split_text
+from rhapsode_protocol.text import split_pieces, split_text
 from rhapsode_protocol.validation import check_instructions, check_sample_rate, choose_language
-from rhapsode_protocol.vocab import clean_text, is_speakable
+from rhapsode_protocol.vocab import clean_text, clean_text_mapped, is_speakable
 
 from . import _memory
 from ._blend import parse_blend
@@ -53,6 +53,7 @@ from ._engine import (
     Reference,
     SpeakRequest,
     Speed,
+    Timing,
     Turn,
     Variant,
     Voice,
@@ -61,6 +62,7 @@ from ._engine import (
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
+from ._timing import Framing, LazyMap, Source, Timeline, framing_for
 
 #: A voice upload's cap (protocol.md section 7), refused at the head when declared and
 #: as it arrives when chunked (rhapsode_protocol.http.site).
@@ -119,6 +121,12 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
     speed = variant.speed
     if isinstance(speed, Speed):
         doc["speed"] = {"dial": speed.dial, "scale": speed.scale}
+    if variant.timestamps is not None:
+        doc["timestamps"] = {
+            "units": list(variant.timestamps.units),
+            "source": variant.timestamps.source,
+            "textOffsets": variant.timestamps.text_offsets,
+        }
     if variant.instructions is not None:
         doc["instructions"] = {
             "kind": variant.instructions.kind,
@@ -130,6 +138,22 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
         if variant.remote.model:
             doc["remote"]["model"] = variant.remote.model
     return doc
+
+
+#: The header naming the audio's own type where the body is events, frames or a document.
+AUDIO_TYPE_HEADER = b"X-Rhapsode-Audio-Type"
+
+
+def check_unit(variant: Variant, name: str, unit: str) -> None:
+    """
+    @raise Unsupported: C{unit} is not one the variant times, naming C{timestamps}.
+    """
+    declared = variant.timestamps.units if variant.timestamps is not None else ()
+    if unit not in declared:
+        claimed = ", ".join(declared) or "none"
+        raise Unsupported(
+            f'variant "{name}" does not time "{unit}" (timestamps: {claimed})', field="timestamps"
+        )
 
 
 class _ListSink:
@@ -160,8 +184,15 @@ class _AudioResponse:
     """
 
     def __init__(
-        self, worker: "WorkerApp", request: IRequest, fmt: str, stream: bool, job_producer: Job,
+        self,
+        worker: "WorkerApp",
+        request: IRequest,
+        fmt: str,
+        stream: bool,
+        job_producer: Job,
         rate: int | None = None,
+        timeline: Timeline | None = None,
+        framing: Framing | None = None,
     ) -> None:
         self._worker = worker
         self._request = request
@@ -170,9 +201,37 @@ class _AudioResponse:
         self._rate = rate if rate != worker.pcm16.sample_rate else None
         self._stream = stream
         self._job = job_producer
-        self._sink: Any = request if stream else _ListSink()
+        self._timeline = timeline
+        self._framing = framing if timeline is not None else None
+        self._held: list[dict[str, Any]] = []
+        if not stream:
+            self._sink: Any = _ListSink()
+        elif self._framing is not None:
+            self._sink = _FramedSink(request, self._framing)
+        else:
+            self._sink = request
         self._encoder: Any = None
         self.pcm_bytes = 0
+
+    @property
+    def frames(self) -> int:
+        """PCM frames written so far, joints included."""
+        return self.pcm_bytes // self._worker.pcm16.bytes_per_frame
+
+    def timings(self, marks: Sequence[Timing]) -> None:
+        """
+        The timings of one hand-over, which precede the PCM it brings: offset, mapped and
+        merged, and for a stream sent now, before that PCM (held until the head is out).
+        """
+        if self._timeline is None or self._framing is None:
+            return
+        entries = self._timeline.take(marks)
+        if not entries or not self._stream:
+            return
+        if self._encoder is None:
+            self._held.extend(entries)
+            return
+        self._request.write(self._framing.timings(entries))
 
     @property
     def headers_sent(self) -> bool:
@@ -200,9 +259,21 @@ class _AudioResponse:
         request = self._request
         request.setResponseCode(200)
         sent = native if self._rate is None else replace(native, sample_rate=self._rate)
-        request.setHeader(b"Content-Type", content_type(self._fmt, sent).encode("ascii"))
+        audio_type = content_type(self._fmt, sent).encode("ascii")
+        framing = self._framing
+        if framing is None:
+            request.setHeader(b"Content-Type", audio_type)
+        else:
+            kind = framing.stream_type if self._stream else framing.document_type
+            request.setHeader(b"Content-Type", kind.encode("ascii"))
+            request.setHeader(AUDIO_TYPE_HEADER, audio_type)
+            if self._stream:
+                request.setHeader(b"Cache-Control", b"no-cache")
         if self._stream:
             request.setHeader(b"Trailer", DURATION_HEADER)
+        if self._held and framing is not None:
+            held, self._held = self._held, []
+            request.write(framing.timings(held))
         self._encoder = make_encoder(
             self._fmt,
             native,
@@ -232,25 +303,61 @@ class _AudioResponse:
         request = self._request
         if getattr(request, "producer", None) is not None:
             request.unregisterProducer()  # type: ignore[attr-defined]
+        framing = self._framing
         if self._stream:
+            if framing is not None:
+                request.write(framing.done(duration))
             if not self.headers_sent:
                 request.write(b"")
             write_trailer(request, duration)
             return None
         body = b"".join(self._encoder.finalize(self._sink.chunks))
+        if framing is not None and self._timeline is not None:
+            sent = native if self._rate is None else replace(native, sample_rate=self._rate)
+            head = {
+                "format": self._fmt,
+                "contentType": content_type(self._fmt, sent),
+                "sampleRate": sent.sample_rate,
+                "channels": native.channels,
+                "durationMs": duration,
+            }
+            body = framing.document(body, head, self._timeline.entries)
         request.setHeader(b"Content-Length", b"%d" % len(body))
         request.setHeader(DURATION_HEADER, b"%d" % duration)
         return body
 
 
-def _as_is(generate: Callable[[Any], Iterator[bytes]], request: Any) -> Iterator[bytes]:
+class _FramedSink:
+    """
+    The encoder's sink for a stream with timings: each piece of encoded audio goes out
+    in the framing asked for (an audio event, or an audio frame), and the response's
+    producer is the encoder's, so backpressure reaches the synthesis as for raw audio.
+    """
+
+    def __init__(self, request: IRequest, framing: Framing) -> None:
+        self._request = request
+        self._framing = framing
+
+    def write(self, data: bytes) -> None:
+        if data:
+            for piece in self._framing.audio(data):
+                self._request.write(piece)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self._request.registerProducer(producer, streaming)  # type: ignore[attr-defined]
+
+    def unregisterProducer(self) -> None:
+        self._request.unregisterProducer()  # type: ignore[attr-defined]
+
+
+def _as_is(generate: Callable[[Any], Iterator[Any]], request: Any) -> Iterator[Any]:
     """
     One step of synthesis, on the synthesis thread: the adapter's 16-bit PCM as it is.
     """
     return generate(request)
 
 
-def _as_pcm16(generate: Callable[[Any], Iterator[bytes]], request: Any) -> Iterator[bytes]:
+def _as_pcm16(generate: Callable[[Any], Iterator[Any]], request: Any) -> Iterator[Any]:
     """
     One step of synthesis from an adapter that yields float PCM: converted as the
     synthesis thread draws it, so the reactor never does the arithmetic.
@@ -646,17 +753,40 @@ class WorkerApp:
     def _clean(self, text: str, variant: Variant) -> str:
         return clean_text(text, variant.cues, self.engine.private_tag_patterns)
 
+    def _text_map(self, text: str, variant: Variant) -> LazyMap:
+        patterns = self.engine.private_tag_patterns
+        return LazyMap(lambda: clean_text_mapped(text, variant.cues, patterns)[1])
+
     def _ceiling(self, variant: str) -> int:
         return self.variants[variant].max_characters or self.engine.max_characters
 
-    def _segments(self, request: SpeakRequest) -> list[Callable[[], Iterator[bytes]]]:
+    def _segments(self, request: SpeakRequest, pieces: Sequence[str] | None = None) -> list[Callable[[], Iterator[Any]]]:
         engine = self.engine
-        pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
+        if pieces is None:
+            pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
         count = len(pieces)
         return [
             partial(self._pcm, engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
             for i, piece in enumerate(pieces)
         ]
+
+    def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> tuple[str, Framing] | None:
+        """
+        The unit a request asks to have timed and the framing it reads them in, once the
+        variant times it and the client's Accept names the framing; None when it asks
+        for none.
+        """
+        unit = body.get("timestamps")
+        if unit is None:
+            return None
+        framing = framing_for(request, bool(body.get("stream", True)))
+        check_unit(self.variants[variant], variant, unit)
+        return str(unit), framing
+
+    def _timeline(self, variant: str, unit: str, steps: Sequence[Source] = (), turns: Sequence[Source] = ()) -> Timeline:
+        declared = self.variants[variant].timestamps
+        offsets = declared is not None and declared.text_offsets
+        return Timeline(unit, self.pcm16.sample_rate, offsets, steps=steps, turns=turns)
 
     @app.route("/speak", methods=["POST"])
     async def _speak(self, request: IRequest) -> Any:
@@ -679,7 +809,13 @@ class WorkerApp:
                     f'variant "{variant}" does not perform delivery "{delivery}" (claims: {claimed})',
                     field="delivery",
                 )
+            timed = self._timed(request, body, variant)
+            unit = timed[0] if timed is not None else None
             text = self._clean(body["text"], v)
+            if unit is not None:
+                # Timed: where each character came from, to give offsets in the caller's
+                # text, mapped once the first timing needs it.
+                cleaned = self._text_map(body["text"], v)
             if not is_speakable(text):
                 raise BadRequest(_UNSPEAKABLE.format(what="text"), field="text")
             ceiling = self._ceiling(variant)
@@ -698,11 +834,20 @@ class WorkerApp:
                 delivery=delivery,
                 params=params,
                 seed=body.get("seed"),
+                timestamps=unit,
                 instructions=instructions,
             )
-            return await self._respond(
-                request, variant, self._segments(speak), fmt, body.get("stream", True), body.get("sampleRate")
-            )
+            stream = body.get("stream", True)
+            rate = body.get("sampleRate")
+            if timed is None:
+                return await self._respond(request, variant, self._segments(speak), fmt, stream, rate)
+            engine = self.engine
+            pieces = split_pieces(text, engine.segment_characters, engine.first_segment_characters)
+            sources = [Source(body["text"], cleaned, piece) for piece in pieces]
+            steps = self._segments(speak, [piece.text for piece in pieces])
+            timeline = self._timeline(variant, timed[0], sources)
+            return await self._respond(request, variant, steps, fmt, stream, rate, timeline=timeline,
+                                       framing=timed[1])
 
         return await self._guarded(request, handle)
 
@@ -715,9 +860,14 @@ class WorkerApp:
             if not (overrides(self.engine, "dialogue") and v.max_speakers >= 1):
                 raise Unsupported(f'variant "{variant}" does not perform dialogue', field="turns")
             fmt, language, params = self._common(body, variant)
+            timed = self._timed(request, body, variant)
+            unit = timed[0] if timed is not None else None
             turns = []
+            sources: list[Source] = []
             for i, turn in enumerate(body["turns"]):
                 text = self._clean(turn["text"], v)
+                if unit is not None:
+                    sources.append(Source(turn["text"], self._text_map(turn["text"], v), speaker=turn["speaker"]))
                 if not is_speakable(text):
                     raise BadRequest(_UNSPEAKABLE.format(what=f"turn {i}"), field=f"turns[{i}].text")
                 turns.append(Turn(speaker=turn["speaker"], text=text))
@@ -743,10 +893,17 @@ class WorkerApp:
                 language=language,
                 params=params,
                 seed=body.get("seed"),
+                timestamps=unit,
             )
             step = partial(self._pcm, self.engine.dialogue, dialogue)
+            if timed is None:
+                return await self._respond(
+                    request, variant, [step], fmt, body.get("stream", True), body.get("sampleRate")
+                )
+            timeline = self._timeline(variant, timed[0], turns=sources)
             return await self._respond(
-                request, variant, [step], fmt, body.get("stream", True), body.get("sampleRate")
+                request, variant, [step], fmt, body.get("stream", True), body.get("sampleRate"), timeline=timeline,
+                framing=timed[1]
             )
 
         return await self._guarded(request, handle)
@@ -755,21 +912,36 @@ class WorkerApp:
         self,
         request: IRequest,
         variant: str,
-        steps: list[Callable[[], Iterator[bytes]]],
+        steps: list[Callable[[], Iterator[Any]]],
         fmt: str,
         stream: bool,
         rate: int | None = None,
+        timeline: Timeline | None = None,
+        framing: Framing | None = None,
     ) -> Any:
         """
         Schedule the synthesis and write its audio (resampled to C{rate}, where one is
-        asked for), aborting on a failure after headers.
+        asked for), aborting on a failure after headers.  With a C{timeline}, the
+        adapter's timings are written beside it in C{framing}.
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
         finished = request.notifyFinish()  # type: ignore[attr-defined]
         joint = self.engine.joint_silence_ms
         output: _AudioResponse
-        job = Job(variant, steps, on_pcm=lambda pcm: output.pcm(pcm), on_step=lambda _: output.silence(joint))
-        output = _AudioResponse(self, request, fmt, stream, job, rate)
+
+        def next_step(index: int) -> None:
+            output.silence(joint)
+            if timeline is not None:
+                timeline.step(index, output.frames)
+
+        job = Job(
+            variant,
+            steps,
+            on_pcm=lambda pcm: output.pcm(pcm),
+            on_step=next_step,
+            on_timing=None if timeline is None else (lambda marks: output.timings(marks)),
+        )
+        output = _AudioResponse(self, request, fmt, stream, job, rate, timeline, framing)
 
         def gone(failure: Failure) -> None:
             job.cancel()

@@ -17,18 +17,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from ._engine import Timing
 from ._model import ModelState
 from ._pool import WorkerPool, in_pool
 from ._threads import set_demand
 
-Step = Callable[[], Iterator[bytes]]
+Step = Callable[[], Iterator[Any]]
 
 # PCM crosses from the synthesis thread to the reactor in batches: one hop per small
 # chunk costs more than the audio is worth.  The first chunk of a step goes at once,
@@ -62,7 +63,10 @@ class Job:
     One request's synthesis: a variant and the steps (segments) that make its audio.
 
     C{on_pcm} is called on the reactor thread with each batch of PCM, in order, with
-    C{on_step} called before every step after the first (where the joint goes).
+    C{on_step} called before every step after the first (where the joint goes).  With
+    C{on_timing}, the L{Timing}s a step yields reach it in their place, each batch's
+    before that batch's PCM (so never after the audio they time); without it they are
+    dropped.
     C{done} fires when every step has run, or fails with the step's exception, or with
     L{CancelledError} once a stopped job's running step has returned.
     """
@@ -73,12 +77,14 @@ class Job:
         steps: list[Step],
         on_pcm: Callable[[bytes], None],
         on_step: Callable[[int], None] = lambda index: None,
+        on_timing: Callable[[Sequence[Timing]], None] | None = None,
     ) -> None:
         self.variant = variant
         self._steps: deque[Step] = deque(steps)
         self._index = 0
         self.on_pcm = on_pcm
         self.on_step = on_step
+        self.on_timing = on_timing
         self.paused = False
         self.cancelled = False
         self.done: Deferred[None] = Deferred()
@@ -118,6 +124,8 @@ class Job:
         # otherwise keep the request and its buffers for the garbage collector.
         self.on_pcm = _ignore
         self.on_step = _ignore
+        if self.on_timing is not None:
+            self.on_timing = _ignore
         if not self.done.called:
             self.done.callback(None) if result is None else self.done.errback(result)
 
@@ -255,11 +263,11 @@ class Scheduler:
 
         def finished(result: Any) -> None:
             self._running -= 1
-            if isinstance(result, bytes) and not job.cancelled:
+            if isinstance(result, (bytes, _Batch)) and not job.cancelled:
                 # The step's last audio, written in the same turn as whatever its end
                 # leads to (the next step's joint, or the response's end).
                 try:
-                    job.on_pcm(result)
+                    _deliver(job, result)
                 except Exception:
                     result = Failure()
             if isinstance(result, Failure):
@@ -276,7 +284,7 @@ class Scheduler:
 
         d.addBoth(finished)
 
-    def _drain_step(self, job: Job, step: Step, first_step: bool = False) -> bytes | None:
+    def _drain_step(self, job: Job, step: Step, first_step: bool = False) -> "bytes | _Batch | None":
         """
         On a synthesis thread: run one step, handing PCM to the reactor in batches.  In a
         job's first step, the first batch is handed over and written before synthesis
@@ -289,6 +297,9 @@ class Scheduler:
         deliver = self._reactor.callFromThread
         generator = step()
         batch: list[bytes] = []
+        # Timings since the last hand-over: they go with the next batch, ahead of its PCM.
+        marks: list[Timing] = []
+        timed = job.on_timing is not None
         size = 0
         last = 0.0
         waiting_first = first_step
@@ -296,20 +307,28 @@ class Scheduler:
             for chunk in generator:
                 if job.cancelled:
                     return None
+                if isinstance(chunk, Timing):
+                    if timed:
+                        marks.append(chunk)
+                    continue
                 if not chunk:
                     continue
                 batch.append(chunk)
                 size += len(chunk)
                 now = time.monotonic()
                 if size >= _BATCH_BYTES or now - last >= _BATCH_SECONDS:
+                    joined = b"".join(batch)
+                    pcm: bytes | _Batch = joined
+                    if marks:
+                        pcm, marks = _Batch(marks, joined), []
                     if waiting_first:
                         waiting_first = False
                         written = threading.Event()
-                        deliver(_hand_over, job, b"".join(batch), written)
+                        deliver(_hand_over, job, pcm, written)
                         # Blocking here lets the reactor take the GIL and write it now.
                         written.wait(_FIRST_AUDIO_WAIT)
                     else:
-                        deliver(job.on_pcm, b"".join(batch))
+                        deliver(_deliver, job, pcm)
                     batch, size, last = [], 0, now
                 if self._relays and job.paused:
                     # Nothing more is drawn, so nothing more is read from the server
@@ -317,7 +336,11 @@ class Scheduler:
                     job._flowing.wait()
                     if job.cancelled:
                         return None
-            if batch and not job.cancelled:
+            if job.cancelled:
+                return None
+            if marks:
+                return _Batch(marks, b"".join(batch))
+            if batch:
                 return b"".join(batch)
             return None
         finally:
@@ -336,9 +359,34 @@ class Scheduler:
                 d.callback(None)
 
 
-def _hand_over(job: Job, pcm: bytes, written: threading.Event) -> None:
+class _Batch:
+    """
+    A batch of PCM with the timings that came before it, handed over together.
+    """
+
+    __slots__ = ("marks", "pcm")
+
+    def __init__(self, marks: list[Timing], pcm: bytes) -> None:
+        self.marks = marks
+        self.pcm = pcm
+
+
+def _deliver(job: Job, batch: "bytes | _Batch") -> None:
+    """
+    On the reactor: a batch to its job, the timings first.
+    """
+    if isinstance(batch, bytes):
+        job.on_pcm(batch)
+        return
+    if job.on_timing is not None:
+        job.on_timing(batch.marks)
+    if batch.pcm:
+        job.on_pcm(batch.pcm)
+
+
+def _hand_over(job: Job, pcm: "bytes | _Batch", written: threading.Event) -> None:
     try:
-        job.on_pcm(pcm)
+        _deliver(job, pcm)
     finally:
         written.set()
 

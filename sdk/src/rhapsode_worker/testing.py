@@ -119,6 +119,26 @@ class WorkerResponse:
     def json(self) -> Any:
         return json.loads(self.body)
 
+    def events(self) -> list[tuple[str, Any]]:
+        """
+        A body of server-sent events (a stream with timestamps) as (event, data) pairs
+        in order, each data decoded from JSON.
+        """
+        found: list[tuple[str, Any]] = []
+        for frame in self.body.decode("utf-8").split("\n\n"):
+            if not frame.strip():
+                continue
+            name, data = "message", []
+            for line in frame.split("\n"):
+                field, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                if field == "event":
+                    name = value
+                elif field == "data":
+                    data.append(value)
+            found.append((name, json.loads("\n".join(data))))
+        return found
+
     @property
     def duration_ms(self) -> int | None:
         """
@@ -257,10 +277,13 @@ class WorkerHarness:
         path: str,
         body: bytes = b"",
         content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
     ) -> WorkerResponse:
         """
         Send one request on a connection of its own and answer what the worker wrote
         once nothing moves any more.
+
+        @param headers: more request headers (an C{Accept} for timestamps), by name.
         """
         head = [
             f"{method} {path} HTTP/1.1",
@@ -270,6 +293,7 @@ class WorkerHarness:
         ]
         if body:
             head.append(f"Content-Type: {content_type}")
+        head.extend(f"{name}: {value}" for name, value in (headers or {}).items())
         server = self._site.buildProtocol(self.peer)
         reader = _Reader()
         pump = iosim.connect(
@@ -304,12 +328,12 @@ class WorkerHarness:
     def get(self, path: str) -> WorkerResponse:
         return self.request("GET", path)
 
-    def post(self, path: str, document: Any = None) -> WorkerResponse:
+    def post(self, path: str, document: Any = None, headers: Mapping[str, str] | None = None) -> WorkerResponse:
         """
         POST C{document} as JSON (no body when it is None).
         """
         body = b"" if document is None else json.dumps(document).encode("utf-8")
-        return self.request("POST", path, body)
+        return self.request("POST", path, body, headers=headers)
 
     def create_voice(
         self,

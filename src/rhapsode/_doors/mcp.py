@@ -246,9 +246,11 @@ def tool_definitions() -> tuple[ToolSpec, ...]:
             "Speak",
             "Say text with an engine (POST /speak, buffered) and answer the audio, wav "
             "unless format says otherwise. Cues are written in brackets, e.g. [laugh]; "
-            "those the variant does not perform are dropped. A refusal (unknown voice, "
-            "text over maxCharacters, an unsupported format) is a tool error naming its "
-            "code and whether a retry can help.",
+            "those the variant does not perform are dropped. With timestamps (word or "
+            "phoneme, where engine_capabilities lists them) the result also holds the "
+            "alignment, as structuredContent and as JSON text: each entry's unit, text, start "
+            "and end in seconds. A refusal (unknown voice, text over maxCharacters, an "
+            "unsupported format) is a tool error naming its code and whether a retry can help.",
             inline(_speech_input(contract.PUBLIC_SPEAK_REQUEST, None), components),
         ),
         ToolSpec(
@@ -258,7 +260,8 @@ def tool_definitions() -> tuple[ToolSpec, ...]:
             "/engines/{engine}/dialogue, buffered), for variants that perform dialogue "
             "(see engine_capabilities). voices maps a speaker to a voice id; an unvoiced "
             "speaker gets a voice the model picks. Answers the audio, wav unless format "
-            "says otherwise.",
+            "says otherwise; with timestamps, the alignment too, each entry naming its turn "
+            "and speaker.",
             inline(_speech_input(contract.PUBLIC_DIALOGUE_REQUEST, engine), components),
         ),
     )
@@ -310,13 +313,25 @@ def _audio(answer: Answer, said: str, hold: Hold) -> RawJson:
     duration = answer.header(_DURATION)
     if duration is not None and duration.isdigit():
         line += f", {duration} ms"
+    timed = structured = b""
+    if answer.alignment is not None:
+        # Beside the audio (protocol.md section 4): as structured content, and as the
+        # same JSON in text for a client that reads only content.
+        line += f", {len(answer.alignment)} timings"
+        alignment = _dumps({"alignment": answer.alignment})
+        timed = b"".join((b',{"type":"text","text":', _dumps(alignment.decode("utf-8")), b"}"))
+        structured = b',"structuredContent":' + alignment
     opening = b'{"content":[{"type":"audio","data":"'
     closing = b"".join((
         b'","mimeType":',
         _dumps(mime),
         b'},{"type":"text","text":',
         _dumps(line + "."),
-        b'}],"isError":false}',
+        b"}",
+        timed,
+        b"]",
+        structured,
+        b',"isError":false}',
     ))
     hold.take(len(opening) + base64_size(size) + len(closing))
     # Base64's alphabet needs no escaping in a JSON string.

@@ -25,7 +25,7 @@ from rhapsode_protocol.http.answers import InFlight, answer, json_response, read
 
 from .._fleet.registry import Registry
 from .._fleet.residency import Residency
-from .._http.sinks import HttpSink
+from .._http.sinks import HttpSink, framed_sink, timed_sink
 from .._http.site import admitted_of, require_guard
 from .._http.table import JSON_BODY
 from .._interfaces import IPublicRoutes, ISpeech
@@ -203,7 +203,10 @@ class NodeDoor:
         async def handle() -> None:
             schema = contract.DIALOGUE_REQUEST if dialogue else contract.SPEAK_REQUEST
             body = read_json(request, schema, JSON_BODY)
-            await self.speech.forwarded(sink, engine_id, body, dialogue, self._keep_alive(request))
+            # Timed: in a worker's frames, which a front asks for with its Accept, or as
+            # the public API answers anyone else.
+            timed = framed_sink(request, body, sink.finished) or timed_sink(request, body, sink.finished)
+            await self.speech.forwarded(timed or sink, engine_id, body, dialogue, self._keep_alive(request))
 
         return await self._answer(request, handle)
 

@@ -26,6 +26,12 @@ against the core's buffer budget until it has left the process: each item's audi
 is spoken, then its base64 (a third larger) in the JSON that carries it, which is written in
 pieces rather than built as one string.  A batch whose next piece the budget has no room
 for is refused whole, as overloaded with a C{Retry-After}, never answered in part.
+
+C{POST /dev/captioned_speech} is Kokoro-FastAPI's captioned speech, for the clients
+written for it: its request (OpenAI's, with C{stream} and C{return_timestamps}, both
+true by default) and its answer (L{CaptionedSink}), with word timings from whichever
+engine the model names, where its variant times words (protocol.md section 4).
+OpenAI's own route has no such field, and keeps OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -40,21 +46,21 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from rhapsode_protocol.errors import SpeechError, UnknownEngine, Unsupported, as_speech_error, refusal
+from rhapsode_protocol.errors import BadRequest, SpeechError, UnknownEngine, Unsupported, as_speech_error, refusal
 from rhapsode_protocol.http.answers import InFlight, answer, json_response
 from rhapsode_protocol.schemas import OPENAI_BATCH_REQUEST, OPENAI_SPEECH_REQUEST
 from rhapsode_protocol.validation import parse_json_body
 
 from .._fleet.registry import Registry
 from .._http.envelopes import openai_envelope, render_error
-from .._http.sinks import HttpSink, SseSink, when_delivered, write_pieces
+from .._http.sinks import CaptionedSink, HttpSink, SseSink, when_delivered, write_pieces
 from .._interfaces import IAudioSink, IClientSettings, IPublicRoutes, ISpeech, Utterance
 from .._speech.inprocess import MemorySink, base64_pieces, base64_size
 from .._speech.limits import BufferBudget, BufferFull, Hold
 from .._speech.service import aliases_of
 from .._speech.translate import OpenAITranslation
 
-__all__ = ["OpenAIShim"]
+__all__ = ["CAPTIONED_SPEECH_REQUEST", "OpenAIShim"]
 
 
 def _dumps(value: Any) -> bytes:
@@ -65,6 +71,43 @@ def _draining(pieces: "deque[bytes]") -> Iterator[bytes]:
     # Each piece is let go of as it is written: the socket then holds the only copy.
     while pieces:
         yield pieces.popleft()
+
+#: Kokoro-FastAPI's normalisation defaults: what its clients send unless told otherwise.
+#: Engines here normalise text their own way, so only these are taken.
+_NORMALISATION = {
+    "normalize": True,
+    "unit_normalization": False,
+    "url_normalization": True,
+    "email_normalization": True,
+    "optional_pluralization_normalization": True,
+    "phone_normalization": True,
+    "replace_remaining_symbols": True,
+}
+#: Kokoro's language letters, as the languages engines here list them.
+_LANG_CODES = {
+    "a": "en-us", "b": "en-gb", "e": "es", "f": "fr-fr", "h": "hi", "i": "it", "j": "ja", "p": "pt-br", "z": "cmn",
+}
+_SPEECH = OPENAI_SPEECH_REQUEST["properties"]
+
+#: Kokoro-FastAPI's CaptionedSpeechRequest: the fields its clients send.
+CAPTIONED_SPEECH_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        **{k: _SPEECH[k] for k in ("model", "input", "voice", "response_format", "speed")},
+        "stream": {"type": "boolean"},
+        "return_timestamps": {"type": "boolean"},
+        "return_download_link": {"type": "boolean"},
+        "lang_code": {"type": ["string", "null"], "maxLength": 8},
+        "volume_multiplier": {"type": ["number", "null"]},
+        "normalization_options": {
+            "type": ["object", "null"],
+            "properties": {name: {"type": "boolean"} for name in _NORMALISATION},
+            "additionalProperties": False,
+        },
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
 
 
 class OpenAIShim:
@@ -108,6 +151,7 @@ class OpenAIShim:
         return {
             "openai_speech": self.speech_route,
             "openai_batch": self.batch,
+            "captioned_speech": self.captioned_speech,
             "openai_models": self.models,
             "openai_model": self.model,
             "openai_audio_models": self.audio_models,
@@ -129,6 +173,41 @@ class OpenAIShim:
             # Any format: a delta is the base64 of whatever encoded bytes came, as
             # OpenAI's own are (an mp3 or aac stream is cut between frames or inside one).
             sink: IAudioSink = events if body.get("stream_format") == "sse" else raw
+            await self.speech.speak(sink, Utterance(native["engine"], native, route="openai"))
+
+        return await self._answer(request, handle)
+
+    # -- POST /dev/captioned_speech (Kokoro-FastAPI's) ----------------------------------
+
+    async def captioned_speech(self, request: IRequest) -> Any:
+        finished = HttpSink(request).finished  # the route's own, taken at its start
+
+        async def handle() -> None:
+            body = self._read(request, CAPTIONED_SPEECH_REQUEST)
+            stream = body.get("stream", True)
+            timed = body.get("return_timestamps", True)
+            if body.get("return_download_link"):
+                raise Unsupported("no download links: the answer holds the audio", field="return_download_link")
+            if body.get("volume_multiplier") not in (None, 1, 1.0):
+                raise Unsupported("volume_multiplier other than 1 is not applied here", field="volume_multiplier")
+            options = body.get("normalization_options") or {}
+            for name, value in options.items():
+                if value != _NORMALISATION[name]:
+                    raise Unsupported(
+                        f"{name} cannot be changed: engines here normalise text their own way",
+                        field=f"normalization_options.{name}",
+                    )
+            fields: dict[str, Any] = {k: body[k] for k in ("model", "input", "voice", "response_format", "speed") if k in body}
+            fields.setdefault("model", "kokoro")  # Kokoro-FastAPI's default
+            native = await self.translation.native(fields, stream=stream)
+            code = body.get("lang_code")
+            if code is not None:
+                if code not in _LANG_CODES:
+                    raise BadRequest(f'lang_code "{code}" is none of {", ".join(_LANG_CODES)}', field="lang_code")
+                native["language"] = _LANG_CODES[code]
+            if timed:
+                native["timestamps"] = "word"
+            sink = CaptionedSink(request, stream, timed, finished)
             await self.speech.speak(sink, Utterance(native["engine"], native, route="openai"))
 
         return await self._answer(request, handle)

@@ -54,7 +54,7 @@ from rhapsode_protocol.vocab import is_speakable
 
 from .._fleet.registry import Registry
 from .._http.envelopes import openai_envelope, render_error
-from .._interfaces import IAudioSink, ISpeech, Utterance
+from .._interfaces import ISpeech, ITimedSink, Utterance
 from .._speech.preflight import forward_speak
 from .._speech.translate import OpenAITranslation
 
@@ -95,6 +95,8 @@ SESSION_CONFIG: dict[str, Any] = {
         "seed": {"type": "integer", "minimum": 0, "maximum": contract.MAX_SEED},
         "split_granularity": {"type": "string", "enum": list(GRANULARITIES)},
         "stream_audio": {"type": "boolean"},
+        # Timings of each piece's audio (protocol.md section 4), as timestamps messages.
+        "timestamps": {"type": "string", "enum": list(contract.TIMESTAMP_UNITS)},
     },
     "required": ["model"],
     "additionalProperties": False,
@@ -453,7 +455,7 @@ class StreamSession:
         contract.validate(SESSION_CONFIG, fields)
         granularity = fields.pop("split_granularity", DEFAULT_GRANULARITY)
         fields.pop("stream_audio", None)  # every piece streams: there is nothing to choose
-        extra: dict[str, Any] = {k: fields.pop(k) for k in ("language", "seed") if k in fields}
+        extra: dict[str, Any] = {k: fields.pop(k) for k in ("language", "seed", "timestamps") if k in fields}
         fields.setdefault("response_format", "pcm")
         if fields["response_format"] != "pcm":
             raise Unsupported(
@@ -632,6 +634,18 @@ class StreamSession:
             "channels": sentence.channels,
         })
 
+    def send_timestamps(self, piece: _Piece, alignment: Sequence[Mapping[str, Any]]) -> None:
+        """
+        A piece's timings, before the binary messages holding their first samples:
+        seconds from the piece's audio.start, offsets into its sentence_text.
+        """
+        self._send({
+            "type": "timestamps",
+            "utterance_index": piece.utterance,
+            "sentence_index": piece.index,
+            "alignment": list(alignment),
+        })
+
     def send_audio(self, data: bytes) -> None:
         if self._phase in (_Phase.OPEN, _Phase.ENDING):
             try:
@@ -712,7 +726,7 @@ class StreamSession:
             return "-"
 
 
-@implementer(IAudioSink)
+@implementer(ITimedSink)
 class _PieceSink:
     """
     What the speech relay writes one piece's answer to: the status and headers are kept,
@@ -766,11 +780,18 @@ class _PieceSink:
     def write(self, data: bytes) -> None:
         if not data:
             return
+        self._starting()
+        self.sent += len(data)
+        self.session.send_audio(data)
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self._starting()
+        self.session.send_timestamps(self.piece, alignment)
+
+    def _starting(self) -> None:
         if not self._writing:
             self._writing = True
             self.session.audio_starts(self)
-        self.sent += len(data)
-        self.session.send_audio(data)
 
     def room(self) -> "Deferred[None]":
         return succeed(None)  # every piece streams, paused by the WebSocket

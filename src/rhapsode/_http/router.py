@@ -34,7 +34,7 @@ from .._speech.metrics import Metrics
 from .._speech.relay import ERROR_LIMIT, remote_server
 from .._speech.service import aliases_of
 from .._upstream import collect, worker_json
-from .sinks import HttpSink
+from .sinks import HttpSink, timed_sink
 from .site import CoreRequest, admitted_of, require_guard
 from .table import JSON_BODY, openapi_document
 
@@ -367,7 +367,9 @@ class CoreApp:
 
         async def handle() -> None:
             body = read_json(request, contract.PUBLIC_SPEAK_REQUEST, JSON_BODY)
-            await self.speech.speak(sink, Utterance(body["engine"], body))
+            # With timestamps, the contract's events or document (protocol.md section 4).
+            timed = timed_sink(request, body, sink.finished)
+            await self.speech.speak(timed or sink, Utterance(body["engine"], body))
 
         return await self._answer(request, handle)
 
@@ -376,7 +378,8 @@ class CoreApp:
 
         async def handle() -> None:
             body = read_json(request, contract.PUBLIC_DIALOGUE_REQUEST, JSON_BODY)
-            await self.speech.speak(sink, Utterance(engine_id, body, dialogue=True, route="dialogue"))
+            timed = timed_sink(request, body, sink.finished)
+            await self.speech.speak(timed or sink, Utterance(engine_id, body, dialogue=True, route="dialogue"))
 
         return await self._answer(request, handle)
 

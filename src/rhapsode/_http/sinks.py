@@ -1,7 +1,10 @@
 """
 The HTTP answers an utterance is written to (L{IAudioSink} over a twisted.web request):
 raw audio, chunked with the duration as a trailer or buffered with a Content-Length
-(L{HttpSink}), and OpenAI's server-sent audio events (L{SseSink}).
+(L{HttpSink}), OpenAI's server-sent audio events (L{SseSink}), and with timestamps
+(protocol.md section 4) the contract's events (L{TimedEventSink}) or its JSON document
+(L{TimedJsonSink}), or for a cluster's front asking a node, a worker's frames
+(L{FramedSink}).
 
 Either way the relay is the request's producer, so a reader that falls behind pauses the
 worker's socket; and a stream that cannot be whole is cut off (an aborted connection for
@@ -25,13 +28,29 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from rhapsode_protocol.errors import Internal, SpeechError
-from rhapsode_protocol.http.answers import abort_connection, write_trailer
+from rhapsode_protocol import contract, frames
+from rhapsode_protocol.errors import BadRequest, Internal, SpeechError
+from rhapsode_protocol.http.answers import DURATION_HEADER, abort_connection, accepts, write_trailer
 
-from .._interfaces import IAudioSink
-from .._speech.relay import FLOOR_BYTES
+from .._interfaces import IAudioSink, ITimedSink
+from .._speech.relay import FLOOR_BYTES, NODE_HEADER
+from .._speech.timed import AUDIO_TYPE_HEADER, CHANNELS_HEADER, RATE_HEADER
 
-__all__ = ["HttpSink", "SseSink", "room_on", "sse_event", "when_delivered", "when_sent", "write_pieces"]
+__all__ = [
+    "CaptionedSink",
+    "FramedSink",
+    "HttpSink",
+    "SseSink",
+    "TimedEventSink",
+    "TimedJsonSink",
+    "framed_sink",
+    "room_on",
+    "sse_event",
+    "timed_sink",
+    "when_delivered",
+    "when_sent",
+    "write_pieces",
+]
 
 _log = Logger()
 
@@ -252,3 +271,400 @@ def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
     """
     data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
     return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
+
+
+_AUDIO_DELTA = b'event: speech.audio.delta\ndata: {"type":"speech.audio.delta","audio":"'
+
+
+def timed_sink(request: IRequest, body: Mapping[str, Any], finished: "Deferred[None]") -> ITimedSink | None:
+    """
+    The sink a native speech request with timestamps is answered through: the
+    contract's events for a stream, its JSON document for a buffered answer, once the
+    client's Accept names the one it gets; None for a request without timestamps.
+
+    @param finished: the route's own C{notifyFinish()} (its other sink's), taken at its
+        start: one asked for later would never fire.
+    @raise BadRequest: naming C{timestamps}, when the Accept does not say so.
+    """
+    if "timestamps" not in body:
+        return None
+    stream = bool(body.get("stream", True))
+    wanted = contract.TIMED_EVENTS if stream else contract.TIMED_JSON
+    if not accepts(request, wanted):
+        how = "a stream of server-sent events" if stream else "a JSON document"
+        raise BadRequest(
+            f"timestamps with stream {str(stream).lower()} are answered as {how}: send "
+            f'"Accept: {wanted}" (raw audio has no place for them)',
+            field="timestamps",
+        )
+    if stream:
+        return TimedEventSink(request, finished)
+    return TimedJsonSink(request, str(body.get("format", "wav")), finished)
+
+
+@implementer(ITimedSink)
+class TimedEventSink:
+    """
+    A timed stream as the contract's server-sent events: each batch of timings a
+    C{speech.timestamps.delta}, each piece of audio a C{speech.audio.delta} in base64,
+    in the order they came (so every timing goes before the audio holding its first
+    sample), and the end a C{speech.audio.done} with the duration.  As with L{SseSink},
+    nothing goes out before L{FLOOR_BYTES} of audio have arrived, and a failure after
+    the first event is a C{speech.audio.error} event.
+    """
+
+    def __init__(self, request: IRequest, finished: "Deferred[None] | None" = None) -> None:
+        self._request = request
+        self.finished: Deferred[None] = request.notifyFinish() if finished is None else finished  # type: ignore[attr-defined]
+        self.started = False
+        self._head: list[tuple[bytes, bytes]] = []
+        self._held: list[bytes] = []
+        self._audio = 0
+        self._producing = False
+
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        for name, value in headers:
+            if name.lower() == b"content-type":
+                self._head.append((AUDIO_TYPE_HEADER, value))
+            elif name.lower() == NODE_HEADER.lower():
+                self._head.append((NODE_HEADER, value))
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self._send(sse_event("speech.timestamps.delta", {"alignment": list(alignment)}))
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._audio += len(data)
+            # Base64's alphabet needs no escaping: spliced in rather than encoded as JSON.
+            self._send(b"".join((_AUDIO_DELTA, base64.b64encode(data), b'"}\n\n')))
+
+    def room(self) -> "Deferred[None]":
+        return succeed(None)  # a stream, paused by its reader through the relay
+
+    def _send(self, event: bytes) -> None:
+        if self.started:
+            self._request.write(event)
+            return
+        self._held.append(event)
+        if self._audio >= FLOOR_BYTES:
+            self._start()
+
+    def _start(self) -> None:
+        self.started = True
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"text/event-stream")
+        request.setHeader(b"Cache-Control", b"no-cache")
+        for name, value in self._head:
+            request.setHeader(name, value)
+        held, self._held = self._held, []
+        request.write(b"".join(held))
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        self._producing = True
+        self._request.registerProducer(producer, True)  # type: ignore[attr-defined]
+
+    def unregisterProducer(self) -> None:
+        if self._producing:
+            self._producing = False
+            self._request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def end(self, duration_ms: int | None) -> None:
+        if not self.started:
+            self._start()
+        done: dict[str, Any] = {} if duration_ms is None else {"durationMs": duration_ms}
+        self._request.write(sse_event("speech.audio.done", done))
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        if error is None:
+            error = Internal("the worker's stream broke off")
+        late = error.envelope()["error"]
+        self._request.write(sse_event("speech.audio.error", {"error": {
+            "code": error.code, "message": late["message"], "retryable": error.retryable,
+        }}))
+        return succeed(None)
+
+
+@implementer(ITimedSink)
+class TimedJsonSink:
+    """
+    A buffered timed answer as the contract's JSON document (TimedAudio): the audio in
+    base64 beside the whole alignment, written in one piece at the end, so every failure
+    before it is still the route's envelope.
+    """
+
+    def __init__(self, request: IRequest, fmt: str, finished: "Deferred[None] | None" = None) -> None:
+        self._request = request
+        self._format = fmt
+        self.finished: Deferred[None] = request.notifyFinish() if finished is None else finished  # type: ignore[attr-defined]
+        self.started = False
+        self._head: dict[bytes, bytes] = {}
+        self._alignment: list[Mapping[str, Any]] = []
+        self._parts: list[bytes] = []
+
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self._head = {name.lower(): value for name, value in headers}
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self._alignment.extend(alignment)
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def room(self) -> "Deferred[None]":
+        # Nothing is written before the end, when the document goes out in one piece.
+        return succeed(None)
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        pass  # read whole before anything is written
+
+    def unregisterProducer(self) -> None:
+        pass
+
+    def end(self, duration_ms: int | None) -> None:
+        audio = b"".join(self._parts)
+        self._parts = []
+        head = self._head
+        document: dict[str, Any] = {
+            "format": self._format,
+            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
+            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
+            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
+            "durationMs": duration_ms or 0,
+            "alignment": self._alignment,
+        }
+        # Base64's alphabet needs no escaping: spliced in rather than encoded again.
+        body = b"".join((
+            b'{"audio":"', base64.b64encode(audio), b'",', json.dumps(document)[1:].encode("utf-8"),
+        ))
+        self.started = True
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Content-Length", b"%d" % len(body))
+        if duration_ms is not None:
+            request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
+        node = head.get(NODE_HEADER.lower())
+        if node is not None:
+            request.setHeader(NODE_HEADER, node)
+        request.write(body)
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        # Nothing is written before end: a failure is still the route's envelope.
+        return succeed(None)
+
+
+@implementer(ITimedSink)
+class FramedSink:
+    """
+    A timed answer in a worker's frames (L{rhapsode_protocol.frames}), for a cluster's
+    front that asked a node for it as it asks its own workers: the node passes its
+    worker's timings through without the events' base64 and the front reads them with
+    the same relay.  Streamed, the audio's type is the X-Rhapsode-Audio-Type header and
+    the end a C{d} frame with the duration; nothing goes out before L{FLOOR_BYTES} of
+    audio, so a body that is not audio is still the route's envelope, and a failure
+    after that aborts the connection (the front then fails the stream as a broken
+    worker's).  Buffered, the whole answer is written at the end, its C{d} frame saying
+    what the audio is, as a worker's buffered frames do.
+    """
+
+    def __init__(self, request: IRequest, fmt: str, stream: bool, finished: "Deferred[None] | None" = None) -> None:
+        self._request = request
+        self._format = fmt
+        self._stream = stream
+        self.finished: Deferred[None] = request.notifyFinish() if finished is None else finished  # type: ignore[attr-defined]
+        self.started = False
+        self._head: dict[bytes, bytes] = {}
+        self._held: list[bytes] = []
+        self._audio = 0
+        self._producing = False
+
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self._head = {name.lower(): value for name, value in headers}
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self._send(frames.frame(frames.TIMINGS, json.dumps(list(alignment), separators=(",", ":")).encode("utf-8")))
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._audio += len(data)
+            self._send(frames.head(frames.AUDIO, len(data)), data)
+
+    def room(self) -> "Deferred[None]":
+        # A stream is paused through the relay; a buffered answer goes out at the end.
+        return succeed(None)
+
+    def _send(self, *parts: bytes) -> None:
+        if self.started:
+            for part in parts:
+                self._request.write(part)
+            return
+        self._held.extend(parts)
+        if self._stream and self._audio >= FLOOR_BYTES:
+            self._start()
+
+    def _start(self, length: int | None = None) -> None:
+        self.started = True
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", frames.FRAMES.encode("ascii"))
+        audio_type = self._head.get(b"content-type")
+        if audio_type is not None:
+            request.setHeader(AUDIO_TYPE_HEADER, audio_type)
+        if length is not None:
+            request.setHeader(b"Content-Length", b"%d" % length)
+        held, self._held = self._held, []
+        request.write(b"".join(held))
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        if self._stream:
+            self._producing = True
+            self._request.registerProducer(producer, True)  # type: ignore[attr-defined]
+
+    def unregisterProducer(self) -> None:
+        if self._producing:
+            self._producing = False
+            self._request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def end(self, duration_ms: int | None) -> None:
+        done: dict[str, Any] = {} if duration_ms is None else {"durationMs": duration_ms}
+        if self._stream:
+            if not self.started:
+                self._start()
+            self._request.write(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
+            return
+        head = self._head
+        done.update({
+            "format": self._format,
+            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
+            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
+            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
+            "durationMs": duration_ms or 0,
+        })
+        self._held.append(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
+        if duration_ms is not None:
+            self._request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
+        self._start(sum(len(part) for part in self._held))
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        if not self.started:
+            # Nothing went out: the failure is still the route's envelope.
+            return succeed(None)
+        abort_connection(self._request)
+        landed: Deferred[None] = Deferred()
+        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
+        return landed
+
+
+def framed_sink(request: IRequest, body: Mapping[str, Any], finished: "Deferred[None]") -> FramedSink | None:
+    """
+    The sink for a timed request whose Accept asks for a worker's frames (a cluster's
+    front asking a node), None for any other request.
+    """
+    if "timestamps" not in body or not accepts(request, frames.FRAMES):
+        return None
+    return FramedSink(request, str(body.get("format", "wav")), bool(body.get("stream", True)), finished)
+
+
+def _number(value: bytes | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
+@implementer(ITimedSink)
+class CaptionedSink:
+    """
+    Kokoro-FastAPI's captioned speech (C{POST /dev/captioned_speech}), for the clients
+    written for it: JSON objects of C{audio} (base64), C{audio_format} (its media type)
+    and C{timestamps} (C{word}, C{start_time}, C{end_time} in seconds).  Streamed, one
+    object a line per piece of audio, carrying the words that came before it (so a
+    caption never trails its sound; Kokoro-FastAPI holds them the same way), nothing sent
+    before L{FLOOR_BYTES} of audio, and a failure after that an aborted connection, as
+    for raw audio; buffered, one object with everything.
+    """
+
+    def __init__(self, request: IRequest, stream: bool, timed: bool, finished: "Deferred[None] | None" = None) -> None:
+        self._request = request
+        self._stream = stream
+        self._timed = timed
+        self.finished: Deferred[None] = request.notifyFinish() if finished is None else finished  # type: ignore[attr-defined]
+        self.started = False
+        self._type = "application/octet-stream"
+        self._words: list[dict[str, Any]] = []
+        self._audio: list[bytes] = []
+        self._size = 0
+        self._producing = False
+
+    def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        for name, value in headers:
+            if name.lower() == b"content-type":
+                self._type = value.decode("latin-1").split(";")[0].strip()
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        self._words.extend(
+            {"word": entry["text"], "start_time": entry["start"], "end_time": entry["end"]}
+            for entry in alignment
+            if entry.get("unit") == "word"
+        )
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        self._audio.append(data)
+        self._size += len(data)
+        if self._stream and self._size >= FLOOR_BYTES:
+            self._line()
+
+    def room(self) -> "Deferred[None]":
+        # A stream is paused through the relay; a buffered answer goes out at the end.
+        return succeed(None)
+
+    def _object(self, audio: bytes) -> bytes:
+        words, self._words = self._words, []
+        document = {
+            "audio": base64.b64encode(audio).decode("ascii"),
+            "audio_format": self._type,
+            "timestamps": words if self._timed else None,
+        }
+        return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    def _line(self) -> None:
+        if not self.started:
+            self.started = True
+            self._request.setResponseCode(200)
+            self._request.setHeader(b"Content-Type", b"application/json")
+            self._request.setHeader(b"Cache-Control", b"no-cache")
+        audio, self._audio = b"".join(self._audio), []
+        self._request.write(self._object(audio) + b"\n")
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        if self._stream:
+            self._producing = True
+            self._request.registerProducer(producer, True)  # type: ignore[attr-defined]
+
+    def unregisterProducer(self) -> None:
+        if self._producing:
+            self._producing = False
+            self._request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def end(self, duration_ms: int | None) -> None:
+        if self._stream:
+            if self._audio or self._words or not self.started:
+                self._line()
+            return
+        body = self._object(b"".join(self._audio))
+        self._audio = []
+        self.started = True
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Content-Length", b"%d" % len(body))
+        if duration_ms is not None:
+            request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
+        request.write(body)
+
+    def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        # Lines of JSON have no way to say a stream broke: cut it, as for raw audio.
+        abort_connection(self._request)
+        landed: Deferred[None] = Deferred()
+        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
+        return landed

@@ -117,6 +117,8 @@ ROUTES: tuple[RouteSpec, ...] = (
     # The translations on top (sections 11 and 12, and the peer's modes).
     RouteSpec("POST", "/v1/audio/speech", "openai_speech", body=JSON_BODY, cors=True, direct=True),
     RouteSpec("POST", "/v1/audio/speech/batch", "openai_batch", body=BATCH_BODY, cors=True),
+    # Kokoro-FastAPI's captioned speech, with word timings (protocol.md section 4).
+    RouteSpec("POST", "/dev/captioned_speech", "captioned_speech", body=JSON_BODY, cors=True),
     RouteSpec("GET", "/v1/audio/speech/stream", "openai_stream", cors=True, origin_checked=True),
     RouteSpec("GET", "/v1/models", "openai_models", cors=True),
     RouteSpec("GET", "/v1/models/<string:model_id>", "openai_model", cors=True),

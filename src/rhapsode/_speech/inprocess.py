@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
@@ -23,7 +23,7 @@ from zope.interface import implementer
 
 from rhapsode_protocol.errors import SpeechError
 
-from .._interfaces import IAudioSink
+from .._interfaces import ITimedSink
 
 __all__ = ["Answer", "MemorySink", "base64_pieces", "base64_size"]
 
@@ -38,6 +38,8 @@ class Answer:
     code: int = 200
     headers: dict[bytes, bytes] = field(default_factory=dict)
     pieces: list[bytes] = field(default_factory=list)
+    #: The timings of an utterance that asked for timestamps, else None.
+    alignment: list[Mapping[str, Any]] | None = None
 
     @property
     def size(self) -> int:
@@ -59,7 +61,7 @@ class Answer:
         return value.decode("latin-1") if value is not None else None
 
 
-@implementer(IAudioSink)
+@implementer(ITimedSink)
 class MemorySink:
     """
     Collects one buffered answer in memory.
@@ -83,6 +85,11 @@ class MemorySink:
 
     def write(self, data: bytes) -> None:
         self._parts.append(data)
+
+    def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
+        if self.answer.alignment is None:
+            self.answer.alignment = []
+        self.answer.alignment.extend(alignment)
 
     def room(self) -> "Deferred[None]":
         return succeed(None)  # the pieces are the answer: nothing holds them twice

@@ -13,6 +13,10 @@ too: cues the variant does not claim are stripped and an unclaimed delivery drop
 
 Whether a voice exists is the worker's to say (it owns its voice store); the router asks
 it, through L{voices_to_check}, only when the request would otherwise cost a load.
+
+Timestamps (section 4): a unit the variant does not list is refused here, and a timed
+request's text goes to the worker as the caller wrote it (the worker strips by the same
+rule), so that the offsets it gives are into the caller's text.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from rhapsode_protocol.validation import (
 )
 from rhapsode_protocol.vocab import clean_text, is_speakable
 
-__all__ = ["forward_dialogue", "forward_speak", "voices_to_check"]
+__all__ = ["check_timestamps", "forward_dialogue", "forward_speak", "voices_to_check"]
 
 
 def _variant(caps: Mapping[str, Any], variant: str) -> dict[str, Any]:
@@ -78,7 +82,20 @@ def _common(body: Mapping[str, Any], caps: Mapping[str, Any], variant: str, perf
         forward["params"] = {**body.get("params", {}), dial_name: value}
     if "voice" in body:
         check_voice_id(body["voice"], "voice")
+    if "timestamps" in body:
+        check_timestamps(performs, variant, body["timestamps"])
     return forward
+
+
+def check_timestamps(performs: Mapping[str, Any], variant: str, unit: str) -> None:
+    """
+    @raise Unsupported: C{unit} is not one the variant times, naming C{timestamps}.
+    """
+    declared = performs.get("timestamps")
+    units = declared.get("units", ()) if isinstance(declared, Mapping) else ()
+    if unit not in units:
+        claimed = ", ".join(units) or "none"
+        raise Unsupported(f'variant "{variant}" does not time "{unit}" (timestamps: {claimed})', field="timestamps")
 
 
 def _spoken(text: str, cues: Any, field: str) -> str:
@@ -101,6 +118,8 @@ def forward_speak(body: Mapping[str, Any], caps: Mapping[str, Any], variant: str
     performs = _variant(caps, variant)
     forward = _common(body, caps, variant, performs)
     text = forward["text"] = _spoken(body["text"], performs.get("cues", ()), "text")
+    if "timestamps" in body:
+        forward["text"] = body["text"]  # offsets into the caller's text
     ceiling = performs.get("maxCharacters")
     if isinstance(ceiling, int) and len(text) > ceiling:
         raise BadRequest(f"text is {len(text)} characters; the most is {ceiling}", field="text")
@@ -127,7 +146,8 @@ def forward_dialogue(body: Mapping[str, Any], caps: Mapping[str, Any], variant: 
         {"speaker": turn["speaker"], "text": _spoken(turn["text"], cues, f"turns[{i}].text")}
         for i, turn in enumerate(body["turns"])
     ]
-    forward["turns"] = turns
+    # Timed, each turn's text as the caller wrote it: offsets into that.
+    forward["turns"] = [dict(turn) for turn in body["turns"]] if "timestamps" in body else turns
     speakers = {turn["speaker"] for turn in turns}
     most = dialogue.get("maxSpeakers", 1)
     if len(speakers) > most:

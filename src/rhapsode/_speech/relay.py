@@ -32,16 +32,25 @@ from twisted.web.client import ResponseDone
 from zope.interface import implementer
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import Internal, SpeechError, refusal
+from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, refusal
 from rhapsode_protocol.http.answers import DURATION_HEADER
 from rhapsode_protocol.validation import loads_json
 
 from .._fleet.registry import EngineHandle
 from .._fleet.residency import Residency
-from .._interfaces import IAudioSink
+from .._interfaces import IAudioSink, ITimedSink
 from .._upstream import BytesProducer, Stalls, Watched, collect, collect_pieces, stalled
 from .limits import BufferBudget, Turnstile
 from .metrics import Measured
+from .timed import (
+    AUDIO_TYPE_HEADER,
+    CHANNELS_HEADER,
+    RATE_HEADER,
+    WORKER_ACCEPT,
+    TimedStreamRelay,
+    read_frames,
+    timed_limit,
+)
 
 __all__ = [
     "BUFFERED_LIMIT",
@@ -243,15 +252,31 @@ class SpeechRelay:
         """
         variant = forward["variant"]
         body = BytesProducer(json.dumps(forward).encode())
+        stream = forward.get("stream", True)
+        extra = _elsewhere(engine, variant, keep_alive)
+        timed = "timestamps" in forward
+        if timed:
+            if not ITimedSink.providedBy(sink):
+                raise BadRequest("this route's answer has no place for timestamps", field="timestamps")
+            # In frames: the audio as it is, beside the timings (rhapsode._speech.timed).
+            extra[b"Accept"] = [WORKER_ACCEPT]
         async with self._speaking(engine, variant, keep_alive, remote_server(caps, variant)):
-            response = await self._ask(engine, sink.finished, b"POST", path, body, _elsewhere(engine, variant, keep_alive))
+            response = await self._ask(engine, sink.finished, b"POST", path, body, extra)
             if not self._answered(engine, variant, response.code):
                 await self._relay_error(response)
-            if forward.get("stream", True):
+            if stream:
+                if timed:
+                    await self._timed_streamed(ITimedSink(sink), response, measured)
+                    return
                 await self._streamed(sink, response, forward.get("format", "wav"), caps, measured)
                 return
             turns = len(forward.get("turns", ())) or 1
-            held = await self._hold(sink, response, buffered_limit(caps, variant, turns), measured)
+            limit = buffered_limit(caps, variant, turns)
+            held: _Buffered | _TimedBuffered
+            if timed:
+                held = await self._timed_hold(sink, response, timed_limit(limit, caps, variant), measured)
+            else:
+                held = await self._hold(sink, response, limit, measured)
         # The turn and the lease are the worker's: a reader slow to take the answer
         # holds neither.
         await held.deliver(sink)
@@ -472,6 +497,72 @@ class SpeechRelay:
         sink.end(duration)
 
 
+    # -- answers with timestamps (rhapsode._speech.timed) ------------------------------
+
+    async def _timed_hold(
+        self, sink: IAudioSink, response: Any, limit: int, measured: Measured | None
+    ) -> "_TimedBuffered":
+        """
+        A worker's whole timed answer read within C{limit} and the budget, which it stays
+        counted against until C{sink}'s reader is done with it.
+        """
+        body = await collect(response, limit, self.budget, self.stalls)
+        sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
+        audio, entries, document = read_frames(body)
+        if len(audio) < FLOOR_BYTES:
+            raise Internal(f"the worker answered 200 with {len(audio)} bytes of audio, which is not audio")
+        duration = document["durationMs"]
+        head = [
+            (b"Content-Type", document["contentType"].encode("latin-1", "replace")),
+            (DURATION_HEADER, b"%d" % duration),
+            (RATE_HEADER, b"%d" % document["sampleRate"]),
+            (CHANNELS_HEADER, b"%d" % document["channels"]),
+        ]
+        node = response.headers.getRawHeaders(NODE_HEADER)
+        if node:
+            head.append((NODE_HEADER, node[0]))
+        if measured is not None:
+            measured.first_audio()
+            measured.sent = len(audio)
+            measured.audio_ms = duration
+        return _TimedBuffered(head, entries, audio, duration)
+
+    async def _timed_streamed(self, sink: ITimedSink, response: Any, measured: Measured | None) -> None:
+        """
+        A worker's timed event stream relayed as it arrives: the sink begins with the
+        audio's own type, gets each batch of timings and of audio in order, and is
+        aborted by the rules any stream is (under the floor, broken, stalled, unended).
+        """
+        head: list[tuple[bytes, bytes]] = [(b"Trailer", DURATION_HEADER)]
+        for name, as_name in ((NODE_HEADER, NODE_HEADER), (AUDIO_TYPE_HEADER, b"Content-Type")):
+            value = response.headers.getRawHeaders(name)
+            if value:
+                head.insert(0, (as_name, value[0]))
+        sink.begin(200, head)
+        stream = TimedStreamRelay(sink, self.stalls, measured)
+        response.deliverBody(stream)
+        try:
+            received = await stream.done
+        except Exception as exc:
+            error = exc if isinstance(exc, SpeechError) else Internal(f"the worker's stream broke off: {exc}")
+            if not sink.started:
+                raise error from None
+            self.log.warn("aborting a timed stream: {why}", why=error.message)
+            _aborted(measured, exc)
+            await sink.abort(error)
+            return
+        if measured is not None:
+            measured.sent = received
+            measured.audio_ms = stream.duration_ms
+        if received < FLOOR_BYTES:
+            failure = Internal(f"the worker answered 200 with {received} bytes of audio, which is not audio")
+            if not sink.started:
+                raise failure
+            _aborted(measured, None)
+            await sink.abort(failure)
+            return
+        sink.end(stream.duration_ms)
+
 class _Buffered:
     """
     A buffered answer read whole: its head, its pieces, its duration.
@@ -493,6 +584,30 @@ class _Buffered:
             await sink.room()
             sink.write(pieces.popleft())
         sink.end(self.duration)
+
+
+class _TimedBuffered:
+    """
+    A buffered timed answer read whole: its head, its timings, its audio, its duration.
+    """
+
+    def __init__(self, head: list[tuple[bytes, bytes]], entries: list[Any], audio: bytes, duration: int) -> None:
+        self.head = head
+        self.entries = entries
+        self.audio = audio
+        self.duration = duration
+
+    async def deliver(self, sink: IAudioSink) -> None:
+        """
+        Write the answer to C{sink}: its timings, then its audio once the reader has
+        room (L{IAudioSink.room}).
+        """
+        timed = ITimedSink(sink)
+        timed.begin(200, self.head)
+        timed.timestamps(self.entries)
+        await timed.room()
+        timed.write(self.audio)
+        timed.end(self.duration)
 
 
 def _elsewhere(engine: EngineHandle, variant: str, keep_alive: int | None) -> dict[bytes, list[bytes]]:

@@ -33,6 +33,8 @@ from rhapsode_worker import (
     Engine,
     NativeFormat,
     SpeakRequest,
+    Timestamps,
+    Timing,
     UnknownVoice,
     Unsupported,
     Variant,
@@ -49,9 +51,13 @@ from ._catalogue import (
     timbres,
 )
 from ._espeak import SAMPLE_RATE, Espeak
+from ._timings import Aligner
 
 VARIANT = "default"
 _GENDERS = {1: "male", 2: "female"}
+#: Words and phonemes from espeak's own synthesis events, each word with its place in
+#: the text (L{_timings}).
+TIMESTAMPS = Timestamps(units=("word", "phoneme"), source="synthesizer", text_offsets=True)
 
 
 class EspeakEngine(Engine):
@@ -79,6 +85,7 @@ class EspeakEngine(Engine):
                 # A request's speed is espeak's words a minute, 175 times the speed.
                 speed="rate",
                 languages=tuple(self._languages),
+                timestamps=TIMESTAMPS,
             )
         }
 
@@ -103,7 +110,7 @@ class EspeakEngine(Engine):
             for t in self._timbres.values()
         ]
 
-    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+    def speak(self, request: SpeakRequest) -> Iterator[bytes | Timing]:
         # The SDK speaks only once load() has started the synthesis thread.
         voice = self._languages.get(request.language)
         if voice is None:
@@ -117,4 +124,14 @@ class EspeakEngine(Engine):
             raise Unsupported(f"no delivery {request.delivery!r}", field="delivery")
         settings = espeak_settings(request.params, request.delivery)
         last = request.segment_index == request.segment_count - 1
-        return self._espeak.stream(voice, request.text, settings, end_pause=not last)
+        if request.timestamps is None:
+            return self._espeak.stream(voice, request.text, settings, end_pause=not last)
+        return self._timed(voice, request.text, settings, not last, request.timestamps)
+
+    def _timed(
+        self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool, unit: str
+    ) -> Iterator[bytes | Timing]:
+        aligner = Aligner(SAMPLE_RATE, unit, text)
+        for pcm, events in self._espeak.stream_events(voice, text, settings, end_pause):
+            yield from aligner.feed(pcm, events)
+        yield from aligner.close()

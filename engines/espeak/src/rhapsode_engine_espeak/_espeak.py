@@ -22,11 +22,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import espeakng_loader
 
 from ._catalogue import VoiceRecord, dictionary_name
+from ._timings import RAW_EVENT
 
 SAMPLE_RATE = 22050
 #: Audio per synthesis callback: few enough calls to cost nothing next to the synthesis,
@@ -39,13 +40,18 @@ PROBE_TEXT = "a"
 
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
 _INITIALIZE_DONT_EXIT = 0x8000
+# Phoneme events, named in IPA, beside the word and clause events espeak always sends:
+# the callback is told more, the audio is the same bytes.
+_INITIALIZE_PHONEME_EVENTS = 0x0001
+_INITIALIZE_PHONEME_IPA = 0x0002
 _POS_CHARACTER = 1
 _CHARS_UTF8 = 0x1
 _ENDPAUSE = 0x1000
 _EE_OK = 0
 
 _T = TypeVar("_T")
-_Sink = Callable[[bytes], bool]
+#: What the callback hands each buffer to, with its events when they were asked for.
+_Sink = Callable[[bytes, "bytes | None"], bool]
 
 
 class _Voice(ctypes.Structure):
@@ -62,9 +68,47 @@ class _Voice(ctypes.Structure):
     ]
 
 
+class _Event(ctypes.Structure):
+    """espeak_EVENT (speak_lib.h); id is a union, read here as its 8-byte string."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("unique_identifier", ctypes.c_uint),
+        ("text_position", ctypes.c_int),
+        ("length", ctypes.c_int),
+        ("audio_position", ctypes.c_int),
+        ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p),
+        ("id", ctypes.c_char * 8),
+    ]
+
+
+_PHONEME = 7
+
 _SYNTH_CALLBACK = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
+    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event)
 )
+
+
+#: espeak_EVENT read as C ints: one event's stride.
+_STRIDE = ctypes.sizeof(_Event) // ctypes.sizeof(ctypes.c_int)
+_INTS = ctypes.POINTER(ctypes.c_int)
+assert RAW_EVENT.size == ctypes.sizeof(_Event), "espeak_EVENT's layout is not the one read"
+
+
+def _events(events: Any) -> bytes:
+    """
+    The callback's event list, up to its terminator (type 0), copied out as its bytes
+    (L{RAW_EVENT} each), which are read off espeak's thread: the callback only finds
+    where the list ends.
+    """
+    if not events:
+        return b""
+    ints = ctypes.cast(events, _INTS)
+    count = 0
+    while ints[count * _STRIDE] != 0:
+        count += 1
+    return ctypes.string_at(ctypes.addressof(events.contents), count * RAW_EVENT.size) if count else b""
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -124,16 +168,17 @@ class Survey:
 @dataclass
 class _Stream:
     """
-    One synthesis on its way out: chunks for the reader, C{None} once espeak is done.
+    One synthesis on its way out: chunks for the reader (each with its events, when
+    they were asked for), C{None} once espeak is done.
     """
 
-    chunks: "queue.Queue[bytes | None]"
+    chunks: "queue.Queue[tuple[bytes, bytes | None] | None]"
     cancelled: threading.Event
 
-    def deliver(self, pcm: bytes) -> bool:
+    def deliver(self, pcm: bytes, events: bytes | None) -> bool:
         if self.cancelled.is_set():
             return False
-        self.chunks.put(pcm)
+        self.chunks.put((pcm, events))
         return True
 
 
@@ -150,6 +195,8 @@ class Espeak:
         # Kept referenced: espeak holds only the C pointer.
         self._callback = _SYNTH_CALLBACK(self._on_audio)
         self._sink: _Sink | None = None
+        # Whether the synthesis under way reports its events beside its audio.
+        self._with_events = False
         self._initialised = False
 
     def _on(self, call: Callable[..., _T], *args: object) -> _T:
@@ -186,9 +233,26 @@ class Espeak:
 
         Closing the generator early stops espeak at its next chunk.
         """
+        for pcm, _ in self._run(voice, text, settings, end_pause):
+            yield pcm
+
+    def stream_events(
+        self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """
+        L{stream}, each buffer of PCM with the events espeak reported with it (the
+        words, phonemes and clause ends whose first sample it holds), as their bytes
+        (L{rhapsode_engine_espeak._timings.RAW_EVENT} each).
+        """
+        for pcm, events in self._run(voice, text, settings, end_pause, True):
+            yield pcm, events or b""
+
+    def _run(
+        self, voice: str, text: str, settings: Mapping[int, int], end_pause: bool, events: bool = False
+    ) -> Iterator[tuple[bytes, bytes | None]]:
         stream = _Stream(queue.Queue(maxsize=QUEUE_CHUNKS), threading.Event())
         flags = _CHARS_UTF8 | (_ENDPAUSE if end_pause else 0)
-        job = self._owner.submit(self._stream, stream, voice, text, settings, flags)
+        job = self._owner.submit(self._stream, stream, voice, text, settings, flags, events)
         finished = False
         try:
             while (chunk := stream.chunks.get()) is not None:
@@ -207,9 +271,8 @@ class Espeak:
     def _initialise(self) -> None:
         if self._initialised:
             self._terminate()
-        rate = self._lib.espeak_Initialize(
-            _AUDIO_OUTPUT_SYNCHRONOUS, BUFFER_MS, self._data, _INITIALIZE_DONT_EXIT
-        )
+        options = _INITIALIZE_DONT_EXIT | _INITIALIZE_PHONEME_EVENTS | _INITIALIZE_PHONEME_IPA
+        rate = self._lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, BUFFER_MS, self._data, options)
         if rate != SAMPLE_RATE:
             raise RuntimeError(f"espeak_Initialize answered {rate}, not {SAMPLE_RATE} Hz")
         self._lib.espeak_SetSynthCallback(self._callback)
@@ -274,7 +337,7 @@ class Espeak:
     def _speaks(self, voice: str) -> bool:
         heard = bytearray()
 
-        def keep(pcm: bytes) -> bool:
+        def keep(pcm: bytes, events: bytes | None) -> bool:
             heard.extend(pcm)
             return True
 
@@ -282,15 +345,15 @@ class Espeak:
         return any(heard)
 
     def _stream(
-        self, stream: _Stream, voice: str, text: str, settings: Mapping[int, int], flags: int
+        self, stream: _Stream, voice: str, text: str, settings: Mapping[int, int], flags: int, events: bool
     ) -> None:
         try:
-            self._synthesise(voice, text, settings, flags, stream.deliver)
+            self._synthesise(voice, text, settings, flags, stream.deliver, events)
         finally:
             stream.chunks.put(None)
 
     def _synthesise(
-        self, voice: str, text: str, settings: Mapping[int, int], flags: int, sink: _Sink
+        self, voice: str, text: str, settings: Mapping[int, int], flags: int, sink: _Sink, events: bool = False
     ) -> None:
         if not self._initialised:
             raise RuntimeError("eSpeak NG is not initialised")
@@ -302,21 +365,27 @@ class Espeak:
             self._lib.espeak_SetParameter(parameter, value, 0)
         data = text.encode("utf-8") + b"\0"
         self._sink = sink
+        self._with_events = events
         try:
             status = self._lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, flags, None, None)
         finally:
             self._sink = None
+            self._with_events = False
         if status != _EE_OK:
             raise RuntimeError(f"espeak_Synth failed (status {status})")
 
-    def _on_audio(self, wav: "ctypes._Pointer[ctypes.c_short]", count: int, events: int) -> int:
+    def _on_audio(self, wav: "ctypes._Pointer[ctypes.c_short]", count: int, events: Any) -> int:
         """
         espeak's synthesis callback: 0 to go on, 1 to stop.  It must not raise (ctypes
-        would print the error and carry on).
+        would print the error and carry on).  Events are read only for a synthesis
+        that asked for them.
         """
         sink = self._sink
         if sink is None:
             return 1
+        found = _events(events) if self._with_events else None
         if count <= 0 or not wav:
+            if found:
+                return 0 if sink(b"", found) else 1
             return 0
-        return 0 if sink(ctypes.string_at(wav, count * 2)) else 1
+        return 0 if sink(ctypes.string_at(wav, count * 2), found) else 1

@@ -45,10 +45,14 @@ from rhapsode_worker import (
     NativeFormat,
     SpeakRequest,
     Speed,
+    Timestamps,
+    Timing,
     Variant,
     Voice,
 )
 from rhapsode_worker.onnx import BudgetedSession
+
+from ._aligned import ALIGNABLE, aligned_model, timings
 
 from ._tuning import (
     LENGTH_SCALE,
@@ -80,6 +84,8 @@ _VARIANTS: dict[str, Variant] = {
         blends=False,
         max_speakers=0,
         seed_reproducible=False,
+        # The model's own durations (L{_aligned}); words are its phonemes', not the text's.
+        timestamps=Timestamps(units=("word", "phoneme"), source="model") if ALIGNABLE else None,
     ),
 }
 
@@ -124,7 +130,10 @@ class PiperEngine(Engine):
         from piper import PiperVoice
         from piper.config import PiperConfig
 
-        session = BudgetedSession(model_path(), configure=_arena_for_lone_runs)
+        # The graph with its alignments exposed, where onnx can patch it: every run then
+        # returns them, and a request that wants none leaves them unread.
+        graph = aligned_model(model_path(), self.context.cache_dir) if ALIGNABLE else model_path()
+        session = BudgetedSession(graph, configure=_arena_for_lone_runs)
         config = PiperConfig.from_dict(json.loads(config_path().read_text(encoding="utf-8")))
         voice = PiperVoice(session=session, config=config)
         # The first sentence pays for loading espeak-ng's data and onnxruntime's first
@@ -139,13 +148,15 @@ class PiperEngine(Engine):
         if hasattr(self, "_voice"):
             del self._voice
 
-    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+    def speak(self, request: SpeakRequest) -> Iterator[bytes | Timing]:
         settings = settings_for(request.params, request.delivery)
         last = request.segment_index == request.segment_count - 1
         text = continued(unbracketed(request.text), last)
-        return self._read(self._voice, text, settings)
+        return self._read(self._voice, text, settings, request.timestamps)
 
-    def _read(self, voice: PiperVoice, text: str, settings: Settings) -> Iterator[bytes]:
+    def _read(
+        self, voice: PiperVoice, text: str, settings: Settings, unit: str | None = None
+    ) -> Iterator[bytes | Timing]:
         from piper import SynthesisConfig
 
         config = SynthesisConfig(
@@ -158,7 +169,14 @@ class PiperEngine(Engine):
             self.native_format.bytes_per_frame
             * (self.native_format.sample_rate * self.joint_silence_ms // 1000)
         )
-        for i, chunk in enumerate(voice.synthesize(text, config)):
+        samples = 0  # this call's audio so far, which each sentence's timings follow
+        for i, chunk in enumerate(voice.synthesize(text, config, include_alignments=unit is not None)):
             if i:
+                samples += len(pause) // self.native_format.bytes_per_frame
                 yield pause
-            yield chunk.audio_float_array.astype("<f4", copy=False).tobytes()
+            audio = chunk.audio_float_array
+            if unit is not None and chunk.phoneme_alignments:
+                # Before the sentence's audio: a timing never trails its sound.
+                yield from timings(chunk.phoneme_alignments, samples, self.native_format.sample_rate, unit)
+            samples += len(audio)
+            yield audio.astype("<f4", copy=False).tobytes()

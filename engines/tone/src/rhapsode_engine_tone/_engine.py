@@ -14,7 +14,7 @@ import sys
 import time
 import zlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Mapping, Sequence, cast
 
 from rhapsode_worker import (
@@ -25,6 +25,8 @@ from rhapsode_worker import (
     NativeFormat,
     Reference,
     SpeakRequest,
+    Timestamps,
+    Timing,
     Unsupported,
     Variant,
     Voice,
@@ -36,6 +38,9 @@ from ._synth import SAMPLE_RATE, Palette, silence
 from ._voices import BUILTINS, DEFAULT_VOICE, ToneVoice, ToneVoices
 
 _LANGUAGES = ("en", "fr", "de", "es", "ja")
+#: Exact: every word's tones and the gaps between them are counted out sample by sample.
+#: A syllable's tone stands for a phoneme.
+_TIMESTAMPS = Timestamps(units=("word", "phoneme"), source="synthesizer", text_offsets=True)
 
 _VARIANTS: dict[str, Variant] = {
     "expressive": Variant(
@@ -43,6 +48,7 @@ _VARIANTS: dict[str, Variant] = {
         languages=_LANGUAGES,
         max_speakers=0,
         seed_reproducible=True,
+        timestamps=_TIMESTAMPS,
     ),
     "classic": Variant(
         deliveries=("hushed", "frantic"),
@@ -52,6 +58,7 @@ _VARIANTS: dict[str, Variant] = {
         languages=_LANGUAGES,
         max_speakers=2,
         seed_reproducible=True,
+        timestamps=_TIMESTAMPS,
     ),
 }
 
@@ -117,17 +124,23 @@ def pace_of(environ: Mapping[str, str]) -> float:
     return pace
 
 
-def _paced(chunks: Iterator[bytes], pace: float) -> Iterator[bytes]:
+def _paced(chunks: Iterator[bytes | Timing], pace: float) -> Iterator[bytes | Timing]:
     # On the synthesis thread: each chunk costs its length in audio times the pace, as
-    # a model would that runs at a fixed speed whatever the cores (bench/cluster.py).
+    # a model would that runs at a fixed speed whatever the cores (bench/cluster.py); a
+    # timing costs nothing.
     for chunk in chunks:
-        time.sleep(len(chunk) / 2 / SAMPLE_RATE * pace)
+        if not isinstance(chunk, Timing):
+            time.sleep(len(chunk) / 2 / SAMPLE_RATE * pace)
         yield chunk
 
 
-def _chunked(pieces: Iterable[bytes]) -> Iterator[bytes]:
+def _chunked(pieces: Iterable[bytes | Timing]) -> Iterator[bytes | Timing]:
     buffer = bytearray()
     for piece in pieces:
+        if isinstance(piece, Timing):
+            # Ahead of the audio still buffered: a timing never trails its sound.
+            yield piece
+            continue
         buffer += piece
         if len(buffer) >= _CHUNK_BYTES:
             yield _little_endian(bytes(buffer))
@@ -173,7 +186,7 @@ class ToneEngine(Engine):
         brightnesses = tuple(sorted({v.brightness for v in BUILTINS.values()}))
         self._palette = Palette(tuple(_VARIANTS[variant].languages), brightnesses)
 
-    def _pace(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    def _pace(self, chunks: Iterator[bytes | Timing]) -> Iterator[bytes | Timing]:
         pace = pace_of(self.context.environ)
         return _paced(chunks, pace) if pace else chunks
 
@@ -186,7 +199,7 @@ class ToneEngine(Engine):
         voices = list(BUILTINS.values()) + self._store().created()
         return [v.listing(self.adapter_version) for v in voices]
 
-    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+    def speak(self, request: SpeakRequest) -> Iterator[bytes | Timing]:
         palette = self._palette
         variant = _VARIANTS[request.variant]
         if request.delivery is None:
@@ -205,9 +218,9 @@ class ToneEngine(Engine):
         events = parse(request.text, frozenset(variant.cues))
         rng = _generator(request.seed)
         # Everything that can refuse the request has run by now, before the first byte.
-        return self._pace(_chunked(reader.perform(events, rng)))
+        return self._pace(_chunked(reader.perform(events, rng, request.timestamps)))
 
-    def dialogue(self, request: DialogueRequest) -> Iterator[bytes]:
+    def dialogue(self, request: DialogueRequest) -> Iterator[bytes | Timing]:
         palette = self._palette
         variant = _VARIANTS[request.variant]
         if variant.max_speakers == 0:
@@ -226,11 +239,20 @@ class ToneEngine(Engine):
         scripts = [(readers[t.speaker], parse(t.text, cues)) for t in request.turns]
         rng = _generator(request.seed)
 
-        def conversation() -> Iterator[bytes]:
+        def conversation() -> Iterator[bytes | Timing]:
+            samples = 0  # the conversation's audio so far, which each turn's timings follow
             for i, (reader, events) in enumerate(scripts):
                 if i:
-                    yield silence(round(_TURN_GAP_SECONDS * SAMPLE_RATE))
-                yield from reader.perform(events, rng)
+                    gap = silence(round(_TURN_GAP_SECONDS * SAMPLE_RATE))
+                    samples += len(gap) // 2
+                    yield gap
+                offset = samples / SAMPLE_RATE
+                for piece in reader.perform(events, rng, request.timestamps):
+                    if isinstance(piece, Timing):
+                        yield replace(piece, start=piece.start + offset, end=piece.end + offset, turn=i)
+                    else:
+                        samples += len(piece) // 2
+                        yield piece
 
         return self._pace(_chunked(conversation()))
 

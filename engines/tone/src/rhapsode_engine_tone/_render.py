@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from random import Random
 from typing import Iterator, Sequence, Union
 
+from rhapsode_worker import Timing
+
 from ._cues import CUES, Throat
 from ._synth import LANGUAGES, SAMPLE_RATE, Palette, mix, ramped, silence, tone
 
@@ -45,6 +47,8 @@ class Word:
     text: str
     position: int
     final: str = ""
+    #: Where the word stands in the text parsed, in code points.
+    span: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -83,13 +87,13 @@ def parse(text: str, cues: frozenset[str]) -> list[Event]:
             if name in cues:
                 events.append(Cue(name))
         elif match["word"] is not None:
-            events.append(Word(match["word"], position))
+            events.append(Word(match["word"], position, span=match.span()))
             position += 1
         elif match["sentence"] is not None:
             if events and isinstance(events[-1], Word):
                 last = events[-1]
                 mark = "?" if any(c in "?？" for c in match["sentence"]) else "."
-                events[-1] = Word(last.text, last.position, mark)
+                events[-1] = Word(last.text, last.position, mark, last.span)
             events.append(Pause(_SENTENCE_PAUSE))
             position = 0
         elif match["clause"] is not None:
@@ -137,9 +141,11 @@ class Reader:
     def _characters(self, count: float) -> int:
         return round(count * self.seconds_per_character * SAMPLE_RATE)
 
-    def perform(self, events: Sequence[Event], rng: Random) -> Iterator[bytes]:
+    def perform(self, events: Sequence[Event], rng: Random, timed: str | None = None) -> Iterator[bytes | Timing]:
         """
-        PCM for C{events}, a piece per word, cue or gap.
+        PCM for C{events}, a piece per word, cue or gap; with C{timed} ("word" or
+        "phoneme"), each word's L{Timing} (and each of its syllable tones', for
+        phonemes) before its PCM, exact to the sample, counted from this call's first.
 
         Pauses before the first sound and after the last are dropped, and a run of
         pauses is the longest of them, so ", ." does not pause twice.
@@ -147,18 +153,44 @@ class Reader:
         table = self.table
         pending: float | None = None
         started = False
+        samples = 0
         for event in events:
             if isinstance(event, Pause):
                 pending = max(pending or 0.0, event.characters)
                 continue
             if started:
-                yield silence(self._characters(pending or _WORD_GAP))
+                gap = silence(self._characters(pending or _WORD_GAP))
+                samples += len(gap) // 2
+                yield gap
             pending = None
             started = True
             if isinstance(event, Cue):
-                yield CUES[event.name](Throat(self.palette, table, self.pitch, self.gain, rng))
-            else:
-                yield from self._word(table, event, rng)
+                sound = CUES[event.name](Throat(self.palette, table, self.pitch, self.gain, rng))
+                samples += len(sound) // 2
+                yield sound
+                continue
+            tones = list(self._word(table, event, rng))
+            if timed is not None:
+                yield from self._timings(event, tones, samples, timed)
+            for pcm in tones:
+                samples += len(pcm) // 2
+                yield pcm
+
+    def _timings(self, word: Word, tones: Sequence[bytes], at: int, unit: str) -> Iterator[Timing]:
+        """
+        The timings of one word whose tones start C{at} samples in: the word, then its
+        syllables as phonemes.
+        """
+        chunks = _syllables(word.text, LANGUAGES[self.language].syllable_letters)
+        lengths = [len(pcm) // 2 for pcm in tones]
+        total = sum(lengths)
+        yield Timing("word", at / SAMPLE_RATE, (at + total) / SAMPLE_RATE,
+                     text_start=word.span[0], text_end=word.span[1])
+        if unit != "phoneme":
+            return
+        for chunk, length in zip(chunks, lengths):
+            yield Timing("phoneme", at / SAMPLE_RATE, (at + length) / SAMPLE_RATE, text=chunk)
+            at += length
 
     def _word(self, table: list[float], word: Word, rng: Random) -> Iterator[bytes]:
         # A stable hash (never the salted hash()) makes each word's melody the same in

@@ -25,6 +25,7 @@ __all__ = [
     "DURATION_HEADER",
     "InFlight",
     "abort_connection",
+    "accepts",
     "answer",
     "answer_failure",
     "error_response",
@@ -43,6 +44,27 @@ def json_response(request: IRequest, status: int, body: Any) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"Content-Type", b"application/json")
     return json.dumps(body).encode("utf-8")
+
+
+def accepts(request: IRequest, media_type: str) -> bool:
+    """
+    Whether the request's Accept names C{media_type} itself, at a quality above zero.
+    A wildcard does not count: where an answer's shape depends on it (timestamps), a
+    client that has not said it reads that shape must not be handed it unasked.
+    """
+    for value in request.requestHeaders.getRawHeaders(b"accept", []):
+        for item in value.decode("latin-1").split(","):
+            name, _, parameters = item.partition(";")
+            if name.strip().lower() != media_type:
+                continue
+            quality = [p.strip()[2:] for p in parameters.split(";") if p.strip().lower().startswith("q=")]
+            try:
+                if quality and float(quality[0]) <= 0:
+                    continue
+            except ValueError:
+                continue
+            return True
+    return False
 
 
 def error_response(request: IRequest, error: SpeechError) -> bytes:

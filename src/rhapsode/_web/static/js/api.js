@@ -18,8 +18,9 @@ export class ApiError extends Error {
 }
 
 /** The core's answer to METHOD /api+path: parsed JSON, null for 204, else the Response. */
-export async function api(path, { method = "GET", json, body, signal, raw = false } = {}) {
+export async function api(path, { method = "GET", json, body, signal, raw = false, accept } = {}) {
   const init = { method, headers: {}, signal };
+  if (accept) init.headers.Accept = accept;
   if (json !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(json);

@@ -13,6 +13,10 @@ export class StreamPlayer {
     // no audio played however long they last.
     this.gaps = [];
     this.sources = new Set();
+    // Where each buffer's audio starts in the stream (seconds) and on the context's
+    // clock: a buffer that arrives late starts later than the one before ended.
+    this.schedule = [];
+    this.total = 0;
   }
 
   /** Schedule the whole frames in `bytes`; an odd tail waits for the next chunk. */
@@ -43,6 +47,19 @@ export class StreamPlayer {
     source.onended = () => this.sources.delete(source);
     this.next = at + buffer.duration;
     if (this.firstAt === null) this.firstAt = at;
+    this.schedule.push({ from: this.total, at, duration: buffer.duration });
+    this.total += buffer.duration;
+  }
+
+  /** How far into the stream's audio playback has got, in seconds. */
+  position() {
+    const now = this.context.currentTime;
+    let reached = 0;
+    for (const { from, at, duration } of this.schedule) {
+      if (now < at) break;
+      reached = from + Math.min(now - at, duration);
+    }
+    return reached;
   }
 
   /** Seconds scheduled but not yet played. */

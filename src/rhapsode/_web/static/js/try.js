@@ -1,8 +1,10 @@
 // Try it: pick an engine, variant, voice, language, delivery and dials from the
-// capability document, and hear the text as it streams.
+// capability document, and hear the text as it streams; where the variant times words,
+// they light up as they are spoken.
 import { api, effectiveVariant, enc, engineSelect } from "./api.js";
 import { announce, field, h, select, sleep } from "./dom.js";
 import { StreamPlayer, parsePcmType, wavBlob } from "./player.js";
+import { EventStream, Words, decodeBase64 } from "./words.js";
 
 // The most audio scheduled ahead of the playhead: the page reads the stream no faster
 // than it plays, so a long text holds the server's stream open instead of this tab's memory.
@@ -22,6 +24,10 @@ export async function render(main) {
   const text = h("textarea", { name: "text", required: true, spellcheck: true },
     "Right, that was a test of streaming speech. [laugh] It plays while the rest is still on its way.");
   const counter = h("p", { class: "hint counter", id: "counter" });
+  const highlight = h("input", { type: "checkbox", id: "highlight", checked: true });
+  const highlightField = field("Light up the words as they are spoken", highlight,
+    "The variant times its words; the page asks for their timings beside the audio.");
+  const words = h("p", { class: "words", id: "words", hidden: true, "aria-label": "Spoken words" });
   const speak = h("button", { type: "submit", text: "Speak" });
   const stop = h("button", { type: "button", class: "secondary", text: "Stop", disabled: true });
   const download = h("a", { hidden: true, text: "Download WAV", id: "download" });
@@ -41,7 +47,9 @@ export async function render(main) {
     dials,
     field("Text", text, counter),
     cues,
+    highlightField,
     h("div", { class: "actions" }, speak, stop, download),
+    words,
     h("dl", { class: "stats", "aria-label": "Last run" },
       h("div", {}, h("dt", { text: "Time to first audio" }), ttfa),
       h("div", {}, h("dt", { text: "Realtime factor" }), rtf),
@@ -74,7 +82,12 @@ export async function render(main) {
     cues.textContent = performed.length
       ? `This variant performs these cues in [brackets]: ${performed.join(", ")}. Others are dropped.`
       : "This variant performs no cues: anything in [brackets] is dropped before it speaks.";
+    highlightField.hidden = !timesWords();
     count();
+  }
+
+  function timesWords() {
+    return ((variantDoc().timestamps || {}).units || []).includes("word");
   }
 
   function count() {
@@ -121,6 +134,7 @@ export async function render(main) {
       if (input.value !== "") params[input.dataset.dial] = Number(input.value);
     }
     if (Object.keys(params).length) body.params = params;
+    if (timesWords() && highlight.checked) body.timestamps = "word";
     return body;
   }
 
@@ -152,12 +166,25 @@ export async function render(main) {
     let ticker = null;
     const chunks = [];
     let bytes = 0;
+    let spoken = null;
+    let follow = null;
     try {
       context.resume();
-      const response = await api("/speak", { method: "POST", json: request(), signal, raw: true });
+      const body = request();
+      const timed = Boolean(body.timestamps);
+      // Timed, the answer is server-sent events: audio deltas and the timings before them.
+      const response = await api("/speak", { method: "POST", json: body, signal, raw: true,
+        accept: timed ? "text/event-stream" : undefined });
       waited += performance.now() - started;
-      const type = parsePcmType(response.headers.get("Content-Type"));
-      if (!type) throw new Error(`the server answered ${response.headers.get("Content-Type")}, not PCM`);
+      const audioType = timed ? response.headers.get("X-Rhapsode-Audio-Type") : response.headers.get("Content-Type");
+      const type = parsePcmType(audioType);
+      if (!type) throw new Error(`the server answered ${audioType}, not PCM`);
+      const events = timed ? new EventStream() : null;
+      if (timed) {
+        spoken = new Words(words, body.text);
+      } else {
+        words.hidden = true;
+      }
       const little = !String((caps.nativeFormat || {}).encoding || "").endsWith("be");
       player = new StreamPlayer(context, type.rate, type.channels, little);
       ticker = setInterval(() => {
@@ -165,6 +192,13 @@ export async function render(main) {
         playback.dataset.played = seconds.toFixed(3);
         played.textContent = `${seconds.toFixed(1)} s`;
       }, 100);
+      if (spoken) {
+        const frame = () => {
+          spoken.update(player.position());
+          follow = requestAnimationFrame(frame);
+        };
+        follow = requestAnimationFrame(frame);
+      }
       playback.dataset.response = "streaming";
       playback.textContent = "Playing while the audio arrives";
       const reader = response.body.getReader();
@@ -175,10 +209,23 @@ export async function render(main) {
         const { done, value } = await reader.read();
         waited += performance.now() - asked;
         if (done) break;
+        const pieces = [];
+        if (events) {
+          for (const { event, data } of events.feed(value)) {
+            if (event === "speech.audio.delta") pieces.push(decodeBase64(data.audio));
+            else if (event === "speech.timestamps.delta") spoken.add(data.alignment);
+            else if (event === "speech.audio.error") throw new Error(`${data.error.code}: ${data.error.message}`);
+          }
+        } else {
+          pieces.push(value);
+        }
+        if (!pieces.length) continue;
         if (!chunks.length) ttfa.textContent = `${Math.round(performance.now() - started)} ms`;
-        chunks.push(value);
-        bytes += value.length;
-        player.push(value);
+        for (const piece of pieces) {
+          chunks.push(piece);
+          bytes += piece.length;
+          player.push(piece);
+        }
         const audioSeconds = bytes / (2 * type.channels * type.rate);
         rtf.textContent = `${(audioSeconds / Math.max(waited / 1000, 0.001)).toFixed(1)}×`;
       }
@@ -200,6 +247,8 @@ export async function render(main) {
       }
     } finally {
       if (ticker) clearInterval(ticker);
+      if (follow) cancelAnimationFrame(follow);
+      if (spoken && player) spoken.update(player.position());
       if (player) {
         playback.dataset.played = player.played().toFixed(3);
         player.stop();

@@ -1,0 +1,184 @@
+"""
+What asking for timestamps costs (docs/timestamps.md), run by hand after `make test` has
+built the engines' virtualenvs: `.venv/bin/python bench/timestamps.py [--rounds N]`.
+
+One core (`rhapsode serve`) with eSpeak NG and Piper, each warm, and for each engine and
+text (one sentence, ~400 and ~2000 characters), side by side in interleaved rounds: the
+same streamed pcm request without timestamps (raw audio) and with word timestamps (the
+contract's events), and buffered the same (a WAV, and the JSON document).
+
+Per request: the CPU time the worker's process spent on it (every thread's, from
+/proc/PID/task/*/schedstat, in nanoseconds: the synthesis and what timing it costs,
+which a busy box slows but does not inflate), the core's likewise (relaying, and for the
+timed side reading the worker's frames and writing events or a document, base64
+included), the time to the whole answer and, for streams, to the first audio (the first
+audio delta, not the timings before it).  Per side the best round and the median; the
+ratios are the timed side's over the untimed.  Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from _common import free_port, wait_listening
+
+ROOT = Path(__file__).resolve().parent.parent
+SENTENCE = "The harbour lights came on one by one as the evening ferry pulled away."
+PARAGRAPH = (
+    "The old lighthouse keeper kept a careful log. Each night he wrote the weather, the ships "
+    "he saw, and the hour the lamp was lit. In winter the entries grew short: fog, cold, "
+    "nothing passed. In summer they ran to pages, full of yachts and fishing boats and the "
+    "occasional whale. Years later, his granddaughter found the books in a trunk and read "
+    "them aloud, one evening at a time."
+)
+TEXTS = {"sentence": SENTENCE, "400 chars": PARAGRAPH, "2000 chars": " ".join([PARAGRAPH] * 6)[:2000]}
+ENGINES = ("espeak", "piper")
+
+
+def cpu_seconds(pid: int) -> float:
+    """
+    The CPU time every thread of process C{pid} has had so far.
+    """
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+Sample = tuple[float, float, float, float]
+
+
+def measured(port: int, pids: tuple[int, int], body: dict[str, object], accept: str | None) -> Sample:
+    """
+    (first audio, end, the worker's CPU seconds, the core's), for one request.
+    """
+    worker, core = pids
+    before = cpu_seconds(worker), cpu_seconds(core)
+    first, end = request(port, body, accept)
+    return first, end, cpu_seconds(worker) - before[0], cpu_seconds(core) - before[1]
+
+
+def request(port: int, body: dict[str, object], accept: str | None) -> tuple[float, float]:
+    """
+    One request: (seconds to its first audio, seconds to its end).  The first audio of
+    raw audio is its first body byte; of events, the first audio delta's arrival.
+    """
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        + (f"Accept: {accept}\r\n" if accept else "")
+        + f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    start = time.perf_counter()
+    sock.sendall(head + payload)
+    buffer = b""
+    first = None
+    body_at = -1
+    events = accept == "text/event-stream"
+    while True:
+        data = sock.recv(262144)
+        if not data:
+            break
+        if first is None:
+            buffer += data
+            if body_at < 0 and b"\r\n\r\n" in buffer:
+                status = buffer.split(b"\r\n", 1)[0]
+                if b" 200 " not in status:
+                    raise RuntimeError(buffer[:400].decode(errors="replace"))
+                body_at = buffer.index(b"\r\n\r\n") + 4
+            if body_at >= 0:
+                rest = buffer[body_at:]
+                if (events and b"event: speech.audio.delta" in rest) or (not events and len(rest) > 8):
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    sock.close()
+    return (first or end) - start, end - start
+
+
+def serve(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    venvs = ROOT / ".venvs"
+    config = {
+        "server": {"port": port, "host": "127.0.0.1"},
+        "workers": {"socketDir": str(tmp / "sock"), "voiceDir": str(tmp / "voices")},
+        "residency": {"maxResidentModels": 2},
+        "engines": {name: {"module": f"rhapsode_engine_{name}", "python": str(venvs / name / "bin" / "python")}
+                    for name in ENGINES},
+    }
+    (tmp / "core.json").write_text(json.dumps(config))
+    log = open(tmp / "core.log", "wb")
+    core = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rhapsode"), "serve", "--config", str(tmp / "core.json")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    wait_listening(port, 30)
+    return core, port
+
+
+def figure(what: str, plain: list[float], timed: list[float]) -> str:
+    best = min(plain), min(timed)
+    median = statistics.median(plain), statistics.median(timed)
+    return (f"{what} {best[0] * 1000:.1f} -> {best[1] * 1000:.1f} ms (x{best[1] / best[0]:.3f}; medians "
+            f"{median[0] * 1000:.1f} -> {median[1] * 1000:.1f}, x{median[1] / median[0]:.3f})")
+
+
+def line(name: str, plain: list[Sample], timed: list[Sample], stream: bool) -> str:
+    parts = [
+        figure("worker CPU", [s[2] for s in plain], [s[2] for s in timed]),
+        figure("core CPU", [s[3] for s in plain], [s[3] for s in timed]),
+        figure("whole", [s[1] for s in plain], [s[1] for s in timed]),
+    ]
+    if stream:
+        parts.append(figure("first audio", [s[0] for s in plain], [s[0] for s in timed]))
+    return f"  {name}\n" + "".join(f"      {part}\n" for part in parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("engines", nargs="*", default=list(ENGINES), help="of espeak and piper")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        core, port = serve(Path(folder))
+        try:
+            for engine in args.engines:
+                # Warm: the worker up, the model loaded, both paths taken once.
+                for accept, extra in ((None, {}), ("text/event-stream", {"timestamps": "word"})):
+                    request(port, {"engine": engine, "text": SENTENCE, "format": "pcm", **extra}, accept)
+                summaries = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/engines").read())
+                pids = (next(e["pid"] for e in summaries if e["id"] == engine), core.pid)
+                print(f"{engine}: without -> with word timestamps, {args.rounds} interleaved rounds", flush=True)
+                for label, text in TEXTS.items():
+                    for stream in (True, False):
+                        base = {"engine": engine, "text": text, "stream": stream,
+                                "format": "pcm" if stream else "wav"}
+                        timed_accept = "text/event-stream" if stream else "application/json"
+                        plain: list[Sample] = []
+                        timed: list[Sample] = []
+                        for round_ in range(args.rounds):
+                            # Alternate which goes first, so neither always follows the other.
+                            order = [(plain, base, None), (timed, {**base, "timestamps": "word"}, timed_accept)]
+                            for into, body, accept in order if round_ % 2 == 0 else order[::-1]:
+                                into.append(measured(port, pids, body, accept))
+                        how = "streamed pcm" if stream else "buffered wav"
+                        print(line(f"{label}, {how}", plain, timed, stream), end="", flush=True)
+        finally:
+            core.terminate()
+            core.wait(30)
+
+
+if __name__ == "__main__":
+    main()
