@@ -65,10 +65,10 @@ test: $(STAMP) engines backends clients browser-deps image-deps cluster-venv
 CLUSTER_VENV := $(ENGINE_VENVS)/cluster
 CLUSTER_PY := $(CLUSTER_VENV)/bin/python
 
-$(CLUSTER_VENV)/.installed: setup.cfg pyproject.toml protocol/setup.cfg $(SOURCES)
+$(CLUSTER_VENV)/.installed: Makefile setup.cfg pyproject.toml protocol/setup.cfg $(SOURCES)
 	test -x $(CLUSTER_PY) || $(PYTHON) -m venv $(CLUSTER_VENV)
 	$(CLUSTER_PY) -m pip install --quiet --upgrade pip
-	$(CLUSTER_PY) -m pip install --quiet -e protocol -e '.[cluster]' 'pytest>=8' 'pytest-twisted>=1.14' \
+	$(CLUSTER_PY) -m pip install --quiet -e protocol -e '.[cluster]' 'pytest>=8' 'pytest-twisted>=1.14' 'hypothesis>=6.100' \
 	  --config-settings editable_mode=strict
 	touch $@
 

@@ -240,7 +240,7 @@ def test_a_model_no_node_can_take_waits_and_fails_retryable(cluster: dict[str, A
     nodes = {n["node"]: n for n in get(cluster["app"] + "/_nodes")}
     # Both nodes hold a tone variant, paced at real time, so a stream holds its lease for
     # as long as its audio lasts whatever the buffers between take: tone's other variant
-    # goes to the node not holding tone, evicting its idle model.
+    # goes to the node whose model is coldest (piper's, used in the first test), evicting it.
     code, headers, _ = speak(cluster["front"], "tone", variant="classic")
     assert code == 200
     held = {}

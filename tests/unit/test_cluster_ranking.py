@@ -105,3 +105,19 @@ def test_a_model_in_demand_spreads_to_a_node_with_room_before_it_waits_or_evicts
     assert rank([busy, spare, full], "tone/v1") == [["spare"], ["busy"], ["full"]]
     assert rank([busy, spare, full], "tone/v1", spread_at=3) == [["busy"], ["spare"], ["full"]]
     assert rank([busy, full], "tone/v1") == [["busy"], ["full"]]
+
+
+def test_among_nodes_that_can_evict_the_coldest_model_goes_first() -> None:
+    """
+    With no node holding the model and none with room, the node whose least recently
+    used model was used longest ago ranks first, as one residency would evict it, in a
+    rank of its own (Serve picks among a rank's nodes as it likes).
+    """
+    def used(at: str) -> NodeReport:
+        return NodeReport.read({"engines": ["tone", "piper"], "slots": 0, "residency": {"models": [
+            {"engine": "piper", "variant": "medium", "leases": 0, "lastUsedAt": at}]}})
+
+    warm = Candidate("warm", used("2026-12-01T10:00:05.000Z"))
+    cold = Candidate("cold", used("2026-12-01T09:59:59.500Z"))
+    assert rank([warm, cold], "tone/classic") == [["cold"], ["warm"]]
+    assert rank([cold, warm], "tone/classic") == [["cold"], ["warm"]]

@@ -12,7 +12,8 @@ loads nothing), the ranks are, best first:
      there will take; a node that has not reported yet counts one), and free memory
      for its measured size where any node has measured it;
   3. nodes whose least recently used model has no lease, so their own residency can
-     evict it;
+     evict it, the coldest first (the one whose model was used longest ago: the cluster
+     evicts as one residency would, least recently used first);
   4. nodes that hold it but are busy with it: a model in demand spreads to a node with
      room before it waits behind its own requests, and before it evicts another's;
   5. every other node: the request waits there as section 3 says, and that node's
@@ -58,6 +59,9 @@ class NodeReport:
     free_bytes: int | None = None
     #: The least recently used resident model's leases, or None with nothing resident.
     lru_leases: int | None = None
+    #: When that model was last used, as the node's clock wrote it (ISO 8601 in UTC, a
+    #: fixed width, so text order is time order; "" with nothing resident).
+    lru_used: str = ""
     #: Whether the node has reported at all: one that has not (just started) is taken to
     #: have one free slot, so a burst at a new cluster spreads over its fresh nodes.
     known: bool = True
@@ -86,6 +90,7 @@ class NodeReport:
             slots=int(stats.get("slots", 0)),
             free_bytes=int(free) if isinstance(free, int) else None,
             lru_leases=int(oldest.get("leases", 0)) if oldest is not None else None,
+            lru_used=str(oldest.get("lastUsedAt", "")) if oldest is not None else "",
             number=int(stats.get("report", 0)),
         )
 
@@ -116,7 +121,8 @@ class Candidate(Generic[_R]):
 def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT) -> list[list[_R]]:
     """
     The nodes for a request for C{model_id}, in the five ranks above (empty ranks left
-    out), each rank in order of fewest leases.
+    out), each rank in order of fewest leases; rank 3 is split into one rank a node,
+    coldest first, since Serve chooses among the nodes of one rank by its own measure.
     """
     engine, variant = model_of(model_id)
     size = _measured(candidates, engine, variant)
@@ -144,7 +150,8 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
         [c.replica for _, c in sorted(held, key=lambda pair: pair[0])],
         [c.replica for c in _by_leases(room)],
         [c.replica for _, c in sorted(busy, key=lambda pair: pair[0])],
-        [c.replica for c in _by_leases(evictable)],
+        # One rank a node, coldest first: Serve picks freely among the nodes of one rank.
+        *([c.replica] for c in sorted(evictable, key=lambda c: (c.report.lru_used, sum(c.report.resident.values())))),
         [c.replica for c in _by_leases(rest)],
     ]
     return [r for r in ranks if r]
