@@ -13,15 +13,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-import pytest
-from _worker import free_port, get, serving_core, wait_for
+from _worker import get, serving_core, wait_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,6 +83,16 @@ def installed_engines(tmp_path: Path) -> list[str]:
         return [row[0] for row in db.execute("SELECT id FROM engines ORDER BY id")]
 
 
+#: The folders of the checkout an install from it builds: the protocol, the SDK, tone.
+CHECKOUT_SOURCES = [Path(__file__).resolve().parents[2] / name for name in ("protocol", "sdk", "engines/tone")]
+
+
+def _tree(folders: list[Path]) -> dict[str, int]:
+    # Every file and folder with its modification time, less what importing writes.
+    return {str(p): p.lstat().st_mtime_ns for folder in folders for p in folder.rglob("*")
+            if "__pycache__" not in p.parts}
+
+
 def test_an_engine_installs_speaks_reinstalls_and_uninstalls_without_a_restart(tmp_path: Path) -> None:
     """
     POST /engines/tone/install answers 202 with a job; a second install of it is 409
@@ -94,9 +101,11 @@ def test_an_engine_installs_speaks_reinstalls_and_uninstalls_without_a_restart(t
     The engine then speaks with no restart, is managed in the catalog and recorded in the
     database; a reinstall builds the other slot and swaps to it; an uninstall is 409
     while a stream holds the engine and then removes it, its virtualenvs and its record.
-    A licence that must be accepted is refused without accept, before any job.
+    A licence that must be accepted is refused without accept, before any job.  The
+    checkout it builds from is left as it was: pip builds copies inside the slot.
     """
     venvs = tmp_path / "venvs"
+    before = _tree(CHECKOUT_SOURCES)
     with serving_core(tmp_path, {}, install={"venvDir": str(venvs)}) as (_, port):
         catalog = {e["id"]: e for e in get(port, "/catalog")}
         assert (catalog["tone"]["installed"], catalog["tone"]["managed"]) == ("no", False)
@@ -191,6 +200,7 @@ def test_an_engine_installs_speaks_reinstalls_and_uninstalls_without_a_restart(t
         code, refused = call(port, "DELETE", "/engines/tone")
         assert (code, refused["error"]["code"]) == (404, "unknown_engine")
     assert installed_engines(tmp_path) == []
+    assert _tree(CHECKOUT_SOURCES) == before
 
 
 def broken_engine(root: Path) -> Path:

@@ -21,6 +21,7 @@ from rhapsode._manage.installer import (
     install_query,
     plan,
     recipe,
+    stage_sources,
     trusted_hosts,
 )
 from rhapsode_protocol.errors import BadRequest, Unsupported
@@ -457,3 +458,26 @@ def test_the_box_is_cuda_only_where_the_kernel_lists_a_card(tmp_path: Path) -> N
     assert detect_box(cards) == "cpu"
     (cards / "0000:01:00.0").mkdir()
     assert detect_box(cards) == "cuda"
+
+
+def test_staged_sources_are_copies_without_build_leftovers_and_the_rest_is_as_given(tmp_path: Path) -> None:
+    """
+    Every argument naming a local folder becomes a copy under the staging folder, the
+    same folder once however often it is named; build/, egg-info and caches are not
+    copied, links stay links; requirements and options are left as they are.
+    """
+    sdk = tmp_path / "checkout" / "sdk"
+    (sdk / "src" / "pkg.egg-info").mkdir(parents=True)
+    (sdk / "build" / "lib").mkdir(parents=True)
+    (sdk / "src" / "pkg.py").write_text("x = 1\n")
+    (sdk / "setup.cfg").write_text("[metadata]\n")
+    (sdk / "catalog.json").symlink_to("src/pkg.py")
+    staged = tmp_path / "slot" / ".sources"
+    packages = stage_sources([("pip", "install", "torch==2.13.0"), ("pip", "install", "--no-deps", str(sdk)),
+                              ("pip", "install", str(sdk))], staged)
+    copy = staged / "0-sdk"
+    assert packages == (("pip", "install", "torch==2.13.0"), ("pip", "install", "--no-deps", str(copy)),
+                        ("pip", "install", str(copy)))
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == ["catalog.json", "setup.cfg", "src", "src/pkg.py"]
+    assert (copy / "catalog.json").is_symlink()
+    assert (sdk / "build").is_dir() and (sdk / "src" / "pkg.egg-info").is_dir()

@@ -600,14 +600,31 @@ def test_with_uv_an_interpreter_outside_the_range_hands_uv_the_range(tmp_path: P
         harness.close()
 
 
-def test_the_adapter_comes_from_the_source_dir(h: Harness) -> None:
+def test_the_adapter_comes_from_the_source_dir_by_a_copy_inside_the_slot(h: Harness) -> None:
     """
-    install.sourceDir/<id> exists: pip installs the folder.
+    install.sourceDir/<id> exists: pip installs a copy of the folder made inside the
+    slot (pip builds a folder in place, and the checkout may be read-only), which the
+    finished install removes; the checkout's folder is left as it was.
     """
     h.source = h.tmp / "engines"
-    (h.source / "kokoro").mkdir(parents=True)
-    h.installer.install("kokoro", None, None)
-    assert h.runner.argvs[2][-1] == str(h.source / "kokoro")
+    adapter = h.source / "kokoro"
+    (adapter / "build").mkdir(parents=True)
+    (adapter / "setup.cfg").write_text("[metadata]\nname = rhapsode-engine-kokoro\n")
+    copied: list[list[str]] = []
+
+    def look(argv: tuple[str, ...]) -> None:
+        # What pip would build from, as it runs.
+        if "pip" in argv and Path(argv[-1]).is_dir():
+            copied.append(sorted(p.name for p in Path(argv[-1]).iterdir()))
+
+    h.runner.fail = look  # type: ignore[assignment]
+    job = h.installer.install("kokoro", None, None)
+    assert job.state == "succeeded", job.error
+    staged = h.venvs / "kokoro" / ".sources"
+    assert h.runner.argvs[2][-1] == str(staged / "0-kokoro")
+    assert copied == [["setup.cfg"]]
+    assert not staged.exists()
+    assert sorted(p.name for p in adapter.iterdir()) == ["build", "setup.cfg"]
 
 
 # -- reinstall --------------------------------------------------------------------------

@@ -511,6 +511,36 @@ def plan(
     return Plan(venv=venv, packages=upgrade + installs, verify=verify, python=python)
 
 
+#: The folder inside a slot where the source folders an install builds from are copied.
+STAGED = ".sources"
+#: What a build leaves in a source folder, never copied.
+_BUILD_LEFTOVERS = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache")
+
+
+def stage_sources(packages: Sequence[Sequence[str]], staged: Path) -> tuple[tuple[str, ...], ...]:
+    """
+    C{packages} with every argument that names a local folder (the SDK's and the
+    adapter's in a checkout) replaced by a copy of it under C{staged}.
+
+    pip builds a folder in place: setuptools writes its build/ and egg-info beside the
+    sources, so an install straight from a checkout writes into it, and fails where it is
+    read-only (a container's).  The copies go inside the slot, which a failed install
+    removes whole; a finished one removes them.  Blocking: run off the reactor thread.
+    """
+    copies: dict[str, str] = {}
+    out = []
+    for argv in packages:
+        changed = []
+        for arg in argv:
+            if arg not in copies and not arg.startswith("-") and os.path.isdir(arg):
+                target = staged / f"{len(copies)}-{Path(arg).name}"
+                shutil.copytree(arg, target, symlinks=True, ignore=_BUILD_LEFTOVERS)
+                copies[arg] = str(target)
+            changed.append(copies.get(arg, arg))
+        out.append(tuple(changed))
+    return tuple(out)
+
+
 #: Where the kernel lists the NVIDIA cards it drives, one folder each.
 NVIDIA_CARDS = Path("/proc/driver/nvidia/gpus")
 
@@ -799,8 +829,14 @@ class Installer:
         for argv in steps.venv:
             await self.runner.run(context, argv, timeout=QUICK_SECONDS)
         context.step("packages")
-        for argv in steps.packages:
+        staged = slot / STAGED
+        packages = await deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), stage_sources, steps.packages, staged
+        )
+        for argv in packages:
             await self.runner.run(context, argv, timeout=PACKAGES_SECONDS, silence=SILENCE_SECONDS)
+        if staged.exists():
+            await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), shutil.rmtree, staged)
         context.step("verify")
         await self.runner.run(context, steps.verify, timeout=QUICK_SECONDS)
         return steps
