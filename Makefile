@@ -78,7 +78,8 @@ cluster-venv: $(CLUSTER_VENV)/.installed
 # 6.4 GB on disk and about 13 GB in memory; Chatterbox is real size in `make test` already,
 # its loader fixing the sizes, and adds the conformance checker here).  Built once into ~/.cache/rhapsode/test-weights.
 test-heavy: $(STAMP) $(ENGINE_VENVS)/chatterbox/.installed $(ENGINE_VENVS)/dia/.installed
-	RHAPSODE_TEST_HEAVY=1 RHAPSODE_TEST_DIA_SIZE=real $(PY) -m pytest tests/integration/test_engine_dia.py tests/integration/test_engine_chatterbox.py
+	RHAPSODE_TEST_HEAVY=1 RHAPSODE_TEST_DIA_SIZE=real $(PY) -m pytest tests/integration/test_engine_dia.py tests/integration/test_engine_chatterbox.py \
+	  "tests/integration/test_torch_core.py::test_rhapsode_install_pull_builds_by_the_box_s_recipe_and_speaks"
 
 # The web page's browser tests drive the system's Chromium (Playwright cannot download
 # its own here): installed from Debian's packages when none is on the machine.
