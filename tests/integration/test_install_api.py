@@ -273,15 +273,18 @@ def _group_alive(pgid: int) -> bool:
 def _install_groups(marker: str) -> list[int]:
     """
     The process groups of commands whose command line names C{marker} (the test's
-    own virtualenv folder).
+    own virtualenv folder).  A command's leader starts in the core's group, which is
+    this test's own, and makes its group a moment later: a process seen in that moment
+    is not counted under this test's group, which never goes.
     """
+    ours = os.getpgrp()
     groups = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-            if marker in cmdline:
+            if marker in cmdline and os.getpgid(int(entry.name)) != ours:
                 groups.add(os.getpgid(int(entry.name)))
         except (OSError, ProcessLookupError):
             continue
