@@ -13,13 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from rhapsode_worker.fakehub import FakeHub, FakeRepo, listen
+from typing import Any, Callable
 
 from _worker import ROOT, Worker, engine_python, spawn_worker
+from twisted.internet.task import deferLater
+
+from rhapsode_worker.fakehub import FakeHub, FakeRepo, listen
 
 #: Generous: a cold build of Chatterbox at its real size takes minutes on a busy box.
 BUILD_SECONDS = 3600
@@ -138,3 +140,18 @@ def conform(target: str) -> "subprocess.CompletedProcess[str]":
 
 def messages(worker: Worker) -> list[str]:
     return [str(line.get("message", "")) for line in worker.protocol.log_lines()]
+
+
+async def logged(worker: Worker, wanted: Callable[[list[str]], bool], seconds: float = 120.0) -> list[str]:
+    """
+    The worker's log lines once C{wanted} holds of them: its stderr is read as it comes,
+    so a line written just before an answer may arrive just after it.  A hang guard only.
+    """
+    from twisted.internet import reactor
+
+    deadline = time.monotonic() + seconds
+    while True:
+        lines = messages(worker)
+        if wanted(lines) or time.monotonic() > deadline:
+            return lines
+        await deferLater(reactor, 0.1, lambda: None)

@@ -22,12 +22,11 @@ from typing import Any, AsyncIterator
 
 import pytest
 import pytest_twisted
-from twisted.internet.threads import deferToThread
-
-from _torch import Built, Served, build, conform, messages, pins, serve
+from _torch import Built, Served, build, conform, logged, pins, serve
 from _worker import deferred_raw, resident_kib
 from test_conform import check_summary, failures, lines_of
 from test_voices_dialogue import create, sine_wav
+from twisted.internet.threads import deferToThread
 
 RATE = 24_000
 VARIANT = "original"
@@ -107,7 +106,7 @@ async def test_pull_at_the_pinned_commit_resuming(chatterbox: Served, built: Bui
         assert (snapshot / name).stat().st_size == (built.repos[REPO] / name).stat().st_size
     resumed = [asked for path, asked in chatterbox.hub.ranges if path == "t3_cfg.safetensors" and asked]
     assert resumed and resumed[0].startswith("bytes=") and int(resumed[0][6:].rstrip("-")) > 0
-    lines = messages(chatterbox.worker)
+    lines = await logged(chatterbox.worker, lambda ls: any("verified" in line for line in ls))
     progress = [line for line in lines if line.startswith("Progress ")]
     done, _, total = progress[-1][len("Progress "):].partition(" of ")
     assert done == total and int(total) > 3_000_000_000
@@ -125,7 +124,8 @@ async def test_speak_in_the_builtin_voice(chatterbox: Served) -> None:
     code, health = await chatterbox.worker.json("GET", "/health")
     assert health["model"] == "loaded" and health["device"] == "cpu"
     assert health["modelBytes"] > 1_000_000_000
-    assert any("loaded PerthNet" in line for line in messages(chatterbox.worker))
+    assert any("loaded PerthNet" in line
+               for line in await logged(chatterbox.worker, lambda ls: any("loaded PerthNet" in x for x in ls)))
 
 
 @pytest_twisted.ensureDeferred
@@ -146,7 +146,8 @@ async def test_clone_and_speak_in_it(chatterbox: Served) -> None:
     pcm = await wav(chatterbox, {"text": "Now in the narrator's voice.", "voice": "narrator",
                                  "delivery": "hushed", "params": {"exaggeration": 0.8}})
     assert len(pcm) > 0
-    assert any("conditioning for narrator" in line for line in messages(chatterbox.worker))
+    assert any("conditioning for narrator" in line for line in await logged(
+        chatterbox.worker, lambda ls: any("conditioning for narrator" in x for x in ls)))
 
 
 @pytest_twisted.ensureDeferred

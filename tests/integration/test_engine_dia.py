@@ -14,17 +14,15 @@ import io
 import json
 import os
 import wave
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import pytest
 import pytest_twisted
-from twisted.internet.threads import deferToThread
-
-from _torch import Built, Served, build, conform, messages, serve
+from _torch import Built, Served, build, conform, logged, serve
 from _worker import deferred_raw, resident_kib
 from test_conform import check_summary, failures, lines_of
 from test_voices_dialogue import create, sine_wav
+from twisted.internet.threads import deferToThread
 
 RATE = 44_100
 VARIANT = "1.6b"
@@ -96,7 +94,7 @@ async def test_pull_through_the_hub(dia: Served, built: Built) -> None:
         assert files
         for path in files:
             assert (snapshot / path.name).read_bytes() == path.read_bytes(), path.name
-    lines = messages(dia.worker)
+    lines = await logged(dia.worker, lambda ls: any("verified" in line for line in ls))
     progress = [line for line in lines if line.startswith("Progress ")]
     assert progress, lines[-20:]
     done, _, total = progress[-1][len("Progress "):].partition(" of ")
@@ -182,7 +180,7 @@ async def test_unload_gives_the_memory_back(dia: Served) -> None:
     assert health["model"] == "unloaded" and "modelBytes" not in health
     freed = loaded - resident_kib(dia.worker.pid) * 1024
     assert freed > 0.5 * model_bytes, (freed, model_bytes)
-    assert any("unloaded" in line for line in messages(dia.worker))
+    assert any("unloaded" in line for line in await logged(dia.worker, lambda ls: any("unloaded" in x for x in ls)))
 
 
 @pytest_twisted.ensureDeferred
