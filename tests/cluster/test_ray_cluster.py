@@ -166,12 +166,22 @@ def _answers(port: int) -> bool:
 
 def test_each_model_keeps_to_one_node_and_loads_once(cluster: dict[str, Any]) -> None:
     """
-    Eighteen requests, six rounds of three models, through the front: three loads in all,
+    One request for each of three models through the front, then, once each node's own
+    report shows its model, eighteen more, six rounds of the three: three loads in all,
     every answer for a model from one node (X-Rhapsode-Node), and each node's own
     residency lists only its model; the front's /residency shows all three, each with
     its node.
     """
     served: dict[str, set[str]] = {}
+    for engine, _variant in MODELS:
+        code, headers, audio = speak(cluster["front"], engine)
+        assert code == 200 and audio[:4] == b"RIFF", audio[:300]
+        served.setdefault(engine, set()).add(headers["x-rhapsode-node"])
+    # The router ranks by the reports the replicas hand Serve every half second: the
+    # rounds below start once every node's report shows its model, and a few periods more.
+    wait_for(lambda: all(len(get(node["url"] + "/node")["residency"]["models"]) == 1 for node in cluster["nodes"]),
+             60, "each node's report showing its model")
+    time.sleep(2.0)
     for _ in range(6):
         for engine, _variant in MODELS:
             code, headers, audio = speak(cluster["front"], engine)
