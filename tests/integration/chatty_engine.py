@@ -33,6 +33,8 @@ class ChattyEngine(Engine):
         self.fail_loads = int(os.environ.get("CHATTY_FAIL_LOADS", "0"))
         self.seconds = float(os.environ.get("CHATTY_SECONDS_PER_SEGMENT", "0"))
         self.segment_ms = int(os.environ.get("CHATTY_SEGMENT_MS", "500"))
+        #: A file that gets a line for each segment begun, for tests that count them.
+        self.segment_log = os.environ.get("CHATTY_SEGMENT_LOG")
         self.loaded: str | None = None
 
     def variants(self) -> dict[str, Variant]:
@@ -52,6 +54,9 @@ class ChattyEngine(Engine):
         assert self.loaded, "speak before load"
         if "explode" in request.text and request.segment_index > 0:
             raise RuntimeError("the engine fell over mid-stream")
+        if self.segment_log:
+            with open(self.segment_log, "a") as log:
+                log.write(f"{request.segment_index}\n")
         frames = 16000 * self.segment_ms // 1000
         period = b"\xff\x3f" * 20 + b"\x01\xc0" * 20
         pcm = (period * (frames // 40 + 1))[: frames * 2]

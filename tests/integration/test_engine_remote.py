@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
-from _worker import ROOT, engine_python, engine_of, free_port, get, resident_kib, rms, serving_core, wait_for
+from _worker import engine_of, engine_python, free_port, get, resident_kib, rms, serving_core, wait_for
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm_omni.py"
 CUSTOM = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
@@ -439,10 +438,10 @@ def test_a_server_that_hangs_is_fenced_until_it_answers(tmp_path: Path) -> None:
             assert (status, json.loads(answer)["error"]["code"]) == (422, "unsupported")
             assert post(port, "/speak", {"engine": "qwen", "text": "Hello.", "format": "pcm"})[0] == 200
             custom.mode(hang=True)
-            started = time.monotonic()
+            # Answered at all: without the head time the request would hang past post's
+            # own 60 s timeout, which raises.
             status, headers, answer = post(port, "/speak", {"engine": "qwen", "text": "Hello.", "format": "pcm"})
             assert (status, json.loads(answer)["error"]["retryable"]) == (503, True)
-            assert time.monotonic() - started < 30
             wait_for(lambda: "custom" in engine_of(get(port, "/health"), "qwen").get("unreachable", {}), 30,
                      "the core to fence the hung variant")
             assert get(port, "/health")["status"] == "degraded"

@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -20,9 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from _worker import engine_of, get, process_alive, serving_core, wait_for
-
 
 
 def speak(port: int, timeout: float = 60, **fields: Any) -> tuple[int, dict[str, str], bytes]:
@@ -78,7 +75,8 @@ def test_a_stopped_worker_is_found_out_its_stream_aborted_and_it_is_replaced(tmp
         assert first.startswith(b"HTTP/1.1 200"), first[:100]
         pid = engine_of(get(port, "/health"), "chatty")["pid"]
         os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
+        # The socket's 30 s timeout is the hang guard: a stream the watchdog left open would
+        # raise it here, however the stream ends otherwise.
         received, reset = first, False
         while True:
             try:
@@ -89,10 +87,7 @@ def test_a_stopped_worker_is_found_out_its_stream_aborted_and_it_is_replaced(tmp
             if not piece:
                 break
             received += piece
-        waited = time.monotonic() - stopped
         sock.close()
-        # A hang guard below the socket's 30 s: a stream left open would be read until then.
-        assert waited < 25, waited
         assert reset or not received.endswith(b"0\r\n\r\n")  # aborted, never ended as if whole
         wait_for(lambda: not process_alive(pid), 10, "the stopped worker to be killed")
         state = engine_of(get(port, "/health"), "chatty")
@@ -175,7 +170,6 @@ def test_a_head_dribbled_a_byte_at_a_time_is_cut_off(tmp_path: Path) -> None:
     """
     with serving(tmp_path, {"tone": {"module": "rhapsode_engine_tone"}}, server={"headTimeoutSeconds": 2}) as port:
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        began = time.monotonic()
         head = b"GET /health HTTP/1.0\r\nHost: x\r\nX-Slow: " + b"a" * 100
         answer = b""
         for byte in head:
@@ -197,10 +191,9 @@ def test_a_head_dribbled_a_byte_at_a_time_is_cut_off(tmp_path: Path) -> None:
                 break
             answer += piece
         sock.close()
+        # 408 is the deadline's answer: a head let through whole (50 s a byte at a time)
+        # would have been answered 200 by /health.
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
-        # At the 2 s deadline, not after the 50 s the whole head would take a byte at a
-        # time: a hang guard well between the two.
-        assert time.monotonic() - began < 30
 
 
 def post(port: int, path: str, timeout: float) -> tuple[int, dict[str, Any]]:
