@@ -24,12 +24,9 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IPushProducer
-from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
-from zope.interface import implementer
 
 from rhapsode_protocol import contract
 from rhapsode_protocol.errors import BadRequest, Internal, SpeechError, refusal
@@ -39,7 +36,7 @@ from rhapsode_protocol.validation import loads_json
 from .._fleet.registry import EngineHandle
 from .._fleet.residency import Residency
 from .._interfaces import IAudioSink, ITimedSink
-from .._upstream import BytesProducer, Stalls, Watched, collect, collect_pieces, stalled
+from .._upstream import BytesProducer, Stalls, WatchedBody, collect, collect_pieces, stalled
 from .limits import BufferBudget, Turnstile
 from .metrics import Measured
 from .timed import (
@@ -123,74 +120,42 @@ def buffered_limit(caps: Mapping[str, Any], variant: str, turns: int = 1) -> int
     return min(bound, BUFFERED_LIMIT)
 
 
-@implementer(IPushProducer)
-class StreamRelay(Protocol):
+class StreamRelay(WatchedBody):
     """
     Receives a worker's 200 body and writes it to a sink as it arrives.
 
-    It is the sink's producer, passing pauses on to the worker's socket and telling its
-    L{Stall} when the reader, not the worker, is why nothing moves.  C{done} fires with
-    the byte count when the worker ended the body properly, and fails when it did not;
-    C{trailers} then holds the trailer fields the worker sent.
+    It is the sink's producer (L{WatchedBody}).  C{done} fires with the byte count when
+    the worker ended the body properly, and fails when it did not; C{trailers} then holds
+    the trailer fields the worker sent.
     """
 
     def __init__(
         self, sink: IAudioSink, response: Any, stalls: Stalls | None = None, measured: Measured | None = None
     ) -> None:
-        self._sink = sink
+        super().__init__(sink, stalls)
+        self._audio_sink = sink
         self._response = response
-        self._stalls = stalls
         self._measured = measured
-        self._stall: Watched | None = None
-        self._stalled = False
         self.received = 0
         self.trailers: dict[bytes, bytes] = {}
         self.done: Deferred[int] = Deferred()
-
-    def connectionMade(self) -> None:
-        if self._stalls is not None:
-            self._stall = self._stalls.watch(self._give_up)
-        # A reader that falls behind pauses reading from the worker.
-        self._sink.registerProducer(self)
 
     def dataReceived(self, data: bytes) -> None:
         if not self.received and self._measured is not None:
             self._measured.first_audio()
         self.received += len(data)
-        if self._stall is not None:
-            self._stall.progress()
-        self._sink.write(data)
+        self.progress()
+        self._audio_sink.write(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
-        if self._stall is not None:
-            self._stall.stop()
-        self._sink.unregisterProducer()
-        if self._stalled:
-            self.done.errback(stalled(self._stalls.seconds if self._stalls else 0))
+        gave_up = self.finished()
+        if gave_up is not None:
+            self.done.errback(gave_up)
         elif isinstance(reason.value, ResponseDone):
             self.trailers = dict(getattr(self._response, "trailers", {}))
             self.done.callback(self.received)
         else:
             self.done.errback(reason)
-
-    def _give_up(self) -> None:
-        self._stalled = True
-        self.stopProducing()
-
-    # IPushProducer, for the sink
-
-    def pauseProducing(self) -> None:
-        if self._stall is not None:
-            self._stall.pause()
-        self.transport.pauseProducing()  # type: ignore[union-attr]
-
-    def resumeProducing(self) -> None:
-        if self._stall is not None:
-            self._stall.resume()
-        self.transport.resumeProducing()  # type: ignore[union-attr]
-
-    def stopProducing(self) -> None:
-        self.transport.stopProducing()  # type: ignore[union-attr]
 
 
 def relay(

@@ -24,17 +24,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IPushProducer
-from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
-from zope.interface import implementer
 
 from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import Internal, SpeechError
 
 from .._interfaces import ITimedSink
-from .._upstream import Stalls, Watched, stalled
+from .._upstream import Stalls, WatchedBody
 from .metrics import Measured
 
 __all__ = [
@@ -118,11 +115,10 @@ def read_frames(raw: bytes) -> tuple[bytes, list[Any], dict[str, Any]]:
     return b"".join(audio), entries, end
 
 
-@implementer(IPushProducer)
-class TimedStreamRelay(Protocol):
+class TimedStreamRelay(WatchedBody):
     """
     Receives a worker's 200 event stream and writes its audio and timings to a sink as
-    they arrive, the sink's producer as the relay's plain one is.
+    they arrive, the sink's producer (L{rhapsode._upstream.WatchedBody}).
 
     C{done} fires with the audio's byte count once the worker ended the stream with its
     end frame, and fails when it did not (a truncated, broken or stalled stream);
@@ -132,11 +128,9 @@ class TimedStreamRelay(Protocol):
     def __init__(
         self, sink: ITimedSink, stalls: Stalls | None = None, measured: Measured | None = None
     ) -> None:
-        self._sink = sink
-        self._stalls = stalls
+        super().__init__(sink, stalls)
+        self._timed = sink
         self._measured = measured
-        self._stall: Watched | None = None
-        self._stalled = False
         self._reader = frames.FrameReader()
         self._broken: SpeechError | None = None
         self.whole = False
@@ -144,16 +138,10 @@ class TimedStreamRelay(Protocol):
         self.duration_ms: int | None = None
         self.done: Deferred[int] = Deferred()
 
-    def connectionMade(self) -> None:
-        if self._stalls is not None:
-            self._stall = self._stalls.watch(self._give_up)
-        self._sink.registerProducer(self)
-
     def dataReceived(self, data: bytes) -> None:
         if self._broken is not None:
             return
-        if self._stall is not None:
-            self._stall.progress()
+        self.progress()
         try:
             found = self._reader.feed(data)
         except frames.FrameError as error:
@@ -178,20 +166,18 @@ class TimedStreamRelay(Protocol):
             if not self.received and self._measured is not None:
                 self._measured.first_audio()
             self.received += len(payload)
-            self._sink.write(payload)
+            self._timed.write(payload)
         elif kind == frames.TIMINGS:
-            self._sink.timestamps(_entries(payload))
+            self._timed.timestamps(_entries(payload))
         elif kind == frames.DONE:
             duration = payload.get("durationMs") if isinstance(payload, dict) else None
             self.duration_ms = duration if isinstance(duration, int) and not isinstance(duration, bool) else None
             self.whole = True
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
-        if self._stall is not None:
-            self._stall.stop()
-        self._sink.unregisterProducer()
-        if self._stalled:
-            self.done.errback(stalled(self._stalls.seconds if self._stalls else 0))
+        gave_up = self.finished()
+        if gave_up is not None:
+            self.done.errback(gave_up)
         elif self._broken is not None:
             self.done.errback(self._broken)
         elif not isinstance(reason.value, ResponseDone):
@@ -200,22 +186,3 @@ class TimedStreamRelay(Protocol):
             self.done.errback(Internal("the worker's timed stream ended without its end"))
         else:
             self.done.callback(self.received)
-
-    def _give_up(self) -> None:
-        self._stalled = True
-        self.stopProducing()
-
-    # IPushProducer, for the sink
-
-    def pauseProducing(self) -> None:
-        if self._stall is not None:
-            self._stall.pause()
-        self.transport.pauseProducing()  # type: ignore[union-attr]
-
-    def resumeProducing(self) -> None:
-        if self._stall is not None:
-            self._stall.resume()
-        self.transport.resumeProducing()  # type: ignore[union-attr]
-
-    def stopProducing(self) -> None:
-        self.transport.stopProducing()  # type: ignore[union-attr]

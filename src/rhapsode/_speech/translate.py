@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from rhapsode_protocol import contract
-from rhapsode_protocol.errors import UnknownEngine, Unsupported
+from rhapsode_protocol.errors import UnknownEngine
 from rhapsode_protocol.schemas import OPENAI_VOICE_OBJECT
 
 from .._fleet.registry import EngineHandle, Registry

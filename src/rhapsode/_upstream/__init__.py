@@ -7,7 +7,7 @@ connections kept for them, L{body} a body read whole within a limit, and L{clust
 cluster engine's upstream: routed by the cluster, spoken to its node directly.
 """
 
-from .body import BodyTooLarge, Stalls, Watched, collect, collect_pieces, stalled, worker_json
+from .body import BodyTooLarge, Stalls, Watched, WatchedBody, collect, collect_pieces, stalled, worker_json
 from .cluster import ClusterClient
 from .pool import BytesProducer, WorkerClient
 from .wire import ProtocolError, WorkerResponse
@@ -20,6 +20,7 @@ __all__ = [
     "Stalls",
     "WorkerClient",
     "Watched",
+    "WatchedBody",
     "WorkerResponse",
     "collect",
     "collect_pieces",

@@ -10,11 +10,12 @@ from typing import Any, Callable
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
+from zope.interface import implementer
 
 from rhapsode_protocol.errors import Internal, ModelUnavailable, SpeechError
 from rhapsode_protocol.validation import TooDeep, loads_json
@@ -124,6 +125,67 @@ def stalled(seconds: float) -> ModelUnavailable:
     What a request is told when its worker stopped sending.
     """
     return ModelUnavailable(f"the worker sent nothing for {seconds:g} s; try again")
+
+
+class _Sink(TypingProtocol):
+    def registerProducer(self, producer: Any) -> None: ...
+
+    def unregisterProducer(self) -> None: ...
+
+
+@implementer(IPushProducer)
+class WatchedBody(Protocol):
+    """
+    A worker's body relayed to a sink as it arrives: the sink's producer, passing its
+    pauses on to the worker's socket and telling its L{Watched} stall when the reader,
+    not the worker, is why nothing moves.  A subclass reads the bytes (calling
+    L{progress} for each delivery) and ends with L{finished}, which says whether the
+    stall watch gave up on the worker.
+    """
+
+    def __init__(self, sink: _Sink, stalls: Stalls | None) -> None:
+        self._sink = sink
+        self._stalls = stalls
+        self._stall: Watched | None = None
+        self._stalled = False
+
+    def connectionMade(self) -> None:
+        if self._stalls is not None:
+            self._stall = self._stalls.watch(self._give_up)
+        # A reader that falls behind pauses reading from the worker.
+        self._sink.registerProducer(self)
+
+    def progress(self) -> None:
+        if self._stall is not None:
+            self._stall.progress()
+
+    def finished(self) -> ModelUnavailable | None:
+        """
+        Stop watching and let the sink go; the error to end with where the watch gave up.
+        """
+        if self._stall is not None:
+            self._stall.stop()
+        self._sink.unregisterProducer()
+        return stalled(self._stalls.seconds if self._stalls else 0) if self._stalled else None
+
+    def _give_up(self) -> None:
+        self._stalled = True
+        self.stopProducing()
+
+    # IPushProducer, for the sink
+
+    def pauseProducing(self) -> None:
+        if self._stall is not None:
+            self._stall.pause()
+        self.transport.pauseProducing()  # type: ignore[union-attr]
+
+    def resumeProducing(self) -> None:
+        if self._stall is not None:
+            self._stall.resume()
+        self.transport.resumeProducing()  # type: ignore[union-attr]
+
+    def stopProducing(self) -> None:
+        self.transport.stopProducing()  # type: ignore[union-attr]
 
 
 class BufferRelay(Protocol):
