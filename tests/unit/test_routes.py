@@ -823,6 +823,39 @@ def test_float_pcm_reaches_the_client_as_16_bit(tmp_path: Path) -> None:
     assert struct.unpack("<HHIIHH", wav.body[20:36]) == (1, 1, 16000, 32000, 2, 16)
 
 
+class FirstCutEngine(PlainEngine):
+    """
+    Records every piece it is asked to speak; a 10-character first segment.
+    """
+
+    segment_characters = 40
+    first_segment_characters = 10
+    spoken: list[str] = []
+
+    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+        type(self).spoken.append(request.text)
+        yield b"\x00\x01" * 160 * len(request.text)
+
+
+def test_only_a_streamed_answer_is_cut_with_a_short_first_segment(tmp_path: Path) -> None:
+    """
+    The short first segment buys first audio with one more generation, so a streamed
+    answer is cut that way and a buffered one only at the segment size,
+    which for a short text is the whole text in one generation.
+    """
+    from rhapsode_protocol.text import split_text
+    from rhapsode_worker.testing import WorkerHarness
+
+    worker = WorkerHarness(FirstCutEngine, tmp_path)
+    text = "one two three four five six."
+    assert split_text(text, 40, 10) == ["one two", "three four five six."]
+    for stream, pieces in ((True, ["one two", "three four five six."]), (False, [text])):
+        FirstCutEngine.spoken.clear()
+        answer = worker.post("/speak", {"text": text, "format": "pcm", "stream": stream})
+        assert answer.code == 200 and FirstCutEngine.spoken == pieces, stream
+        assert len(answer.body) == 320 * len("".join(pieces))  # no joint silence declared
+
+
 def test_float_pcm_is_converted_inside_the_step_the_synthesis_pool_runs() -> None:
     """
     The conversion is part of each step the scheduler hands to the synthesis pool: a

@@ -675,14 +675,17 @@ def test_the_worker_loads_the_variant_tone_speaks(worker: WorkerHarness) -> None
 def test_a_request_through_the_worker_is_the_segments_the_sdk_cut(worker: WorkerHarness) -> None:
     """
     A long text comes back as its segments joined with tone's joint silence, and the
-    stated duration is the audio's: a buffered WAV and a streamed pcm agree.
+    stated duration is the audio's: a buffered WAV and a buffered pcm agree, and a
+    streamed pcm (its first segment cut shorter, one segment more) states its own.
     """
     text = " ".join([SENTENCE] * 4)
     wav = worker.post("/speak", {"text": text, "seed": 5, "stream": False})
+    whole = worker.post("/speak", {"text": text, "seed": 5, "format": "pcm", "stream": False})
     pcm = worker.post("/speak", {"text": text, "seed": 5, "format": "pcm"})
-    assert wav.code == pcm.code == 200 and wav.body[44:] == pcm.body
-    assert wav.duration_ms == pcm.duration_ms == round(len(pcm.body) // 2 * 1000 / RATE)
-    assert 20 < _seconds(pcm.body) < 60
+    assert wav.code == whole.code == pcm.code == 200 and wav.body[44:] == whole.body
+    assert wav.duration_ms == whole.duration_ms == round(len(whole.body) // 2 * 1000 / RATE)
+    assert pcm.duration_ms == round(len(pcm.body) // 2 * 1000 / RATE)
+    assert 20 < _seconds(pcm.body) < 60 and 20 < _seconds(whole.body) < 60
 
 
 def test_a_voice_cloned_through_the_worker_speaks_at_its_pitch(worker: WorkerHarness) -> None:

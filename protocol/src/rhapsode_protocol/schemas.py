@@ -461,7 +461,8 @@ VARIANT_CAPS: Schema = _object(
                 "supported": _boolean("false: text over maxCharacters is refused, not split."),
                 "segmentCharacters": _integer("What one generation gets.", minimum=1),
                 "firstSegmentCharacters": _integer(
-                    "A shorter first segment, for a quicker first byte.", minimum=1
+                    "A shorter first segment of a streamed answer, for a quicker first byte"
+                    " (a buffered one is cut at segmentCharacters alone).", minimum=1
                 ),
                 "jointSilenceMs": _integer("Silence between segments.", minimum=0),
             },

@@ -383,7 +383,7 @@ class IEngine(Interface):
     upstream_version = Attribute("Version of the upstream library, or None")
     max_characters = Attribute("Most text one request may carry")
     segment_characters = Attribute("Most text one generation gets; None: the whole text")
-    first_segment_characters = Attribute("A shorter first segment, or None")
+    first_segment_characters = Attribute("A shorter first segment of a streamed answer, or None")
     joint_silence_ms = Attribute("Silence inserted between segments")
     concurrency = Attribute("Generations that may run at once (default 1)")
     reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")

@@ -705,7 +705,7 @@ class WorkerApp:
                 language=v.languages[0],
                 params={n: d.default for n, d in _dials(v).items()},
             )
-            return await self._respond(request, variant, self._segments(speak), "wav", False)
+            return await self._respond(request, variant, self._segments(speak, stream=False), "wav", False)
 
         return await self._guarded(request, handle)
 
@@ -760,10 +760,20 @@ class WorkerApp:
     def _ceiling(self, variant: str) -> int:
         return self.variants[variant].max_characters or self.engine.max_characters
 
-    def _segments(self, request: SpeakRequest, pieces: Sequence[str] | None = None) -> list[Callable[[], Iterator[Any]]]:
+    def _first_limit(self, stream: bool) -> int | None:
+        """
+        The shorter first segment, for a streamed answer only: it buys first audio with
+        one more generation (a 72-character Piper sentence cut in two cost 17% more CPU
+        and 22% more time in all), and an answer sent whole has no first audio to buy.
+        """
+        return self.engine.first_segment_characters if stream else None
+
+    def _segments(
+        self, request: SpeakRequest, pieces: Sequence[str] | None = None, stream: bool = True
+    ) -> list[Callable[[], Iterator[Any]]]:
         engine = self.engine
         if pieces is None:
-            pieces = split_text(request.text, engine.segment_characters, engine.first_segment_characters)
+            pieces = split_text(request.text, engine.segment_characters, self._first_limit(stream))
         count = len(pieces)
         return [
             partial(self._pcm, engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
@@ -837,12 +847,12 @@ class WorkerApp:
                 timestamps=unit,
                 instructions=instructions,
             )
-            stream = body.get("stream", True)
+            stream = bool(body.get("stream", True))
             rate = body.get("sampleRate")
             if timed is None:
-                return await self._respond(request, variant, self._segments(speak), fmt, stream, rate)
+                return await self._respond(request, variant, self._segments(speak, stream=stream), fmt, stream, rate)
             engine = self.engine
-            pieces = split_pieces(text, engine.segment_characters, engine.first_segment_characters)
+            pieces = split_pieces(text, engine.segment_characters, self._first_limit(stream))
             sources = [Source(body["text"], cleaned, piece) for piece in pieces]
             steps = self._segments(speak, [piece.text for piece in pieces])
             timeline = self._timeline(variant, timed[0], sources)
