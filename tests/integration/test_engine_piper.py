@@ -311,9 +311,9 @@ async def test_conforms_and_seeds_reproduce_in_no_process(piper: Worker, tmp_pat
 async def test_core_budget_reaches_onnxruntime(tmp_path: Path) -> None:
     """
     The SDK's budget reaches the sessions: a worker given RHAPSODE_WORKER_CORES=3 has
-    two more threads once loaded than one given 1 (a three-thread session's pool,
-    beside the one-thread session both make), and a budget that is not a positive
-    integer refuses to load, naming the variable.
+    two more threads once loaded than one given 1 (a three-thread session's pool; the
+    load makes only the widest session), and a budget that is not a positive integer
+    refuses to load, naming the variable.
     """
     one = await spawn(tmp_path / "one", RHAPSODE_WORKER_CORES="1")
     three = await spawn(tmp_path / "three", RHAPSODE_WORKER_CORES="3")

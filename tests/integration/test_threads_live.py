@@ -1,10 +1,11 @@
 """
 The core budget with real onnxruntime sessions and real processes: a BudgetedSession
-given a budget of N builds a session of N intra-op threads and one of one thread, a run
-alone uses the wide one, a run that finds a core taken uses the narrow one, concurrent
-runs never hold more cores than the budget, the optimised graph is cached and reused,
-a real Piper worker's process has the threads its budget pays for, and a core with
-workers.prestart starts its workers at boot without loading a model.
+given a budget of N builds a session of N intra-op threads (and, when first needed, one
+of one thread), a run alone uses the wide one, a run that finds a core taken uses the
+narrow one, concurrent runs never hold more cores than the budget, the optimised graph
+is cached and reused, a real Piper worker's process has the threads its budget pays
+for, and a core with workers.prestart starts its workers at boot without loading a
+model.
 """
 
 from __future__ import annotations
@@ -29,14 +30,10 @@ def configure(options, whole):
     options.enable_cpu_mem_arena = whole
 session = BudgetedSession(model_path(), configure=configure)
 gate = session.gate
-options = {n: s.get_session_options() for n, s in session.sessions.items()}
 result = {
     "cores": gate.cores,
-    "intra": {str(n): o.intra_op_num_threads for n, o in options.items()},
-    "spinning": {str(n): o.get_session_config_entry("session.intra_op.allow_spinning") for n, o in options.items()},
-    "stops": {str(n): o.get_session_config_entry("session.force_spinning_stop") for n, o in options.items()},
-    "arena": {str(n): o.enable_cpu_mem_arena for n, o in options.items()},
-    "told": sorted(set(map(tuple, told))),
+    "counts": list(session.counts),
+    "at_load": sorted(session.sessions),
     "optimised": str(session.optimised) if session.optimised else None,
 }
 ids = np.array([[1, 20, 30, 40, 50, 60, 70, 2]], dtype=np.int64)
@@ -51,6 +48,14 @@ if gate.cores > 1:
 else:
     session.run(None, feed)  # one core held elsewhere would make this wait
 result["beside_one"] = dict(session.runs)
+options = {n: s.get_session_options() for n, s in session.sessions.items()}
+result.update(
+    intra={str(n): o.intra_op_num_threads for n, o in options.items()},
+    spinning={str(n): o.get_session_config_entry("session.intra_op.allow_spinning") for n, o in options.items()},
+    stops={str(n): o.get_session_config_entry("session.force_spinning_stop") for n, o in options.items()},
+    arena={str(n): o.enable_cpu_mem_arena for n, o in options.items()},
+    told=sorted(set(map(tuple, told))),
+)
 over = []
 def work():
     for _ in range(3):
@@ -103,16 +108,18 @@ def run_script(tmp_path: Path, cores: int) -> dict[str, object]:
 
 def test_a_budget_of_three_builds_a_wide_and_a_narrow_session_and_never_overspends(tmp_path: Path) -> None:
     """
-    Budget 3: sessions of 3 and 1 intra-op threads, the three-thread one spinning while a
-    run lasts and stopping when it ends, and configure told which is the whole budget's
-    (the arena kept there only, as Piper does); a run alone goes to the three-thread
-    session, a run while a core is held elsewhere to the one-thread session; twelve runs
+    Budget 3: sessions of 3 and 1 intra-op threads, only the three-thread one made with
+    the load and the one-thread one when a run first needs it; the three-thread one
+    spinning while a run lasts and stopping when it ends, and configure told which is the
+    whole budget's (the arena kept there only, as Piper does); a run alone goes to the
+    three-thread session, a run while a core is held elsewhere to the one-thread one; twelve runs
     from four threads never hold more than three cores, all are given back; of two runs
     arriving 10 ms apart the second stops the first, which runs again on one core, every
     output whole; and a second session reuses the optimised graph the first one cached.
     """
     result = run_script(tmp_path, 3)
     assert result["cores"] == 3
+    assert result["counts"] == [1, 3] and result["at_load"] == [3]
     assert result["intra"] == {"1": 1, "3": 3}
     assert result["spinning"] == {"1": "0", "3": "1"}
     assert result["stops"] == {"1": "1", "3": "1"}
@@ -137,6 +144,7 @@ def test_a_budget_of_one_builds_one_single_thread_session(tmp_path: Path) -> Non
     goes to it.
     """
     result = run_script(tmp_path, 1)
+    assert result["counts"] == [1] and result["at_load"] == [1]
     assert result["intra"] == {"1": 1}
     assert result["told"] == [[1, True]] and result["arena"] == {"1": True}
     assert result["runs"] == {"1": 14} and result["peak"] == 1

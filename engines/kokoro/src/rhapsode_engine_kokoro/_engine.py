@@ -133,7 +133,7 @@ class KokoroEngine(Engine):
         self._kokoro = Kokoro.from_session(session, str(self._cache / VOICES.name))
         log.info("{variant} loaded in {seconds:.2f} s with sessions of {threads} intra-op thread(s)",
                  variant=variant, seconds=time.monotonic() - started,
-                 threads=" and ".join(map(str, session.sessions)))
+                 threads=" and ".join(map(str, session.counts)))
 
     def unload(self) -> None:
         # Also called after a failed load, which may have set nothing.
