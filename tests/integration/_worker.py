@@ -397,6 +397,16 @@ def wait_for(predicate: Any, seconds: float, what: str) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def interruptible() -> None:
+    """
+    For a child a test interrupts (C{preexec_fn}): SIGINT as a terminal's Ctrl-C gives
+    it, even where the test run itself began with SIGINT ignored, as a shell's
+    background job does.  A child inherits an ignored SIGINT, and then neither Python
+    nor Twisted installs a handler for it, so the Ctrl-C under test would never arrive.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextmanager
 def serving_core(tmp_path: Path, engines: dict[str, Any], **sections: Any) -> Iterator[tuple["subprocess.Popen[bytes]", int]]:
     """
@@ -418,7 +428,7 @@ def serving_core(tmp_path: Path, engines: dict[str, Any], **sections: Any) -> It
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     rhapsode = str(Path(sys.executable).parent / "rhapsode")
     core = subprocess.Popen([rhapsode, "serve", "--config", str(path)], cwd=tmp_path, stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
+                            stderr=subprocess.STDOUT, env=env, preexec_fn=interruptible)
     try:
         wait_for(lambda: get(port, "/health"), 20, "the core to listen")
         yield core, port

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from _worker import get, serving_core, wait_for
+from _worker import get, interruptible, serving_core, wait_for
 
 RHAPSODE = str(Path(sys.executable).parent / "rhapsode")
 
@@ -38,7 +38,7 @@ def test_install_asks_for_the_licence_detaches_on_ctrl_c_and_follows_again(tmp_p
 
         process = subprocess.Popen([RHAPSODE, "install", "tone", "--url", f"http://127.0.0.1:{port}"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, preexec_fn=interruptible)
         assert process.stdout is not None
         lines = []
         while True:

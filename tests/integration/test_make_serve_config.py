@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _worker import free_port, get, wait_for
+from _worker import free_port, get, interruptible, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -65,7 +65,7 @@ def test_serve_installs_its_engines_through_the_api_and_stops_on_ctrl_c(tmp_path
     def serve() -> "subprocess.Popen[str]":
         return subprocess.Popen([sys.executable, str(ROOT / "tools" / "serve.py"), str(config), "tone"],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=interruptible)
 
     def until_serving(process: "subprocess.Popen[str]") -> list[str]:
         lines: list[str] = []
