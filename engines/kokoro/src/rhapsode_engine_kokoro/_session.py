@@ -29,8 +29,9 @@ def shrinking_session(path: Path, environ: Mapping[str, str] | None = None) -> B
     2000-character text that takes 73 s, within the noise of its wall-clock time.  With
     two generations at once the two runs' needs add up while they overlap (a peak of
     about 940 MiB for two 190-character segments) and are not kept afterwards.  The
-    budget's second session (one thread, beside the whole budget's) holds the graph a
-    second time: a worker at rest measured 481 MiB with both, on a shared 2-core box.
+    budget's second session (one thread, beside the whole budget's) would hold the graph
+    a second time (139 MiB), so the SDK makes it only when two runs first overlap: a
+    worker at rest measured 481 MiB with both, on a shared 2-core box.
     """
     # kokoro-onnx calls run(None, inputs) and has no way to pass options of its own.
     return BudgetedSession(path, run_config={_SHRINK_ARENA: "cpu:0"}, environ=environ)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -43,14 +44,16 @@ def aligned_model(model: Path, cache: Path) -> Path:
 
     Blocking (a load calls it, on the synthesis thread).
     """
-    import onnx
-    from piper.patch_voice_with_alignment import add_alignment_output
-
     stat = model.stat()
-    key = f"{model.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{onnx.__version__}"
+    # The installed version, not the module's: importing onnx takes about a second,
+    # which a load from a made graph (every load but the first) need not pay.
+    key = f"{model.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{version('onnx')}"
     target = cache / "aligned" / f"{model.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.onnx"
     if target.is_file():
         return target
+    import onnx
+    from piper.patch_voice_with_alignment import add_alignment_output
+
     target.parent.mkdir(parents=True, exist_ok=True)
     graph = onnx.load(str(model))
     add_alignment_output(graph)
