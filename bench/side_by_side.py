@@ -149,10 +149,6 @@ def rss_mib(pid: int) -> float:
     return total
 
 
-def cpu_seconds(pid: int) -> float:
-    return proxy_bench.cpu_seconds(pid)
-
-
 def health(port: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
         return dict(json.loads(r.read()))
@@ -300,20 +296,23 @@ async def realtime_streams(port: int, raw: bytes, n: int) -> list[float]:
 
 class Row:
     """
-    One figure: C{measure(rig, ours_first)} makes one round's (ours, {peer: value}); the
-    ratio is ours over the best (least) peer, or ours alone where C{absolute}.
+    One figure: C{measure(rig, ours_first)} makes one round's (ours, {peer: value}), or
+    (ours, {}, a note) for a row whose goal is absolute; the ratio is ours over the best
+    (least) peer, or ours alone where C{absolute}.
     """
 
-    def __init__(self, name: str, title: str, unit: str, goal: float, measure: Callable[[Rig, bool], tuple[float, dict[str, float]]],
+    def __init__(self, name: str, title: str, unit: str, goal: float, measure: Callable[[Rig, bool], tuple[Any, ...]],
                  absolute: bool = False) -> None:
         self.name, self.title, self.unit, self.goal, self.measure, self.absolute = name, title, unit, goal, measure, absolute
         self.ours: list[float] = []
         self.peers: list[dict[str, float]] = []
+        self.notes: list[str] = []
 
     def run(self, rig: Rig, round_: int) -> float:
-        ours, peers = self.measure(rig, round_ % 2 == 0)
+        ours, peers, *note = self.measure(rig, round_ % 2 == 0)
         self.ours.append(ours)
         self.peers.append(peers)
+        self.notes.append(note[0] if note else "")
         return self.figure(len(self.ours) - 1)
 
     def figure(self, i: int) -> float:
@@ -374,9 +373,9 @@ class KokoroLong:
 
         def ours() -> float:
             pid = worker_pid(rig.kokoro_port, "kokoro")
-            before = cpu_seconds(pid)
+            before = proxy_bench.cpu_seconds(pid)
             took = speak(rig.kokoro_port, "kokoro", LONG, False, "pcm")[1]
-            spent["ours"] = cpu_seconds(pid) - before
+            spent["ours"] = proxy_bench.cpu_seconds(pid) - before
             return took
 
         def theirs() -> float:
@@ -410,13 +409,13 @@ def core_cpu(rig: Rig, ours_first: bool) -> tuple[float, dict[str, float]]:
     kept = KeptAlive(tcp(rig.tone_port))
     body = request_bytes("/speak", {"engine": "tone", "text": MEGABYTE_TEXT, "format": "pcm", "seed": 1})
     size = kept.timed(body)[2]
-    before = cpu_seconds(rig.tone_core.pid)
+    before = proxy_bench.cpu_seconds(rig.tone_core.pid)
     n = 40
     for _ in range(n):
         kept.timed(body)
     kept.close()
-    per = (cpu_seconds(rig.tone_core.pid) - before) / n * 1e3
-    return per, {f"(per request of {size / 1e6:.2f} MB)": per}
+    per = (proxy_bench.cpu_seconds(rig.tone_core.pid) - before) / n * 1e3
+    return per, {}, f"per request of {size / 1e6:.2f} MB"
 
 
 def piper_memory(rig: Rig, ours_first: bool) -> tuple[float, dict[str, float]]:
@@ -502,7 +501,7 @@ def proxy_overhead(rig: Rig, ours_first: bool) -> tuple[float, dict[str, float]]
         direct.extend(timed(tcp(rig.tone_direct), to_worker)[0] for _ in range(25))
         proxied.extend(timed(tcp(rig.tone_port), to_core)[0] for _ in range(25))
     d, p = percentile(direct, 0.5) * 1e3, percentile(proxied, 0.5) * 1e3
-    return p - d, {f"(direct p50 {d:.2f} ms, through the core {p:.2f} ms)": p - d}
+    return p - d, {}, f"direct p50 {d:.2f} ms, through the core {p:.2f} ms"
 
 
 def make_rows() -> list[Row]:
@@ -550,7 +549,7 @@ def main() -> None:
             for row in rows:
                 figure = row.run(rig, round_)
                 i = len(row.ours) - 1
-                peers = ", ".join(f"{name} {value:.4g}" for name, value in row.peers[i].items())
+                peers = ", ".join([f"{name} {value:.4g}" for name, value in row.peers[i].items()] + [row.notes[i]] * bool(row.notes[i]))
                 shown = f"{figure:.3f} {row.unit}" if row.absolute else f"{figure:.2f}x"
                 print(f"  {row.title}: {shown}  (ours {row.ours[i]:.4g} {row.unit}; {peers})", flush=True)
             print(f"  load after the round {load()}")
