@@ -151,7 +151,9 @@ class Piece:
     def _at(self, offset: int, closing: bool) -> int:
         offsets, starts, ends = self._layout
         # The atom holding the offset (an end offset is held by the atom it closes).
-        index = max(bisect_right(offsets, offset - 1 if closing else offset) - 1, 0)
+        index = bisect_right(offsets, offset - 1 if closing else offset) - 1
+        if index < 0:
+            index = 0
         inside = offset - offsets[index]
         size = ends[index] - starts[index]
         if inside <= size if closing else inside < size:

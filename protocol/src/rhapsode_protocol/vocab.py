@@ -170,9 +170,10 @@ class TextMap:
         The source span of the cleaned text's C{[start, end)}, as code-point offsets.
         An empty span maps to the point before the character at C{start}.
         """
+        # Clamped with comparisons, not min() and max(): a timed answer maps every word.
         size = len(self._starts)
-        start = min(max(start, 0), size)
-        end = min(max(end, start), size)
+        start = 0 if start < 0 else size if start > size else start
+        end = start if end < start else size if end > size else end
         if start == size:
             point = self._ends[-1] if size else self._length
             return point, point

@@ -231,7 +231,7 @@ class _AudioResponse:
         if self._encoder is None:
             self._held.extend(entries)
             return
-        self._request.write(self._framing.timings(entries))
+        self._sink.precede(self._framing.timings(entries))
 
     @property
     def headers_sent(self) -> bool:
@@ -306,7 +306,7 @@ class _AudioResponse:
         framing = self._framing
         if self._stream:
             if framing is not None:
-                request.write(framing.done(duration))
+                self._sink.end(framing.done(duration))
             if not self.headers_sent:
                 request.write(b"")
             write_trailer(request, duration)
@@ -332,16 +332,31 @@ class _FramedSink:
     The encoder's sink for a stream with timings: each piece of encoded audio goes out
     in the framing asked for (an audio event, or an audio frame), and the response's
     producer is the encoder's, so backpressure reaches the synthesis as for raw audio.
+
+    Timings wait for the audio after them (L{precede}) and go out in the same write:
+    one send for a hand-over's timings and its audio, not one for each frame (the
+    response sends each write at once).  They leave before that audio, as the
+    contract orders them, and never later than the stream's end (L{end}).
     """
 
     def __init__(self, request: IRequest, framing: Framing) -> None:
         self._request = request
         self._framing = framing
+        self._before: list[bytes] = []
+
+    def precede(self, data: bytes) -> None:
+        """C{data} goes out ahead of the next audio."""
+        self._before.append(data)
+
+    def end(self, data: bytes) -> None:
+        """The stream's last frame, after any timings still waiting."""
+        before, self._before = self._before, []
+        self._request.write(b"".join((*before, data)))
 
     def write(self, data: bytes) -> None:
         if data:
-            for piece in self._framing.audio(data):
-                self._request.write(piece)
+            before, self._before = self._before, []
+            self._request.write(b"".join((*before, *self._framing.audio(data))))
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         self._request.registerProducer(producer, streaming)  # type: ignore[attr-defined]

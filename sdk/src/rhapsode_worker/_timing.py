@@ -175,8 +175,13 @@ class Timeline:
         return self._steps[min(self._step, len(self._steps) - 1)]
 
     def _entry(self, mark: Timing) -> dict[str, Any] | None:
-        start = max(0.0, float(mark.start))
-        end = max(start, float(mark.end))
+        # Plain comparisons rather than max(): this runs for every word and phoneme.
+        start = float(mark.start)
+        if start < 0.0:
+            start = 0.0
+        end = float(mark.end)
+        if end < start:
+            end = start
         entry: dict[str, Any] = {"unit": mark.unit, "text": mark.text, "start": self._base + start,
                                  "end": self._base + end}
         if self._turns:
@@ -229,9 +234,12 @@ class Timeline:
         """
         unit = entry["unit"]
         floor = self._ends.get(unit, 0.0)
-        entry["start"] = round(max(entry["start"], floor), _PLACES)
-        entry["end"] = round(max(entry["end"], entry["start"]), _PLACES)
-        self._ends[unit] = entry["end"]
+        start = entry["start"]
+        start = round(start if start > floor else floor, _PLACES)
+        end = entry["end"]
+        end = round(end, _PLACES) if end > start else start
+        entry["start"], entry["end"] = start, end
+        self._ends[unit] = end
         if unit == "word" and "textEnd" in entry:
             self._last_span = (entry.get("turn"), entry["textEnd"])
 
