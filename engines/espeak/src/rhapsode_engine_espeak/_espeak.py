@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Callable, Iterator, Mapping, TypeVar
 
 import espeakng_loader
 
@@ -85,30 +85,26 @@ class _Event(ctypes.Structure):
 
 _PHONEME = 7
 
-_SYNTH_CALLBACK = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event)
-)
+# The samples (short *) and the events (espeak_EVENT *) come as plain addresses: a
+# ctypes pointer object made for each of them on every call cost more than reading them.
+_SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
 
-
-#: espeak_EVENT read as C ints: one event's stride.
-_STRIDE = ctypes.sizeof(_Event) // ctypes.sizeof(ctypes.c_int)
-_INTS = ctypes.POINTER(ctypes.c_int)
 assert RAW_EVENT.size == ctypes.sizeof(_Event), "espeak_EVENT's layout is not the one read"
+_EVENT_TYPE = ctypes.c_int.from_address  # an event's first field, its type
 
 
-def _events(events: Any) -> bytes:
+def _events(address: int | None) -> bytes:
     """
-    The callback's event list, up to its terminator (type 0), copied out as its bytes
-    (L{RAW_EVENT} each), which are read off espeak's thread: the callback only finds
-    where the list ends.
+    The callback's event list at C{address}, up to its terminator (type 0), copied out
+    as its bytes (L{RAW_EVENT} each), which are read off espeak's thread: the callback
+    only finds where the list ends.
     """
-    if not events:
+    if not address:
         return b""
-    ints = ctypes.cast(events, _INTS)
-    count = 0
-    while ints[count * _STRIDE] != 0:
-        count += 1
-    return ctypes.string_at(ctypes.addressof(events.contents), count * RAW_EVENT.size) if count else b""
+    end = address
+    while _EVENT_TYPE(end).value != 0:
+        end += RAW_EVENT.size
+    return ctypes.string_at(address, end - address) if end != address else b""
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -374,7 +370,7 @@ class Espeak:
         if status != _EE_OK:
             raise RuntimeError(f"espeak_Synth failed (status {status})")
 
-    def _on_audio(self, wav: "ctypes._Pointer[ctypes.c_short]", count: int, events: Any) -> int:
+    def _on_audio(self, wav: int | None, count: int, events: int | None) -> int:
         """
         espeak's synthesis callback: 0 to go on, 1 to stop.  It must not raise (ctypes
         would print the error and carry on).  Events are read only for a synthesis

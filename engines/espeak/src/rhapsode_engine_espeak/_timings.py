@@ -26,7 +26,7 @@ leaves with the same callback it would without timings.
 from __future__ import annotations
 
 import struct
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, NamedTuple
 
 from rhapsode_worker import Timing
 
@@ -39,6 +39,12 @@ WORD, SENTENCE, END, PHONEME = 1, 2, 5, 7
 #: off espeak's thread: making a Python object of every event in the callback cost more
 #: than the rest of the timing.
 RAW_EVENT = struct.Struct("@iIiiiiP8s")
+#: Each event's fields as columns of C ints (L{Aligner._events}): the event's size in
+#: ints, and where in it the type, text position, length and sample are; the name's
+#: first byte is at byte C{_NAME} of the event.
+_WIDTH = RAW_EVENT.size // struct.calcsize("@i")
+_KIND, _POSITION, _LENGTH, _SAMPLE = 0, 2, 3, 5
+_NAME = struct.calcsize("@iIiiiiP")
 
 
 class Event(NamedTuple):
@@ -106,7 +112,7 @@ class Aligner:
         # last one did (a word's start counts as silence, so its first sound is seen).
         self._sounding = False
 
-    def feed(self, pcm: bytes, raw: bytes) -> Iterator[bytes | Timing]:
+    def feed(self, pcm: bytes, raw: bytes) -> list[bytes | Timing]:
         """
         One callback's buffer and its events (L{RAW_EVENT}s): what can go out now.
         """
@@ -115,37 +121,54 @@ class Aligner:
         self._received += len(pcm) // self._frame
         if raw:
             self._events(raw)
-        yield from self._release(self._hold())
+        return self._release(self._hold())
 
-    def close(self) -> Iterator[bytes | Timing]:
+    def close(self) -> list[bytes | Timing]:
         """
         The synthesis is over: everything still held.
         """
         self._end(self._received, len(self._text))
-        yield from self._release(None)
+        return self._release(None)
 
     # -- events ----------------------------------------------------------------------
 
     def _events(self, raw: bytes) -> None:
+        # Read as columns, each in one C call, rather than an event at a time: most
+        # events are phonemes that, timing words, change nothing.
+        ints = memoryview(raw).cast("i")
+        kinds = ints[_KIND::_WIDTH].tolist()
+        samples = ints[_SAMPLE::_WIDTH].tolist()
+        sounding = raw[_NAME::RAW_EVENT.size]  # a phoneme's name's first byte: 0 for a pause
         phonemes = self._phonemes
-        for kind, _, position, length, _, sample, _, name in RAW_EVENT.iter_unpack(raw):
+        for index, kind in enumerate(kinds):
             if kind == PHONEME:
-                sounds = name[0] != 0
+                sounds = sounding[index] != 0
                 if not phonemes:
                     if sounds == self._sounding:
                         continue  # no change: nothing ends or begins
                     self._sounding = sounds
+                sample = samples[index]
                 self._close_phoneme(sample)
                 if sounds:
-                    ipa = name.split(b"\0", 1)[0].decode("utf-8", "replace").strip() if phonemes else "~"
-                    self._phoneme = (sample, ipa)
-            elif kind == WORD:
+                    if phonemes:
+                        at = index * RAW_EVENT.size + _NAME
+                        name = raw[at:at + 8].split(b"\0", 1)[0].decode("utf-8", "replace").strip()
+                    else:
+                        name = "~"
+                    self._phoneme = (sample, name)
+                continue
+            if kind != WORD and kind != END:
+                continue
+            sample = samples[index]
+            position = ints[index * _WIDTH + _POSITION]
+            if kind == WORD:
+                length = ints[index * _WIDTH + _LENGTH]
                 self._sounding = False
                 self._close_phoneme(sample)
                 word = _Word(sample, position - 1, position - 1 + max(length, 0))
                 self._close_word(sample, word)
                 self._word = word
-            elif kind == END:
+            else:
                 self._sounding = False
                 self._end(sample, position - 1)
 
@@ -203,8 +226,12 @@ class Aligner:
         return last
 
     def _overlaps(self, word: _Word) -> bool:
-        start = min(member.text_start for member in self._group)
-        end = max(member.text_end for member in self._group)
+        group = self._group
+        if len(group) == 1:  # nearly always: one word, no expansion
+            start, end = group[0].text_start, group[0].text_end
+        else:
+            start = min(member.text_start for member in group)
+            end = max(member.text_end for member in group)
         return word.text_start < end and word.text_end > start
 
     # -- what goes out -----------------------------------------------------------------
@@ -220,31 +247,44 @@ class Aligner:
             hold = self._phoneme[0]
         return hold
 
-    def _release(self, hold: int | None) -> Iterator[bytes | Timing]:
-        if self._ready:
-            # In order of start, a word before the phonemes it begins with.
-            self._ready.sort(key=lambda item: (item[0], item[1]))
-            keep: list[tuple[int, int, Timing]] = []
-            for item in self._ready:
-                if hold is None or item[0] < hold:
-                    yield item[2]
-                else:
-                    keep.append(item)
-            self._ready = keep
-        upto = self._received if hold is None else max(min(hold, self._received), self._released)
-        count = (upto - self._released) * self._frame
+    def _release(self, hold: int | None) -> list[bytes | Timing]:
+        out: list[bytes | Timing] = []
+        ready = self._ready
+        if ready:
+            if len(ready) > 1:
+                # In order of start, a word before the phonemes it begins with.
+                ready.sort(key=_order)
+            if hold is None or ready[-1][0] < hold:
+                out.extend(item[2] for item in ready)
+                self._ready = []
+            else:
+                keep: list[tuple[int, int, Timing]] = []
+                for item in ready:
+                    if item[0] < hold:
+                        out.append(item[2])
+                    else:
+                        keep.append(item)
+                self._ready = keep
+        received, released = self._received, self._released
+        upto = received if hold is None or hold >= received else hold if hold > released else released
+        count = (upto - released) * self._frame
         if count <= 0:
-            return
-        out: list[bytes] = []
+            return out
+        pieces: list[bytes] = []
         held = self._held
         while count and held:
             piece = held[0]
             if len(piece) <= count:
-                out.append(held.pop(0))
+                pieces.append(held.pop(0))
                 count -= len(piece)
             else:
-                out.append(piece[:count])
+                pieces.append(piece[:count])
                 held[0] = piece[count:]
                 count = 0
         self._released = upto
-        yield out[0] if len(out) == 1 else b"".join(out)
+        out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        return out
+
+
+def _order(item: tuple[int, int, Timing]) -> tuple[int, int]:
+    return item[0], item[1]
