@@ -336,7 +336,13 @@ class _Frames(Framing):
         return frames.frame(frames.DONE, _json({"durationMs": duration_ms}))
 
     def document(self, audio: bytes, head: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> bytes:
-        return b"".join((self.timings(entries), frames.frame(frames.AUDIO, audio), frames.frame(frames.DONE, _json(head))))
+        # The audio's head beside it, not a frame made of both: a copy of the audio fewer.
+        return b"".join((
+            self.timings(entries),
+            frames.head(frames.AUDIO, len(audio)),
+            audio,
+            frames.frame(frames.DONE, _json(head)),
+        ))
 
 
 def _json(value: Any) -> bytes:
