@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from rhapsode._cluster.ranking import Candidate, NodeReport, model_of, rank
+from rhapsode._cluster.ranking import PROMISE_SECONDS, Candidate, NodeReport, model_of, promise, rank, still_promised
 
 
 def report(*resident: tuple[str, str, int], slots: int = 0, free: int | None = None,
-           sizes: dict[tuple[str, str], int] | None = None, engines: tuple[str, ...] = ("tone", "piper")) -> NodeReport:
+           sizes: dict[tuple[str, str], int] | None = None, engines: tuple[str, ...] = ("tone", "piper"),
+           promised: tuple[str, ...] = ()) -> NodeReport:
     models = [
         {"engine": e, "variant": v, "leases": n, "lastUsedAt": f"2026-12-01T00:00:0{i}.000Z",
          **({"sizeBytes": (sizes or {})[(e, v)]} if (e, v) in (sizes or {}) else {})}
         for i, (e, v, n) in enumerate(resident)
     ]
-    stats: dict[str, Any] = {"engines": list(engines), "residency": {"models": models}, "slots": slots}
+    stats: dict[str, Any] = {"engines": list(engines), "residency": {"models": models}, "slots": slots,
+                             "promised": list(promised)}
     if free is not None:
         stats["memory"] = {"freeBytes": free, "totalBytes": 2 * free}
     return NodeReport.read(stats)
@@ -53,6 +55,48 @@ def test_a_node_just_sent_the_model_counts_as_holding_it_until_it_reports() -> N
     sent = Candidate("sent", report(slots=1), sent=True)
     other = Candidate("other", report(slots=1))
     assert rank([other, sent], "tone/v1") == [["sent"], ["other"]]
+
+
+def test_a_model_a_node_reports_promised_counts_as_held_there_and_takes_a_slot() -> None:
+    """
+    A report made after the node's replica answered a route for a model, but before the
+    front's request reached the node, says the model is promised: that node ranks as its
+    holder (a second router, or the first after forgetting, sends it there too), and the
+    promised model takes one of the slots the report still counts free.
+    """
+    coming = Candidate("coming", report(slots=1, promised=("tone/v1",)))
+    other = Candidate("other", report(slots=1))
+    assert rank([other, coming], "tone/v1") == [["coming"], ["other"]]
+    assert rank([other, coming], "tone") == [["coming"], ["other"]]
+    assert rank([coming, other], "piper/medium") == [["other"], ["coming"]]
+    assert NodeReport.read({"promised": ["tone/v1", 3]}).promised == {"tone/v1"}
+
+
+def test_a_promise_lasts_until_the_node_holds_the_model_or_it_grows_old() -> None:
+    """
+    A replica keeps a route it answered in its reports until its node's residency shows
+    the model (by engine and variant, or by engine for a key naming none), or for
+    PROMISE_SECONDS at most; what it drops it forgets.
+    """
+    routed = {"tone/v1": 100.0, "piper/medium": 100.0, "espeak": 100.0, "kokoro/v1": 100.0 - PROMISE_SECONDS - 1}
+    node = {"residency": {"models": [{"engine": "piper", "variant": "medium", "leases": 1},
+                                     {"engine": "espeak", "variant": "default", "leases": 0}]}}
+    assert still_promised(routed, node, 101.0) == ["tone/v1"]
+    assert routed == {"tone/v1": 100.0}
+    assert still_promised(routed, {}, 100.0 + PROMISE_SECONDS + 0.1) == [] and routed == {}
+
+
+def test_only_a_route_for_a_model_is_a_promise_never_one_for_an_engine_alone() -> None:
+    """
+    A route answered for engine/variant promises that model to the node; one for an
+    engine alone (the front asks so for capabilities, voices and health, which load
+    nothing) promises nothing, so it holds no slot and draws no model to that node.
+    """
+    routed: dict[str, float] = {}
+    assert promise(routed, "tone/v1", 5.0) == {"tone/v1": 5.0}
+    assert promise(routed, "espeak", 6.0) == {"tone/v1": 5.0}
+    assert promise(routed, "", 7.0) == {"tone/v1": 5.0}
+    assert promise(routed, "tone/v1", 8.0) == {"tone/v1": 8.0}
 
 
 def test_room_needs_a_slot_and_the_models_measured_size_in_free_memory() -> None:

@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .._manage.installer import GROUP_LEADER
+from .ranking import promise, still_promised
 
 __all__ = ["DIRECTORY", "NodeDirectory", "RhapsodeNode", "app_from_env", "application"]
 
@@ -150,6 +151,8 @@ class RhapsodeNode:
         self._entry = (self.name, self.url, str(context.replica_id), node_id)
         ray.get(_directory().register.remote(*self._entry))
         self._session: aiohttp.ClientSession | None = None
+        #: Routing key -> when this replica answered a route for it.
+        self._promised: dict[str, float] = {}
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + START_SECONDS
@@ -184,6 +187,9 @@ class RhapsodeNode:
         if path == "/_route":
             # The router sent this request here for its model: the front speaks to this
             # node's core itself (rhapsode._upstream.cluster), keeping its backpressure.
+            # Until the node holds the model, this replica's reports say it is coming, so
+            # a report made before the front's request arrives does not read as room.
+            self._promised = promise(self._promised, serve.get_multiplexed_model_id(), time.monotonic())
             return JSONResponse({"node": self.name, "url": self.url})
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
         body = await request.body()
@@ -199,7 +205,8 @@ class RhapsodeNode:
     async def record_routing_stats(self) -> dict[str, Any]:
         async with self._client().get(self.base + "/node", timeout=aiohttp.ClientTimeout(total=2)) as answer:
             stats: dict[str, Any] = await answer.json()
-            return stats
+        stats["promised"] = still_promised(self._promised, stats, time.monotonic())
+        return stats
 
     async def check_health(self) -> None:
         if self._process.poll() is not None:

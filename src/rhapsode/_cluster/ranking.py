@@ -6,11 +6,13 @@ router's own.  Pure functions of those reports, so they are tested without Ray.
 For the model a request is for (C{engine/variant}, or C{engine} alone for a request that
 loads nothing), the ranks are, best first:
 
-  1. nodes that hold it now (or were just sent it, until their next report says so), and
-     are not busy with it (fewer than C{spread_at} leases), fewest leases first;
-  2. nodes with room for it: a free slot (not counting those that models just sent
-     there will take; a node that has not reported yet counts one), and free memory
-     for its measured size where any node has measured it;
+  1. nodes that hold it now (or were just sent it, until their next report says so, or
+     report it promised: their replica answered a route for it whose request has not
+     arrived), and are not busy with it (fewer than C{spread_at} leases), fewest leases
+     first;
+  2. nodes with room for it: a free slot (not counting those that models just sent or
+     promised there will take; a node that has not reported yet counts one), and free
+     memory for its measured size where any node has measured it;
   3. nodes whose least recently used model has no lease, so their own residency can
      evict it, the coldest first (the one whose model was used longest ago: the cluster
      evicts as one residency would, least recently used first);
@@ -27,11 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, Iterable, Mapping, Sequence, TypeVar
 
-__all__ = ["SPREAD_AT", "Candidate", "NodeReport", "model_of", "rank"]
+__all__ = ["PROMISE_SECONDS", "SPREAD_AT", "Candidate", "NodeReport", "model_of", "promise", "rank", "still_promised"]
 
 #: Leases on a model at which the node holding it counts as busy with it, and a node
 #: with room is preferred (a second copy loads there).
 SPREAD_AT = 2
+#: How long a model a replica answered a route for counts as coming to its node (its
+#: report's C{promised}) while the node's own residency does not show it yet.
+PROMISE_SECONDS = 10.0
 
 _R = TypeVar("_R")
 
@@ -67,6 +72,9 @@ class NodeReport:
     known: bool = True
     #: The node's count of its own reports: a later one has seen what was sent before it.
     number: int = 0
+    #: Models its replica was routed (it answered C{/_route} for them) that the node does
+    #: not hold yet: the front's request is on its way (C{engine/variant} routing keys).
+    promised: frozenset[str] = frozenset()
 
     @classmethod
     def read(cls, stats: Mapping[str, Any] | None) -> "NodeReport":
@@ -92,6 +100,7 @@ class NodeReport:
             lru_leases=int(oldest.get("leases", 0)) if oldest is not None else None,
             lru_used=str(oldest.get("lastUsedAt", "")) if oldest is not None else "",
             number=int(stats.get("report", 0)),
+            promised=frozenset(str(m) for m in stats.get("promised") or () if isinstance(m, str)),
         )
 
     def holds(self, engine: str, variant: str | None) -> int | None:
@@ -101,6 +110,20 @@ class NodeReport:
         """
         leases = [n for (e, v), n in self.resident.items() if e == engine and (variant is None or v == variant)]
         return min(leases) if leases else None
+
+    def expects(self, engine: str, variant: str | None) -> bool:
+        """
+        Whether the model was promised here: routed to this node, not yet arrived.
+        """
+        return any(model_of(key)[0] == engine and (variant is None or model_of(key)[1] in (None, variant))
+                   for key in self.promised)
+
+    def others_promised(self, model_id: str) -> int:
+        """
+        How many models other than C{model_id} were promised here: each will take a
+        slot the report still counts free.
+        """
+        return sum(1 for key in self.promised if key != model_id)
 
 
 @dataclass
@@ -136,9 +159,9 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
         leases = report.holds(engine, variant)
         if leases is not None and leases >= spread_at:
             busy.append((leases, candidate))
-        elif leases is not None or candidate.sent:
+        elif leases is not None or candidate.sent or report.expects(engine, variant):
             held.append((leases or 0, candidate))
-        elif report.slots - candidate.pending > 0 and (
+        elif report.slots - max(candidate.pending, report.others_promised(model_id)) > 0 and (
             size is None or report.free_bytes is None or report.free_bytes >= size
         ):
             room.append(candidate)
@@ -155,6 +178,39 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
         [c.replica for c in _by_leases(rest)],
     ]
     return [r for r in ranks if r]
+
+
+def promise(routed: dict[str, float], model_id: str, now: float) -> dict[str, float]:
+    """
+    C{routed} once a replica has answered a route for C{model_id} at C{now}: a model
+    (C{engine/variant}) is promised to its node; an engine alone is not, for a route
+    asked that way is for a request that loads nothing (the front's calls for an
+    engine's capabilities, voices or health, every second), and a promise made by those
+    would never be kept: it would hold a slot and draw the engine's models to a node
+    that is never sent them.
+    """
+    engine, variant = model_of(model_id or "")
+    if engine and variant:
+        routed[model_id] = now
+    return routed
+
+
+def still_promised(routed: dict[str, float], stats: Mapping[str, Any], now: float) -> list[str]:
+    """
+    The routing keys in C{routed} (key -> when a replica answered a route for it) still
+    coming to the node whose C{GET /node} is C{stats}: answered less than
+    L{PROMISE_SECONDS} ago and not yet resident there.  The others are dropped from
+    C{routed}.
+    """
+    held: set[str] = set()
+    for model in (stats.get("residency") or {}).get("models") or ():
+        if isinstance(model, Mapping):
+            held.add(f"{model.get('engine')}/{model.get('variant')}")
+            held.add(str(model.get("engine")))
+    for key, when in list(routed.items()):
+        if key in held or now - when > PROMISE_SECONDS:
+            del routed[key]
+    return sorted(routed)
 
 
 def _by_leases(candidates: Iterable[Candidate[_R]]) -> list[Candidate[_R]]:
