@@ -470,7 +470,7 @@ class BudgetedSession:
         if self._widest not in self._sessions:
             self._sessions[self._widest] = self._make(self._model, self._widest)
         self.runs: dict[int, int] = {threads: 0 for threads in counts}
-        self._counts = self.counts = tuple(sorted(counts))
+        self.counts = tuple(sorted(counts))
         self._counting = threading.Lock()
         self._making = threading.Lock()
 
@@ -563,12 +563,12 @@ class BudgetedSession:
         run_options: Any = None,
     ) -> Any:
         # Runs about to start beside this one would otherwise find it holding every core.
-        want = max(self._counts) if _demand <= 1 else 1
+        want = max(self.counts) if _demand <= 1 else 1
         while True:
             options = run_options if run_options is not None else self._run_options()
             lease = self.gate.acquire(want, None if run_options is not None else options)
             try:
-                threads = session_threads(self._counts, lease.count)
+                threads = session_threads(self.counts, lease.count)
                 self.gate.shrink(lease, threads)
                 with self._counting:
                     self.runs[threads] += 1
@@ -595,6 +595,6 @@ class BudgetedSession:
         # get_inputs, get_outputs, get_modelmeta, even _model_path (kokoro-onnx reads
         # it): the same graph in every session.  Not this object's own state, which a
         # lookup during __init__ would otherwise chase forever.
-        if name.startswith("__") or name in ("_sessions", "_counts", "_widest"):
+        if name.startswith("__") or name in ("_sessions", "counts", "_widest"):
             raise AttributeError(name)
         return getattr(self._sessions[self._widest], name)
