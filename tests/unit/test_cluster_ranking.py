@@ -69,20 +69,21 @@ def test_a_model_a_node_reports_promised_counts_as_held_there_and_takes_a_slot()
     assert rank([other, coming], "tone/v1") == [["coming"], ["other"]]
     assert rank([other, coming], "tone") == [["coming"], ["other"]]
     assert rank([coming, other], "piper/medium") == [["other"], ["coming"]]
+    assert rank([coming, other], "tone/v2") == [["other"], ["coming"]]  # another variant: not held, no room
     assert NodeReport.read({"promised": ["tone/v1", 3]}).promised == {"tone/v1"}
 
 
 def test_a_promise_lasts_until_the_node_holds_the_model_or_it_grows_old() -> None:
     """
     A replica keeps a route it answered in its reports until its node's residency shows
-    the model (by engine and variant, or by engine for a key naming none), or for
-    PROMISE_SECONDS at most; what it drops it forgets.
+    that model (its engine and variant: another variant of the engine keeps the promise),
+    or for PROMISE_SECONDS at most; what it drops it forgets.
     """
-    routed = {"tone/v1": 100.0, "piper/medium": 100.0, "espeak": 100.0, "kokoro/v1": 100.0 - PROMISE_SECONDS - 1}
+    routed = {"tone/v1": 100.0, "piper/medium": 100.0, "espeak/fast": 100.0, "kokoro/v1": 100.0 - PROMISE_SECONDS - 1}
     node = {"residency": {"models": [{"engine": "piper", "variant": "medium", "leases": 1},
                                      {"engine": "espeak", "variant": "default", "leases": 0}]}}
-    assert still_promised(routed, node, 101.0) == ["tone/v1"]
-    assert routed == {"tone/v1": 100.0}
+    assert still_promised(routed, node, 101.0) == ["espeak/fast", "tone/v1"]
+    assert routed == {"espeak/fast": 100.0, "tone/v1": 100.0}
     assert still_promised(routed, {}, 100.0 + PROMISE_SECONDS + 0.1) == [] and routed == {}
 
 
@@ -93,10 +94,13 @@ def test_only_a_route_for_a_model_is_a_promise_never_one_for_an_engine_alone() -
     nothing) promises nothing, so it holds no slot and draws no model to that node.
     """
     routed: dict[str, float] = {}
-    assert promise(routed, "tone/v1", 5.0) == {"tone/v1": 5.0}
-    assert promise(routed, "espeak", 6.0) == {"tone/v1": 5.0}
-    assert promise(routed, "", 7.0) == {"tone/v1": 5.0}
-    assert promise(routed, "tone/v1", 8.0) == {"tone/v1": 8.0}
+    promise(routed, "tone/v1", 5.0)
+    assert routed == {"tone/v1": 5.0}
+    promise(routed, "espeak", 6.0)
+    promise(routed, "", 7.0)
+    assert routed == {"tone/v1": 5.0}
+    promise(routed, "tone/v1", 8.0)
+    assert routed == {"tone/v1": 8.0}
 
 
 def test_room_needs_a_slot_and_the_models_measured_size_in_free_memory() -> None:

@@ -189,7 +189,7 @@ class RhapsodeNode:
             # node's core itself (rhapsode._upstream.cluster), keeping its backpressure.
             # Until the node holds the model, this replica's reports say it is coming, so
             # a report made before the front's request arrives does not read as room.
-            self._promised = promise(self._promised, serve.get_multiplexed_model_id(), time.monotonic())
+            promise(self._promised, serve.get_multiplexed_model_id(), time.monotonic())
             return JSONResponse({"node": self.name, "url": self.url})
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
         body = await request.body()

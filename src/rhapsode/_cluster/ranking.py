@@ -115,8 +115,11 @@ class NodeReport:
         """
         Whether the model was promised here: routed to this node, not yet arrived.
         """
-        return any(model_of(key)[0] == engine and (variant is None or model_of(key)[1] in (None, variant))
-                   for key in self.promised)
+        for key in self.promised:
+            promised_engine, promised_variant = model_of(key)
+            if promised_engine == engine and (variant is None or promised_variant == variant):
+                return True
+        return False
 
     def others_promised(self, model_id: str) -> int:
         """
@@ -180,9 +183,9 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
     return [r for r in ranks if r]
 
 
-def promise(routed: dict[str, float], model_id: str, now: float) -> dict[str, float]:
+def promise(routed: dict[str, float], model_id: str, now: float) -> None:
     """
-    C{routed} once a replica has answered a route for C{model_id} at C{now}: a model
+    Record in C{routed} that a replica answered a route for C{model_id} at C{now}: a model
     (C{engine/variant}) is promised to its node; an engine alone is not, for a route
     asked that way is for a request that loads nothing (the front's calls for an
     engine's capabilities, voices or health, every second), and a promise made by those
@@ -192,7 +195,6 @@ def promise(routed: dict[str, float], model_id: str, now: float) -> dict[str, fl
     engine, variant = model_of(model_id or "")
     if engine and variant:
         routed[model_id] = now
-    return routed
 
 
 def still_promised(routed: dict[str, float], stats: Mapping[str, Any], now: float) -> list[str]:
@@ -202,11 +204,12 @@ def still_promised(routed: dict[str, float], stats: Mapping[str, Any], now: floa
     L{PROMISE_SECONDS} ago and not yet resident there.  The others are dropped from
     C{routed}.
     """
-    held: set[str] = set()
-    for model in (stats.get("residency") or {}).get("models") or ():
-        if isinstance(model, Mapping):
-            held.add(f"{model.get('engine')}/{model.get('variant')}")
-            held.add(str(model.get("engine")))
+    # A promise names a model (L{promise}), never an engine alone.
+    held = {
+        f"{model.get('engine')}/{model.get('variant')}"
+        for model in (stats.get("residency") or {}).get("models") or ()
+        if isinstance(model, Mapping)
+    }
     for key, when in list(routed.items()):
         if key in held or now - when > PROMISE_SECONDS:
             del routed[key]
