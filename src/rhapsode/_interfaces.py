@@ -10,6 +10,7 @@ an awaitable; none blocks.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence
 
@@ -251,6 +252,14 @@ class IAudioSink(Interface):
         """
         The answer is whole; C{duration_ms} is its length where known (HTTP sends it
         as a trailer).
+        """
+
+    def gathered() -> "AbstractContextManager[None]":
+        """
+        A context, entered for one turn of the loop (what one read of the worker's
+        brings), in which what is written leaves together at its end: a connection's
+        one send for the last audio and the answer's end, where it was two.  A sink
+        with nothing to gather gives one that does nothing.
         """
 
     def abort(error: SpeechError | None) -> "Deferred[None]":

@@ -6,6 +6,7 @@ rather than letting the tests drift from the code.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
@@ -151,6 +152,9 @@ class RecordingSink:
         self.producer: IPushProducer | None = None
         self.ended: int | None | bool = False
         self.aborted: SpeechError | None | bool = False
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True

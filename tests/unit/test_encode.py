@@ -123,6 +123,24 @@ def test_wav_streams_header_then_pcm_and_finalize_fixes_sizes() -> None:
     assert struct.unpack_from("<I", fixed, 4)[0] == 36 + len(pcm)
 
 
+def test_wav_s_header_leaves_in_the_first_pcm_s_write() -> None:
+    """
+    A streamed WAV's header and its first PCM reach the sink in one write (one send on a
+    socket, where two writes were two), and later PCM passes through as it came.
+    """
+    writes: list[bytes] = []
+
+    class Sink(StringTransport):
+        def write(self, data: bytes) -> None:
+            writes.append(data)
+
+    encoder = make_encoder("wav", MONO_24K, Sink(), reactor=FakeProcessReactor(), ffmpeg=None, streaming=True)
+    encoder.write(b"\x01\x00" * 3)
+    encoder.write(b"\x02\x00")
+    assert writes == [wav_header(MONO_24K, None) + b"\x01\x00" * 3, b"\x02\x00"]
+    assert encoder.pcm_bytes == 8
+
+
 def test_wav_without_pcm_still_has_a_header() -> None:
     """A WAV that receives no PCM still gets its header, and finalize makes it a valid empty file."""
     sink = StringTransport()

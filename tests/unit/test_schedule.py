@@ -357,6 +357,37 @@ def test_a_steps_last_audio_arrives_with_its_end() -> None:
     assert events == ["hand-over", b"first", "hand-over", b"secondthird", "done"]
 
 
+def test_a_steps_last_audio_and_what_its_end_leads_to_are_gathered() -> None:
+    """
+    The job's C{gather} is entered around a step's last batch and what follows it: the
+    next step's joint for a step before the last, the job's end for the last; the first
+    audio's hand-over is not gathered (it goes at once).
+    """
+    events: list[Any] = []
+
+    class Gather:
+        def __enter__(self) -> None:
+            events.append("gather")
+
+        def __exit__(self, *exc: Any) -> None:
+            events.append("sent")
+
+    def speak() -> Iterator[bytes]:
+        yield b"first"
+        yield b"second"
+
+    pool = FakePool()
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)
+    scheduler = Scheduler(ImmediateReactor(), pool, model)
+    job = Job("a", [speak, speak], events.append, on_step=lambda index: events.append(f"joint {index}"),
+              gather=Gather)
+    job.done.addCallback(lambda _: events.append("done"))
+    scheduler.submit(job)
+    pool.run_all()
+    assert events == [b"first", "gather", b"second", "joint 1", "sent",
+                      b"first", "gather", b"second", "done", "sent"]
+
+
 def test_a_failure_writing_the_last_audio_fails_the_job() -> None:
     """
     If the job's writer refuses the step's last batch, the job fails with that error

@@ -14,7 +14,8 @@ from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from rhapsode_protocol.http.site import QUEUE_ATTRIBUTES, DirectSite, send_now
+from rhapsode_protocol.http.answers import write_trailer
+from rhapsode_protocol.http.site import QUEUE_ATTRIBUTES, DirectSite, gathered, send_now
 
 
 def test_a_real_socket_transport_has_what_send_now_reads() -> None:
@@ -210,6 +211,49 @@ def test_a_chunked_stream_sends_each_piece_as_written() -> None:
     sock.room = None
     sock.doWrite()
     assert b"".join(sock.sent[2:]) == b"5\r\nthree\r\n0\r\n\r\n"
+
+
+def test_a_stream_s_last_piece_and_its_end_leave_together_when_gathered() -> None:
+    """
+    Inside L{gathered}, a stream's last piece and its trailer leave in one send, at the
+    latest when the request finishes, so whoever hears of the finish finds every byte in
+    the transport; a nested hold (a first write's) does not send early; outside it every
+    piece is sent as written again.
+    """
+    answer = _Answer(b"", later=True)
+    sock = FakeSocket()
+    _serve(answer, sock)
+    sock.protocol.dataReceived(b"GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    (request,) = answer.requests
+    heard: list[int] = []
+    request.notifyFinish().addCallback(lambda _: heard.append(len(sock.sent)))
+    with gathered(request):
+        request.write(b"first")  # the first write's own hold nests inside this one
+        request.write(b"last")
+        write_trailer(request, 40)
+        assert sock.sent == []
+        request.finish()
+        assert heard == [1]
+    assert len(sock.sent) == 1
+    head, _, body = sock.sent[0].partition(b"\r\n\r\n")
+    assert body == b"5\r\nfirst\r\n4\r\nlast\r\n0\r\nX-Rhapsode-Duration-Ms: 40\r\n\r\n"
+
+    plain = StringTransport()
+    with gathered(type("Request", (), {"channel": None})()):
+        send_now(plain, b"no channel, nothing held")
+    assert plain.value() == b"no channel, nothing held"
+
+
+def test_an_aborted_socket_sends_nothing_more() -> None:
+    """
+    Once a connection is aborted (a failure after its headers), what is written after
+    is never handed to the kernel, not even through send_now's direct path: the client
+    sees the stream cut where the failure came.
+    """
+    sock = FakeSocket()
+    sock._aborting = True  # as tcp.Connection.abortConnection sets it
+    send_now(sock, b"after the abort")
+    assert sock.sent == []
 
 
 def test_a_connection_asks_its_address_once() -> None:

@@ -122,6 +122,45 @@ def test_chunked_body_and_its_trailer() -> None:
     assert response.trailers == {b"x-rhapsode-duration-ms": b"812", b"x-other": b"a b"}
 
 
+def test_a_reader_that_gathers_gets_one_read_s_pieces_and_end_inside_one_gathering() -> None:
+    """
+    A reader with C{gathered} (a relay) has what each read of the worker's brings, its
+    body's pieces and its end, delivered inside one gathering of its own, so that they
+    can leave the core in one send.
+    """
+    events: list[str] = []
+
+    class Gathering:
+        def __enter__(self) -> None:
+            events.append("gather")
+
+        def __exit__(self, *exc: Any) -> None:
+            events.append("sent")
+
+    class GatheringReader(Reader):
+        def gathered(self) -> Gathering:
+            return Gathering()
+
+        def dataReceived(self, data: bytes) -> None:
+            super().dataReceived(data)
+            events.append(data.decode())
+
+        def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+            super().connectionLost(reason)
+            events.append("end")
+
+    wire = Wire()
+    pending = wire.ask()
+    head, _, body = CHUNKED.partition(b"\r\n\r\n")
+    wire.answer(head + b"\r\n\r\n")
+    reader = GatheringReader()
+    result_of(pending).deliverBody(reader)
+    events.clear()
+    wire.answer(body[:10])  # the first chunk
+    wire.answer(body[10:])
+    assert events == ["gather", "hello", "sent", "gather", " world", "end", "sent"]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=len(CHUNKED) - 1), unique=True, max_size=12))
 def test_any_split_of_the_bytes_reads_the_same(cuts: list[int]) -> None:

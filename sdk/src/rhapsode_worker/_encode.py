@@ -281,8 +281,9 @@ class Encoder:
 
 class _WavEncoder(Encoder):
     """
-    A header with unknown sizes, then PCM.  The header goes out with the first PCM rather than
-    at construction, so a request that fails before any audio can still answer an error.
+    A header with unknown sizes, then PCM.  The header goes out with the first PCM, in the
+    same write, rather than at construction, so a request that fails before any audio can
+    still answer an error.
     """
 
     def __init__(self, native: NativeFormat, sink: IConsumer) -> None:
@@ -291,8 +292,12 @@ class _WavEncoder(Encoder):
         self._header = wav_header(native, None)
 
     def write(self, data: bytes) -> None:
-        if self._state is _State.OPEN:
-            self._send_header()
+        if self._header and data and self._state is _State.OPEN:
+            # With the first PCM in one write: one send on the wire, not two.
+            header, self._header = self._header, b""
+            self.pcm_bytes += len(data)
+            self._sink.write(header + data)
+            return
         super().write(data)
 
     def _close(self) -> None:

@@ -38,7 +38,7 @@ from rhapsode_protocol.http.answers import (
     write_trailer,
 )
 from rhapsode_protocol.http.form import read_form
-from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes
+from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes, gathered
 from rhapsode_protocol.text import split_pieces, split_text
 from rhapsode_protocol.validation import check_instructions, check_sample_rate, choose_language
 from rhapsode_protocol.vocab import clean_text, clean_text_mapped, is_speakable
@@ -965,6 +965,7 @@ class WorkerApp:
             on_pcm=lambda pcm: output.pcm(pcm),
             on_step=next_step,
             on_timing=None if timeline is None else (lambda marks: output.timings(marks)),
+            gather=lambda: gathered(request),
         )
         output = _AudioResponse(self, request, fmt, stream, job, rate, timeline, framing)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterator, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, fail
@@ -66,7 +67,9 @@ class Job:
     C{on_step} called before every step after the first (where the joint goes).  With
     C{on_timing}, the L{Timing}s a step yields reach it in their place, each batch's
     before that batch's PCM (so never after the audio they time); without it they are
-    dropped.
+    dropped.  C{gather}, where given, is entered around a step's last batch and what its
+    end leads to (the next step's joint, or C{done} and so the response's end), all in
+    one turn: a connection that gathers its writes sends them as one.
     C{done} fires when every step has run, or fails with the step's exception, or with
     L{CancelledError} once a stopped job's running step has returned.
     """
@@ -78,8 +81,10 @@ class Job:
         on_pcm: Callable[[bytes], None],
         on_step: Callable[[int], None] = lambda index: None,
         on_timing: Callable[[Sequence[Timing]], None] | None = None,
+        gather: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.variant = variant
+        self.gather = gather
         self._steps: deque[Step] = deque(steps)
         self._index = 0
         self.on_pcm = on_pcm
@@ -124,6 +129,7 @@ class Job:
         # otherwise keep the request and its buffers for the garbage collector.
         self.on_pcm = _ignore
         self.on_step = _ignore
+        self.gather = nullcontext
         if self.on_timing is not None:
             self.on_timing = _ignore
         if not self.done.called:
@@ -263,24 +269,25 @@ class Scheduler:
 
         def finished(result: Any) -> None:
             self._running -= 1
-            if isinstance(result, (bytes, _Batch)) and not job.cancelled:
-                # The step's last audio, written in the same turn as whatever its end
-                # leads to (the next step's joint, or the response's end).
-                try:
-                    _deliver(job, result)
-                except Exception:
-                    result = Failure()
-            if isinstance(result, Failure):
-                job._finish(result)
-            elif job.cancelled:
-                job._finish(Failure(CancelledError()))
-            elif not job._steps:
-                job._finish(None)
-            elif job.paused:
-                self._parked.add(job)
-            else:
-                self._queue.append(job)
-            self._pump()
+            with job.gather():
+                if isinstance(result, (bytes, _Batch)) and not job.cancelled:
+                    # The step's last audio, written in the same turn as whatever its
+                    # end leads to (the next step's joint, or the response's end).
+                    try:
+                        _deliver(job, result)
+                    except Exception:
+                        result = Failure()
+                if isinstance(result, Failure):
+                    job._finish(result)
+                elif job.cancelled:
+                    job._finish(Failure(CancelledError()))
+                elif not job._steps:
+                    job._finish(None)
+                elif job.paused:
+                    self._parked.add(job)
+                else:
+                    self._queue.append(job)
+                self._pump()
 
         d.addBoth(finished)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -760,6 +761,9 @@ class _PieceSink:
     def channels(self) -> int:
         found = _CHANNELS.search(self.content_type)
         return int(found.group(1)) if found else 1
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True

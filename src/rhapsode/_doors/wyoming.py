@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -760,6 +761,9 @@ class _PieceSink:
         self._channels = 1
         self._odd = b""
         self._producer: IPushProducer | None = None
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True

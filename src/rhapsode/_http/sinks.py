@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from twisted.internet.defer import Deferred, succeed
@@ -31,6 +32,7 @@ from zope.interface import implementer
 from rhapsode_protocol import contract, frames
 from rhapsode_protocol.errors import BadRequest, Internal, SpeechError
 from rhapsode_protocol.http.answers import DURATION_HEADER, abort_connection, accepts, write_trailer
+from rhapsode_protocol.http.site import gathered
 
 from .._interfaces import IAudioSink, ITimedSink
 from .._speech.relay import FLOOR_BYTES, NODE_HEADER
@@ -80,6 +82,9 @@ class HttpSink:
 
     def _delivered(self, _: object) -> None:
         self.finished.callback(None)
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return gathered(self._request)
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -135,6 +140,9 @@ class SseSink:
         self._held: list[bytes] = []
         self._received = 0
         self._producing = False
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return gathered(self._request)
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         # The stream's own head goes out with its first event: the worker's is not it.
@@ -322,6 +330,9 @@ class TimedEventSink:
         self._audio = 0
         self._producing = False
 
+    def gathered(self) -> AbstractContextManager[None]:
+        return gathered(self._request)
+
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         for name, value in headers:
             if name.lower() == b"content-type":
@@ -402,6 +413,9 @@ class TimedJsonSink:
         self._alignment: list[Mapping[str, Any]] = []
         self._parts: list[bytes] = []
 
+    def gathered(self) -> AbstractContextManager[None]:
+        return gathered(self._request)
+
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self._head = {name.lower(): value for name, value in headers}
 
@@ -478,6 +492,9 @@ class FramedSink:
         self._held: list[bytes] = []
         self._audio = 0
         self._producing = False
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return gathered(self._request)
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self._head = {name.lower(): value for name, value in headers}
@@ -593,6 +610,9 @@ class CaptionedSink:
         self._audio: list[bytes] = []
         self._size = 0
         self._producing = False
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return gathered(self._request)
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         for name, value in headers:

@@ -14,6 +14,7 @@ the whole answer is ever made that the budget does not count.
 from __future__ import annotations
 
 import base64
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -77,6 +78,9 @@ class MemorySink:
         self.broken: SpeechError | None = None
         self._parts: list[bytes] = []
         self.whole = False
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def begin(self, code: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         self.started = True

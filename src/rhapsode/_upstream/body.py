@@ -6,6 +6,7 @@ the worker's to get right; and L{Stall}, which notices a worker that has stopped
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 from typing import Protocol as TypingProtocol
 
@@ -132,6 +133,8 @@ class _Sink(TypingProtocol):
 
     def unregisterProducer(self) -> None: ...
 
+    def gathered(self) -> AbstractContextManager[None]: ...
+
 
 @implementer(IPushProducer)
 class WatchedBody(Protocol):
@@ -158,6 +161,14 @@ class WatchedBody(Protocol):
     def progress(self) -> None:
         if self._stall is not None:
             self._stall.progress()
+
+    def gathered(self) -> AbstractContextManager[None]:
+        """
+        The sink's gathering (IAudioSink.gathered): the worker's connection enters it
+        around what one of its reads brings, so that the pieces and the end one read
+        carries leave the core in one send.
+        """
+        return self._sink.gathered()
 
     def finished(self) -> ModelUnavailable | None:
         """

@@ -299,7 +299,14 @@ class Connection(Protocol):
             self._buffer += data
         else:
             self._buffer = data
-        self._parse()
+        # A reader that can gather its writes (a relay: WatchedBody.gathered) has what
+        # this read brings, the body's end among it, leave for its client in one send.
+        gathered = getattr(self._reader, "gathered", None)
+        if gathered is None:
+            self._parse()
+            return
+        with gathered():
+            self._parse()
 
     def _parse(self) -> None:
         if self._parsing:

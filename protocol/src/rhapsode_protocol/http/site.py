@@ -32,9 +32,10 @@ import json
 import re
 import secrets
 import socket
+from contextlib import contextmanager
 from http import HTTPStatus
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -64,6 +65,7 @@ __all__ = [
     "HandlerResource",
     "Route",
     "Routes",
+    "gathered",
     "no_such_path",
     "reason_phrase",
     "request_id_of",
@@ -103,7 +105,7 @@ _BETWEEN, _HEAD, _BODY, _HANDLING = "between", "head", "body", "handling"
 #: checks that a real socket transport still has every one of them, so an upgrade that
 #: renames one fails the suite rather than quietly costing a turn of the loop per write.
 QUEUE_ATTRIBUTES = ("connected", "disconnecting", "_writeDisconnected", "producerPaused",
-                    "dataBuffer", "offset", "_tempDataBuffer")
+                    "dataBuffer", "offset", "_tempDataBuffer", "_aborting")
 
 
 #: The phrases RFC 9110 renamed, which this Python's http.HTTPStatus still spells the old way.
@@ -155,9 +157,31 @@ def _nothing_queued(transport: Any) -> bool:
             and not transport.producerPaused
             and len(transport.dataBuffer) == transport.offset
             and not transport._tempDataBuffer
+            # Aborted (tcp.Connection's own flag): its bytes must never leave.
+            and not getattr(transport, "_aborting", False)
         )
     except AttributeError:
         return False
+
+
+@contextmanager
+def gathered(request: Any) -> Iterator[None]:
+    """
+    While inside, what is written to C{request}'s connection is gathered, and it leaves
+    in one send at the end, or when the request finishes, whichever is first
+    (L{EagerChannel.hold}, L{EagerChannel.flush}): a stream's last audio and its end, which
+    are written one after the other in one turn of the loop.  Nothing for a request on any
+    other channel.  Hold it only within one turn: nothing leaves until it ends.
+    """
+    channel = getattr(request, "channel", None)
+    if not isinstance(channel, EagerChannel):
+        yield
+        return
+    channel.hold()
+    try:
+        yield
+    finally:
+        channel.release()
 
 
 def send_now(transport: Any, data: bytes) -> None:
@@ -208,6 +232,7 @@ class EagerChannel(http.HTTPChannel):
     """
 
     _held: list[bytes] | None = None
+    _holds = 0
     _host: Any = None
     #: Set by the site that built this channel (twisted.web's Site.buildProtocol).
     site: Any = None
@@ -428,12 +453,31 @@ class EagerChannel(http.HTTPChannel):
     # -- sending --------------------------------------------------------------------------
 
     def hold(self) -> None:
+        """
+        Gather what is written from now until the matching L{release}; holds nest, and
+        only the outermost release sends.
+        """
+        self._holds += 1
         if self._held is None:
             self._held = []
 
     def release(self) -> None:
+        self._holds = max(self._holds - 1, 0)
+        if self._holds:
+            return
         held, self._held = self._held, None
         if held:
+            send_now(self.transport, b"".join(held))
+
+    def flush(self) -> None:
+        """
+        Send what is held now, still holding what comes after: a request finishing
+        inside a hold has all it wrote in the transport before anybody hears it finished
+        (and before a connection that does not persist is closed).
+        """
+        held = self._held
+        if held:
+            self._held = []
             send_now(self.transport, b"".join(held))
 
     def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
@@ -678,6 +722,12 @@ class EagerRequest(server.Request):
             super().write(data)
         finally:
             channel.release()
+
+    def finish(self) -> None:
+        channel = self.channel
+        if isinstance(channel, EagerChannel):
+            channel.flush()
+        super().finish()
 
     def connectionLost(self, reason: Failure) -> None:
         site = getattr(self.channel, "site", None)
