@@ -5,7 +5,8 @@ chatterbox-tts's loader fixes the sizes, so a smaller checkpoint would not load)
 from a hub of our own on loopback by the real client, at the commit the adapter pins,
 resuming a transfer cut short; loaded by chatterbox-tts's from_local; spoken with the
 speech tokens capped at a handful (random weights never stop): capabilities, the built-in
-voice, a clone from a clip, 24 kHz speech with its watermark, memory given back by an
+voice, a clone from a clip, 24 kHz speech with its watermark, the same worker behind a
+real core through /speak, the OpenAI shim, MCP and the WebSocket, memory given back by an
 unload, and the conformance checker.  Content is never asserted.
 
 The checkpoint (3.2 GB) is built once into the test-weights cache outside the tree; the
@@ -14,17 +15,26 @@ worker's load takes about 7 GB of memory.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import json
 import os
+import subprocess
+import urllib.request
 import wave
+from pathlib import Path
 from typing import Any, AsyncIterator
 
+import mcp_types
+import openai
 import pytest
 import pytest_twisted
 from _torch import Built, Served, build, conform, logged, pins, serve
-from _worker import deferred_raw, resident_kib
+from _worker import deferred_raw, engine_python, resident_kib, serving_core
+from mcp import Client
 from test_conform import check_summary, failures, lines_of
+from test_speech_stream import speak as stream_speak
 from test_voices_dialogue import create, sine_wav
 from twisted.internet.threads import deferToThread
 
@@ -153,6 +163,83 @@ async def test_clone_and_speak_in_it(chatterbox: Served) -> None:
     assert len(pcm) > 0
     assert any("conditioning for narrator" in line for line in await logged(
         chatterbox.worker, lambda ls: any("conditioning for narrator" in x for x in ls)))
+
+
+def pcm_of(data: bytes) -> bytes:
+    """A WAV's PCM, once it says 24 kHz mono 16-bit."""
+    with wave.open(io.BytesIO(data)) as audio:
+        assert (audio.getframerate(), audio.getnchannels(), audio.getsampwidth()) == (RATE, 1, 2)
+        return audio.readframes(audio.getnframes())
+
+
+def through_a_core(socket_path: str, tmp: Path) -> None:
+    """
+    A real core fronting the running worker by its socket, and one request through each
+    door: /speak, the shim by the official SDK, MCP's speak tool by the official client,
+    and the WebSocket stream.  Blocking: run off the reactor, which keeps reading the
+    worker's log meanwhile.
+    """
+    engines = {"chatterbox": {"url": f"unix:{socket_path}"}}
+    # Hang guards only: a generation at real size on a loaded CPU takes tens of seconds.
+    with serving_core(tmp, engines, workers={"stallSeconds": 600, "unresponsiveSeconds": 120}) as (_, port):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/speak", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"engine": "chatterbox", "text": "Through the core.", "format": "wav",
+                             "stream": False, "seed": 5}).encode())
+        with urllib.request.urlopen(request, timeout=600) as response:
+            assert pcm_of(response.read())
+
+        # Neither the shim nor MCP carries a seed: an unlucky draw is drawn again.
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        assert pcm_of(sdk.audio.speech.create(model="chatterbox", voice="narrator", input="Through the shim.",
+                                              response_format="wav").content)
+
+        async def session() -> mcp_types.CallToolResult:
+            async with Client(f"http://127.0.0.1:{port}/mcp", read_timeout_seconds=600) as client:
+                return await client.call_tool("speak", {"engine": "chatterbox", "text": "Through the tool."})
+
+        result = asyncio.run(asyncio.wait_for(session(), 600))
+        assert result.is_error is False, result.content
+        [audio] = [item for item in result.content if isinstance(item, mcp_types.AudioContent)]
+        assert pcm_of(base64.b64decode(audio.data))
+
+        stream = stream_speak(port, "Through the stream.", model="chatterbox", seed=7)
+        assert [m["error"] for m in stream.frames("audio.done")] == [False], stream.frames("error")
+        assert stream.frames("audio.start")[0]["sample_rate"] == RATE
+        assert stream.audio()
+        stream.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_door_of_a_core_speaks_chatterbox(chatterbox: Served, tmp_path: Path) -> None:
+    """
+    The worker behind a real core (engines.chatterbox.url) answers 24 kHz speech through
+    /speak, the OpenAI shim (a clone's voice), MCP's speak tool and the WebSocket stream.
+    """
+    code, voices = await chatterbox.worker.json("GET", "/voices")
+    if "narrator" not in [v["id"] for v in voices]:
+        code, body = await create(chatterbox.worker, {"id": "narrator", "label": "Narrator"},
+                                  {"reference": ("clip.wav", sine_wav(140, seconds=5.0, rate=RATE))})
+        assert code == 201, body
+    await deferToThread(through_a_core, chatterbox.worker.socket_path, tmp_path)
+
+
+def test_a_draw_with_no_speech_is_drawn_again_then_refused() -> None:
+    """
+    A draw of speech tokens with none S3Gen can decode is drawn again, up to three in
+    all, and never reaches the vocoder (whose own error says nothing a caller can use);
+    past three the request fails as internal, saying what happened.  Run with torch and
+    chatterbox-tts in the engine's virtualenv, the model's T3 replaced by given draws.
+    """
+    script = Path(__file__).resolve().parent / "chatterbox_draws.py"
+    run = subprocess.run([engine_python("chatterbox"), str(script), "5", "0,4", "0,0,0,7"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, again, refused = [json.loads(line) for line in run.stdout.splitlines()]
+    assert first == {"drawn": 1, "samples": 5 * 480}
+    assert again == {"drawn": 2, "samples": 4 * 480}
+    assert refused["drawn"] == 3 and refused["code"] == "internal"
+    assert "before any sound in 3 draws" in refused["message"]
 
 
 @pytest_twisted.ensureDeferred

@@ -24,6 +24,12 @@ One generation stops at 1000 speech tokens (40 s), C{generate()}'s own limit;
 C{RHAPSODE_CHATTERBOX_MAX_TOKENS} lowers it, which is how the tests bound a model of
 random weights, whose stop token never comes.  Text is split at 300 characters (about
 19 s at an ordinary pace) by the SDK.
+
+A draw can end before its first speech token (T3 samples its stop token, or only tokens
+outside S3Gen's vocabulary, which generate() drops), and S3Gen cannot make audio of
+nothing: rather than the vocoder's own error, the tokens are drawn again, up to
+L{DRAWS} times in all, and past that the request fails naming what happened.  A seeded
+request stays reproducible: its later draws follow from the same seed.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ DEFAULT_VOICE = "default"
 MAX_TOKENS = 1000
 MAX_TOKENS_VARIABLE = "RHAPSODE_CHATTERBOX_MAX_TOKENS"
 REFERENCE_SECONDS = (5.0, 20.0)
+#: How many times one generation draws its speech tokens when a draw has none that
+#: S3Gen can decode.
+DRAWS = 3
 
 #: ResembleAI/chatterbox at the commit chatterbox-tts 0.1.7's English files were
 #: published with (its ve, t3_cfg and s3gen safetensors, tokenizer.json and conds.pt).
@@ -102,6 +111,28 @@ def delivered(delivery: str | None, params: Mapping[str, float]) -> tuple[float,
     if delivery == "frantic":
         return min(2.0, exaggeration * 1.5), cfg * 0.6
     return exaggeration, cfg
+
+
+class NoSpeech(Exception):
+    """
+    T3's draw ended before any speech token that S3Gen can decode.
+    """
+
+
+def refuse_empty(model: Any) -> None:
+    """
+    Make C{model}'s S3Gen raise L{NoSpeech} when it is handed no speech tokens, before
+    its vocoder fails on them: on this model object, not in the library's files.
+    """
+    real = model.s3gen.inference
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        tokens = kwargs["speech_tokens"] if "speech_tokens" in kwargs else args[0]
+        if tokens.numel() == 0:
+            raise NoSpeech()
+        return real(*args, **kwargs)
+
+    model.s3gen.inference = checked
 
 
 def max_tokens(environ: Mapping[str, str]) -> int:
@@ -162,6 +193,7 @@ class ChatterboxEngine(Engine):
         if model.watermarker is None:
             raise Internal("resemble-perth gave no watermarker (it needs setuptools<81 for pkg_resources)")
         self._cap_tokens(model)
+        refuse_empty(model)
         self._model = model
         self._builtin = model.conds
         log.info("{variant} loaded from {folder} on {device} in {seconds:.1f} s, at most {cap} speech "
@@ -204,12 +236,20 @@ class ChatterboxEngine(Engine):
         with self._device.cores():
             seeded(request.seed)
             conds = self._conditionals(model, request.voice or DEFAULT_VOICE, exaggeration)
-            # generate() replaces conds.t3 when the exaggeration changes: a copy each time,
-            # so a voice's stored conditioning is never altered by a request.
-            model.conds = Conditionals(conds.t3, conds.gen)
-            with torch.inference_mode():
-                wav = model.generate(request.text, exaggeration=exaggeration, cfg_weight=cfg,
-                                     temperature=float(request.params["temperature"]))
+            for draw in range(1, DRAWS + 1):
+                # generate() replaces conds.t3 when the exaggeration changes: a copy each
+                # time, so a voice's stored conditioning is never altered by a request.
+                model.conds = Conditionals(conds.t3, conds.gen)
+                try:
+                    with torch.inference_mode():
+                        wav = model.generate(request.text, exaggeration=exaggeration, cfg_weight=cfg,
+                                             temperature=float(request.params["temperature"]))
+                    break
+                except NoSpeech:
+                    log.warn("draw {draw} of {draws} ended before any speech token", draw=draw, draws=DRAWS)
+            else:
+                raise Internal(f"Chatterbox ended its speech before any sound in {DRAWS} draws "
+                               "(none of them gave a speech token S3Gen can decode)")
         samples = wav.squeeze(0).detach().cpu().numpy()
         pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2")
         return iter((pcm.tobytes(),))
