@@ -482,7 +482,8 @@ class EagerChannel(http.HTTPChannel):
 
     def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
         if self._held is None or not isinstance(headers, Headers):
-            self.release()
+            # What is held goes first; the holds stay as they were.
+            self.flush()
             super().writeHeaders(version, code, reason, headers)
             return
         held = self._held
