@@ -6,7 +6,8 @@ and a push producer that counts what was asked of it.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from twisted.internet.abstract import FileDescriptor
 from twisted.internet.address import IPv4Address
@@ -94,3 +95,16 @@ class FakeSocket(FileDescriptor):
     def getHost(self) -> IPv4Address:
         self.host_asked += 1
         return self.host
+
+
+@contextmanager
+def recorded(events: list[Any]) -> Iterator[None]:
+    """
+    A gathering (a job's C{gather}, a reader's C{gathered}) that notes in C{events}
+    where it begins ("gather") and where what it held would leave ("sent").
+    """
+    events.append("gather")
+    try:
+        yield
+    finally:
+        events.append("sent")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import pytest
+from _sockets import recorded
 from _worker_fakes import FakePool, ImmediateReactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
@@ -365,13 +366,6 @@ def test_a_steps_last_audio_and_what_its_end_leads_to_are_gathered() -> None:
     """
     events: list[Any] = []
 
-    class Gather:
-        def __enter__(self) -> None:
-            events.append("gather")
-
-        def __exit__(self, *exc: Any) -> None:
-            events.append("sent")
-
     def speak() -> Iterator[bytes]:
         yield b"first"
         yield b"second"
@@ -380,7 +374,7 @@ def test_a_steps_last_audio_and_what_its_end_leads_to_are_gathered() -> None:
     model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)
     scheduler = Scheduler(ImmediateReactor(), pool, model)
     job = Job("a", [speak, speak], events.append, on_step=lambda index: events.append(f"joint {index}"),
-              gather=Gather)
+              gather=lambda: recorded(events))
     job.done.addCallback(lambda _: events.append("done"))
     scheduler.submit(job)
     pool.run_all()

@@ -6,10 +6,11 @@ failures mid-body and connection reuse.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
-from _sockets import FakeSocket
+from _sockets import FakeSocket, recorded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
@@ -130,16 +131,9 @@ def test_a_reader_that_gathers_gets_one_read_s_pieces_and_end_inside_one_gatheri
     """
     events: list[str] = []
 
-    class Gathering:
-        def __enter__(self) -> None:
-            events.append("gather")
-
-        def __exit__(self, *exc: Any) -> None:
-            events.append("sent")
-
     class GatheringReader(Reader):
-        def gathered(self) -> Gathering:
-            return Gathering()
+        def gathered(self) -> AbstractContextManager[None]:
+            return recorded(events)
 
         def dataReceived(self, data: bytes) -> None:
             super().dataReceived(data)
