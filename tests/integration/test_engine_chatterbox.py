@@ -65,6 +65,13 @@ async def chatterbox(built: Built, tmp_path_factory: pytest.TempPathFactory) -> 
     await served.stop()
 
 
+def pcm_of(data: bytes) -> bytes:
+    """A WAV's PCM, once it says 24 kHz mono 16-bit."""
+    with wave.open(io.BytesIO(data)) as audio:
+        assert (audio.getframerate(), audio.getnchannels(), audio.getsampwidth()) == (RATE, 1, 2)
+        return audio.readframes(audio.getnframes())
+
+
 async def wav(served: Served, body: dict[str, Any]) -> bytes:
     """
     A buffered WAV from /speak: its format checked, its PCM returned.  Seeded: with random
@@ -75,9 +82,7 @@ async def wav(served: Served, body: dict[str, Any]) -> bytes:
     response = await deferred_raw(served.worker.socket_path, "POST", "/speak",
                                   json.dumps({"format": "wav", "stream": False, "seed": 11, **body}).encode())
     assert response.status == 200, response.body[:500]
-    with wave.open(io.BytesIO(response.body)) as audio:
-        assert (audio.getframerate(), audio.getnchannels(), audio.getsampwidth()) == (RATE, 1, 2)
-        return audio.readframes(audio.getnframes())
+    return pcm_of(response.body)
 
 
 @pytest_twisted.ensureDeferred
@@ -163,13 +168,6 @@ async def test_clone_and_speak_in_it(chatterbox: Served) -> None:
     assert len(pcm) > 0
     assert any("conditioning for narrator" in line for line in await logged(
         chatterbox.worker, lambda ls: any("conditioning for narrator" in x for x in ls)))
-
-
-def pcm_of(data: bytes) -> bytes:
-    """A WAV's PCM, once it says 24 kHz mono 16-bit."""
-    with wave.open(io.BytesIO(data)) as audio:
-        assert (audio.getframerate(), audio.getnchannels(), audio.getsampwidth()) == (RATE, 1, 2)
-        return audio.readframes(audio.getnframes())
 
 
 def through_a_core(socket_path: str, tmp: Path) -> None:
