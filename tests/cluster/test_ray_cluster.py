@@ -213,6 +213,8 @@ def test_a_node_that_dies_mid_stream_cuts_it_and_its_model_moves(cluster: dict[s
     an error, never a clean end; the next request for tone succeeds within 10 s on
     another node, which evicted its own model to load it.
     """
+    if "served" not in cluster:
+        pytest.fail("the first test did not finish, so which node holds tone is not known")
     served = cluster["served"]
     connection = http.client.HTTPConnection("127.0.0.1", cluster["front"], timeout=ANSWER_SECONDS)
     body = json.dumps({"engine": "tone", "text": "A long sentence for the stream. " * 12, "format": "pcm"})
@@ -235,6 +237,7 @@ def test_a_node_that_dies_mid_stream_cuts_it_and_its_model_moves(cluster: dict[s
     nodes = {n["node"]: n for n in get(cluster["app"] + "/_nodes")}
     models = get(nodes[moved]["url"] + "/residency")["models"]
     assert [m["engine"] for m in models] == ["tone"]
+    cluster["moved"] = moved
 
 
 def test_a_model_no_node_can_take_waits_and_fails_retryable(cluster: dict[str, Any]) -> None:
@@ -243,6 +246,8 @@ def test_a_model_no_node_can_take_waits_and_fails_retryable(cluster: dict[str, A
     (the node's evictionWaitSeconds) and fails retryable, and no leased model anywhere
     is evicted.
     """
+    if "moved" not in cluster:
+        pytest.fail("the second test did not finish, so no node was removed")
     # The removed node leaves the directory within a few health checks.
     wait_for(lambda: len(get(cluster["app"] + "/_nodes")) == 2, 60, "the removed node forgotten")
     nodes = {n["node"]: n for n in get(cluster["app"] + "/_nodes")}

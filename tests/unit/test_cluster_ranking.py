@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rhapsode._cluster.ranking import PROMISE_SECONDS, Candidate, NodeReport, model_of, promise, rank, still_promised
+from rhapsode._cluster.ranking import (
+    PROMISE_SECONDS, REMEMBER_SECONDS, SPILL_SECONDS, Candidate, NodeReport, Sent, model_of, offered, promise, rank,
+    still_promised,
+)
 
 
 def report(*resident: tuple[str, str, int], slots: int = 0, free: int | None = None,
@@ -169,3 +172,98 @@ def test_among_nodes_that_can_evict_the_coldest_model_goes_first() -> None:
     cold = Candidate("cold", used("2026-12-01T09:59:59.500Z"))
     assert rank([warm, cold], "tone/classic") == [["cold"], ["warm"]]
     assert rank([cold, warm], "tone/classic") == [["cold"], ["warm"]]
+
+
+def test_a_model_sent_to_a_node_is_remembered_until_its_report_shows_it_or_it_grows_old() -> None:
+    """
+    A router remembers the node it sent a model to, as that model's holder there and a
+    slot taken for any other model, through reports that show neither the model nor its
+    promise (a report the replica made before it answered the route is such a one);
+    it forgets once a report shows the model resident or promised, or after
+    REMEMBER_SECONDS.
+    """
+    def nodes(a: NodeReport) -> list[tuple[str, str, NodeReport]]:
+        return [("a", "A", a), ("b", "B", report(slots=1))]
+
+    for shown in (report(("tone", "v1", 0)), report(slots=1, promised=("tone/v1",))):
+        sent: Sent[str] = Sent()
+        sent.record("tone/v1", "a", 100.0)
+        for later in (report(slots=1), report(slots=1), report(slots=1)):
+            held = {c.replica: (c.sent, c.pending) for c in sent.candidates(nodes(later), "tone/v1", 101.0)}
+            assert held == {"A": (True, 0), "B": (False, 0)}
+            other = {c.replica: (c.sent, c.pending) for c in sent.candidates(nodes(later), "piper/medium", 101.0)}
+            assert other == {"A": (False, 1), "B": (False, 0)}
+        assert [(c.sent, c.pending) for c in sent.candidates(nodes(shown), "piper/medium", 102.0)] == [(False, 0)] * 2
+        # Forgotten: a report that no longer shows it does not bring it back.
+        assert [(c.sent, c.pending) for c in sent.candidates(nodes(report(slots=1)), "tone/v1", 102.0)] == [(False, 0)] * 2
+
+    sent = Sent()
+    sent.record("tone/v1", "a", 100.0)
+    assert [c.sent for c in sent.candidates(nodes(report(slots=1)), "tone/v1", 100.0 + REMEMBER_SECONDS)] == [True, False]
+    assert [c.sent for c in sent.candidates(nodes(report(slots=1)), "tone/v1", 100.1 + REMEMBER_SECONDS)] == [False, False]
+    sent.record("tone/v1", "a", 200.0)
+    assert [c.sent for c in sent.candidates([("b", "B", report(slots=1))], "tone/v1", 200.5)] == [False]
+    assert [c.sent for c in sent.candidates(nodes(report(slots=1)), "tone/v1", 200.5)] == [False, False]
+
+
+def test_a_route_for_an_engine_alone_is_not_remembered() -> None:
+    """
+    What a router sends for an engine alone (the front's capabilities and health calls,
+    every second, which load nothing) is neither a holder of any model nor a slot taken
+    on its node.
+    """
+    sent: Sent[str] = Sent()
+    for engine in ("tone", "piper", ""):
+        sent.record(engine, "a", 100.0)
+    nodes = [("a", "A", report(slots=1)), ("b", "B", report(slots=1))]
+    for model in ("tone/v1", "piper/medium", "tone"):
+        assert [(c.sent, c.pending) for c in sent.candidates(nodes, model, 100.5)] == [(False, 0), (False, 0)]
+
+
+def test_three_models_back_to_back_load_on_three_nodes_however_late_the_reports() -> None:
+    """
+    Three models sent one after another, to three nodes whose reports are all from
+    before any route (and whose replicas the front asked for each engine alone in
+    between): each model ranks its own node first, every round, and a fourth finds no
+    room anywhere.
+    """
+    sent: Sent[str] = Sent()
+    stale = [(key, key.upper(), report(slots=1)) for key in ("a", "b", "c")]
+    chosen: dict[str, str] = {}
+    for now, model in enumerate(("tone/v1", "espeak/default", "piper/medium")):
+        ranks = rank(sent.candidates(stale, model, 100.0 + now / 10), model)
+        assert len(ranks[0]) == 3 - now, ranks  # the nodes not yet sent a model
+        where = sorted(ranks[0])[0]
+        chosen[model] = where
+        sent.record(model, where.lower(), 100.0 + now / 10)
+        sent.record(model_of(model)[0], "abc"[(now + 1) % 3], 100.0 + now / 10)
+    assert sorted(chosen.values()) == ["A", "B", "C"]
+    for round_ in range(1, 4):
+        for model, where in chosen.items():
+            assert rank(sent.candidates(stale, model, 101.0 + round_ / 10), model)[0] == [where]
+    fourth = sent.candidates(stale, "kokoro/v1", 102.0)
+    assert [(c.sent, c.pending) for c in fourth] == [(False, 1)] * 3
+    # No room on any: one rank of all three, where a node with room would come first.
+    spare = ("d", "D", report(slots=1))
+    assert rank(sent.candidates([*stale, spare], "kokoro/v1", 102.0), "kokoro/v1") == [["D"], ["A", "B", "C"]]
+
+
+def test_a_request_is_offered_its_best_rank_alone_until_it_has_waited_spill_seconds() -> None:
+    """
+    Serve passes a request to a later rank when the best rank's replicas miss its
+    queue-length probe's deadline, which a loaded box does: a later rank would load
+    the model on a second node.  So the router offers the best rank alone (Serve asks
+    it again, with longer deadlines) until the request has waited SPILL_SECONDS, then
+    every rank, best first; a single rank is offered as it is.
+    """
+    holder = Candidate("holder", report(("piper", "medium", 0)))
+    room = Candidate("room", report(slots=1))
+    full = Candidate("full", report(("tone", "v1", 0)))
+    ranks = rank([full, room, holder], "piper/medium")
+    assert ranks == [["holder"], ["room"], ["full"]]
+    assert offered(ranks, 0.0) == [["holder"]]
+    assert offered(ranks, SPILL_SECONDS - 0.01) == [["holder"]]
+    assert offered(ranks, SPILL_SECONDS) == ranks
+    assert offered(ranks, 0.5, spill_seconds=0.5) == ranks
+    assert offered([["a", "b"]], 0.0) == [["a", "b"]]
+    assert offered([], 0.0) == []

@@ -29,7 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, Iterable, Mapping, Sequence, TypeVar
 
-__all__ = ["PROMISE_SECONDS", "SPREAD_AT", "Candidate", "NodeReport", "model_of", "promise", "rank", "still_promised"]
+__all__ = [
+    "PROMISE_SECONDS", "REMEMBER_SECONDS", "SPILL_SECONDS", "SPREAD_AT", "Candidate", "NodeReport", "Sent", "model_of",
+    "offered", "promise", "rank", "still_promised",
+]
 
 #: Leases on a model at which the node holding it counts as busy with it, and a node
 #: with room is preferred (a second copy loads there).
@@ -37,8 +40,14 @@ SPREAD_AT = 2
 #: How long a model a replica answered a route for counts as coming to its node (its
 #: report's C{promised}) while the node's own residency does not show it yet.
 PROMISE_SECONDS = 10.0
+#: How long a model a router sent to a node counts as that node's while the node's own
+#: reports show it neither resident nor promised (a few report periods).
+REMEMBER_SECONDS = 5.0
+#: How long a request is offered only its best rank before the ranks after it too.
+SPILL_SECONDS = 5.0
 
 _R = TypeVar("_R")
+_K = TypeVar("_K")
 
 
 def model_of(model_id: str) -> tuple[str, str | None]:
@@ -70,8 +79,6 @@ class NodeReport:
     #: Whether the node has reported at all: one that has not (just started) is taken to
     #: have one free slot, so a burst at a new cluster spreads over its fresh nodes.
     known: bool = True
-    #: The node's count of its own reports: a later one has seen what was sent before it.
-    number: int = 0
     #: Models its replica was routed (it answered C{/_route} for them) that the node does
     #: not hold yet: the front's request is on its way (C{engine/variant} routing keys).
     promised: frozenset[str] = frozenset()
@@ -99,7 +106,6 @@ class NodeReport:
             free_bytes=int(free) if isinstance(free, int) else None,
             lru_leases=int(oldest.get("leases", 0)) if oldest is not None else None,
             lru_used=str(oldest.get("lastUsedAt", "")) if oldest is not None else "",
-            number=int(stats.get("report", 0)),
             promised=frozenset(str(m) for m in stats.get("promised") or () if isinstance(m, str)),
         )
 
@@ -181,6 +187,73 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
         [c.replica for c in _by_leases(rest)],
     ]
     return [r for r in ranks if r]
+
+
+class Sent(Generic[_K]):
+    """
+    A router's memory of where it sent each model, keyed by its own handle on each node
+    (C{_K}), until that node's report shows the model resident or promised, or for
+    L{REMEMBER_SECONDS} at most.
+
+    A report made after the routing is not enough to forget it: the replica may have
+    made that report before it answered the route (its promise comes with the answer),
+    so the report shows neither the model nor its promise, and the node would read as
+    room for another model and as a stranger to this one.  And only models are
+    remembered, never an engine alone: a route for an engine loads nothing (the front
+    asks so every second for capabilities and health), and remembered it would take a
+    slot on that node that no model ever fills.
+    """
+
+    def __init__(self) -> None:
+        #: model -> (the node it was sent to, when).
+        self._sent: dict[str, tuple[_K, float]] = {}
+
+    def record(self, model_id: str, where: _K, now: float) -> None:
+        """
+        The router sent a request for C{model_id} to the node C{where} at C{now}.
+        """
+        engine, variant = model_of(model_id or "")
+        if engine and variant:
+            self._sent[model_id] = (where, now)
+
+    def candidates(self, nodes: Sequence[tuple[_K, _R, NodeReport]], model_id: str, now: float) -> list[Candidate[_R]]:
+        """
+        The candidates for a request for C{model_id} among C{nodes} (each node's key,
+        the router's replica for it, and its report), with what was sent to each; what
+        the nodes' reports now show, or that grew old, is forgotten first.
+        """
+        reports = {key: report for key, _, report in nodes}
+        for other, (where, when) in list(self._sent.items()):
+            report = reports.get(where)
+            engine, variant = model_of(other)
+            if (now - when > REMEMBER_SECONDS or report is None or report.holds(engine, variant) is not None
+                    or report.expects(engine, variant)):
+                del self._sent[other]
+        sent = self._sent.get(model_id)
+        return [
+            Candidate(
+                replica, report, sent=sent is not None and sent[0] == key,
+                pending=sum(1 for other, (where, _) in self._sent.items() if other != model_id and where == key),
+            )
+            for key, replica, report in nodes
+        ]
+
+
+def offered(ranks: list[list[_R]], waited: float, spill_seconds: float = SPILL_SECONDS) -> list[list[_R]]:
+    """
+    The ranks a router offers Serve for a request that has waited C{waited} seconds to
+    be routed: the best alone, until C{spill_seconds}; then all of them, best first.
+
+    Serve passes a request to the next rank not only when every replica of a rank has
+    its most requests but also when none answered its queue-length probe within the
+    probe's deadline (a tenth of a second at first).  On a loaded box that happens: a
+    request for a model went to a node that had to evict its own model to load it, and
+    the next request for that one evicted another's.  Offered the best rank alone, a
+    request whose probes are late waits while Serve asks again, with longer deadlines;
+    a best rank that stays unable to take it (its replicas full, or gone, which Serve
+    removes) gives way to the rest after C{spill_seconds}.
+    """
+    return ranks if waited >= spill_seconds else ranks[:1]
 
 
 def promise(routed: dict[str, float], model_id: str, now: float) -> None:
