@@ -212,8 +212,7 @@ class Sent(Generic[_K]):
         """
         The router sent a request for C{model_id} to the node C{where} at C{now}.
         """
-        engine, variant = model_of(model_id or "")
-        if engine and variant:
+        if _names_model(model_id):
             self._sent[model_id] = (where, now)
 
     def candidates(self, nodes: Sequence[tuple[_K, _R, NodeReport]], model_id: str, now: float) -> list[Candidate[_R]]:
@@ -265,8 +264,7 @@ def promise(routed: dict[str, float], model_id: str, now: float) -> None:
     would never be kept: it would hold a slot and draw the engine's models to a node
     that is never sent them.
     """
-    engine, variant = model_of(model_id or "")
-    if engine and variant:
+    if _names_model(model_id):
         routed[model_id] = now
 
 
@@ -287,6 +285,12 @@ def still_promised(routed: dict[str, float], stats: Mapping[str, Any], now: floa
         if key in held or now - when > PROMISE_SECONDS:
             del routed[key]
     return sorted(routed)
+
+
+def _names_model(model_id: str) -> bool:
+    # engine/variant, as a request that loads a model is routed; an engine alone is not.
+    engine, variant = model_of(model_id or "")
+    return bool(engine and variant)
 
 
 def _by_leases(candidates: Iterable[Candidate[_R]]) -> list[Candidate[_R]]:

@@ -53,13 +53,13 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
         model = self._model_of(pending_request)
-        if not model:
+        if pending_request is None or not model:
             return [candidate_replicas]
         nodes = [(replica.replica_id, replica, NodeReport.read(replica.routing_stats)) for replica in candidate_replicas]
         candidates = self._memory().candidates(nodes, model, time.monotonic())
         ranked: List[List[RunningReplica]] = rank(candidates, model, getattr(self, "_spread_at", SPREAD_AT))
         # Serve's own record of when the request came, by the wall clock.
-        waited = time.time() - float(getattr(pending_request, "created_at", 0.0) or 0.0)
+        waited = time.time() - pending_request.created_at
         return offered(ranked, waited)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:

@@ -82,9 +82,6 @@ class NodeDoor:
         self.routes = routes
         self.requests = requests
         self._memory = memory
-        #: How many times the node has said its state: a router tells a report newer than
-        #: what it last acted on by it.
-        self._reports = 0
 
     def handlers(self) -> dict[str, Callable[..., Any]]:
         """
@@ -114,10 +111,8 @@ class NodeDoor:
         is resident and leased, how much room is left, and the machine's memory.
         """
         snapshot = self.residency.snapshot()
-        self._reports += 1
         return {
             "node": self.name,
-            "report": self._reports,
             "engines": self.registry.ids(),
             "residency": snapshot,
             "slots": max(0, snapshot["max"] - snapshot["resident"]),
