@@ -6,11 +6,14 @@ from a hub of our own on loopback by the real client, at the commit the adapter 
 resuming a transfer cut short; loaded by chatterbox-tts's from_local; spoken with the
 speech tokens capped at a handful (random weights never stop): capabilities, the built-in
 voice, a clone from a clip, 24 kHz speech with its watermark, the same worker behind a
-real core through /speak, the OpenAI shim, MCP and the WebSocket, memory given back by an
-unload, and the conformance checker.  Content is never asserted.
+real core through /speak, the OpenAI shim, MCP and the WebSocket, the multilingual variant
+(its languages, a switch to it from the English one that gives the English model's memory
+back and asks nothing of the hub while loading, speech in French, a clone in German, a
+language it does not declare refused), memory given back by an unload, and the
+conformance checker.  Content is never asserted.
 
-The checkpoint (3.2 GB) is built once into the test-weights cache outside the tree; the
-worker's load takes about 7 GB of memory.
+The checkpoint (both builds, 6.4 GB) is built once into the test-weights cache outside
+the tree; the worker's load takes about 7 GB of memory, one model at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import mcp_types
 import openai
 import pytest
 import pytest_twisted
-from _torch import Built, Served, build, conform, logged, pins, serve
+from _torch import Built, Served, build, conform, logged, messages, pins, serve
 from _worker import deferred_raw, engine_python, resident_kib, serving_core
 from mcp import Client
 from test_conform import check_summary, failures, lines_of
@@ -40,12 +43,24 @@ from twisted.internet.threads import deferToThread
 
 RATE = 24_000
 VARIANT = "original"
+MULTILINGUAL = "multilingual"
 REPO = "ResembleAI/chatterbox"
+#: The files each variant fetches (the names each loader reads).
+FILES = {
+    VARIANT: {"ve.safetensors", "t3_cfg.safetensors", "s3gen.safetensors", "tokenizer.json", "conds.pt"},
+    MULTILINGUAL: {"ve.pt", "t3_mtl23ls_v2.safetensors", "s3gen.pt", "grapheme_mtl_merged_expanded_v1.json",
+                   "conds.pt", "Cangjie5_TC.json"},
+}
+#: chatterbox-tts 0.1.7's 23 languages less Japanese (pykakasi, GPL, is not installed) and
+#: Chinese (spacy-pkuseg's model would be downloaded at load), English first.
+LANGUAGES = ["en", "ar", "da", "de", "el", "es", "fi", "fr", "he", "hi", "it", "ko", "ms", "nl", "no", "pl", "pt",
+             "ru", "sv", "sw", "tr"]
 TOKENS = "3"
 #: make test-heavy: the conformance checker too, some forty generations at real size on
 #: a CPU (about 10 s each), too long for every push.
 HEAVY = os.environ.get("RHAPSODE_TEST_HEAVY") == "1"
-UNDEMONSTRABLE = {f"delivery {d} changes the audio in variant original" for d in ("hushed", "frantic")}
+UNDEMONSTRABLE = {f"delivery {d} changes the audio in variant {v}"
+                  for d in ("hushed", "frantic") for v in (VARIANT, MULTILINGUAL)}
 #: Where the test hub cuts the first download of T3's weights: past the client's 10 MiB
 #: read size, so that what arrived is kept and the rest asked for with a Range.
 CUT = 24 << 20
@@ -59,8 +74,10 @@ def built() -> Built:
 @pytest_twisted.async_yield_fixture(scope="module")
 async def chatterbox(built: Built, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
     """One Chatterbox worker for the module, fetching from the test hub into a cache of its own."""
-    served = await serve("chatterbox", built, tmp_path_factory.mktemp("chatterbox"),
-                         {"RHAPSODE_CHATTERBOX_MAX_TOKENS": TOKENS})
+    tmp = tmp_path_factory.mktemp("chatterbox")
+    # Where spacy-pkuseg would download its segmenter's model: it must stay absent.
+    served = await serve("chatterbox", built, tmp, {"RHAPSODE_CHATTERBOX_MAX_TOKENS": TOKENS,
+                                                     "PKUSEG_HOME": str(tmp / "pkuseg")})
     yield served
     await served.stop()
 
@@ -108,6 +125,25 @@ async def test_capabilities_and_voices_before_any_load(chatterbox: Served) -> No
 
 
 @pytest_twisted.ensureDeferred
+async def test_the_multilingual_variant_declares_the_languages_it_speaks(chatterbox: Served) -> None:
+    """
+    Variant multilingual lists the languages this stack speaks, English first, without
+    Japanese or Chinese, with the English variant's dials, deliveries and cloning; the
+    licence notes say which were left out and why.
+    """
+    code, caps = await chatterbox.worker.json("GET", "/capabilities")
+    assert code == 200
+    variant, original = caps["variants"][MULTILINGUAL], caps["variants"][VARIANT]
+    assert variant["languages"] == LANGUAGES
+    assert original["languages"] == ["en"]
+    for key in ("dials", "deliveries", "cloning"):
+        assert variant[key] == original[key], key
+    assert caps["defaultVariant"] == VARIANT
+    notes = caps["license"]["notes"]
+    assert "not Japanese" in notes and "pykakasi" in notes and "not Chinese" in notes
+
+
+@pytest_twisted.ensureDeferred
 async def test_pull_at_the_pinned_commit_resuming(chatterbox: Served, built: Built) -> None:
     """
     POST /fetch downloads the five files through huggingface_hub at the commit the
@@ -120,9 +156,8 @@ async def test_pull_at_the_pinned_commit_resuming(chatterbox: Served, built: Bui
     code, body = await chatterbox.worker.json("POST", "/fetch", {"variant": VARIANT})
     assert code == 204, body
     snapshot = chatterbox.cache / "models--ResembleAI--chatterbox" / "snapshots" / commit
-    names = sorted(p.name for p in built.repos[REPO].iterdir() if not p.name.startswith("."))
-    assert sorted(p.name for p in snapshot.iterdir()) == names
-    for name in names:
+    assert {p.name for p in snapshot.iterdir()} == FILES[VARIANT]
+    for name in FILES[VARIANT]:
         assert (snapshot / name).stat().st_size == (built.repos[REPO] / name).stat().st_size
     resumed = [asked for path, asked in chatterbox.hub.ranges if path == "t3_cfg.safetensors" and asked]
     assert resumed and resumed[0].startswith("bytes=") and int(resumed[0][6:].rstrip("-")) > 0
@@ -240,6 +275,90 @@ def test_a_draw_with_no_speech_is_drawn_again_then_refused() -> None:
     assert "before any sound in 3 draws" in refused["message"]
 
 
+async def loaded_as(served: Served, variant: str) -> dict[str, Any]:
+    """The worker's /health once C{variant} is loaded, loading it by a short speak if not."""
+    code, health = await served.worker.json("GET", "/health")
+    if health["model"] != "loaded" or health.get("variant") != variant:
+        await wav(served, {"text": "Load me.", "variant": variant})
+        code, health = await served.worker.json("GET", "/health")
+    assert health["model"] == "loaded" and health["variant"] == variant, health
+    return health
+
+
+@pytest_twisted.ensureDeferred
+async def test_switching_to_multilingual_gives_the_english_model_back_and_speaks_french(
+    chatterbox: Served, built: Built
+) -> None:
+    """
+    The multilingual files are pulled at the pinned commit; a /speak in French to variant
+    multilingual, with the English variant loaded, unloads it (the resident set grows by
+    far less than the new model) and loads the multilingual one through chatterbox-tts's
+    own loader without a request to the hub or a download of spacy-pkuseg's model, its
+    tokenizer reading the snapshot's Cangjie table; the answer is 24 kHz audio.
+    """
+    english = await loaded_as(chatterbox, VARIANT)
+    code, body = await chatterbox.worker.json("POST", "/fetch", {"variant": MULTILINGUAL})
+    assert code == 204, body
+    commit = pins("chatterbox")[REPO]
+    snapshot = chatterbox.cache / "models--ResembleAI--chatterbox" / "snapshots" / commit
+    assert {p.name for p in snapshot.iterdir()} == FILES[VARIANT] | FILES[MULTILINGUAL]
+    for name in FILES[MULTILINGUAL]:
+        assert (snapshot / name).stat().st_size == (built.repos[REPO] / name).stat().st_size
+    asked = len(chatterbox.hub.requests)
+    before = resident_kib(chatterbox.worker.pid) * 1024
+
+    pcm = await wav(chatterbox, {"text": "Bonjour, ceci est un essai.", "variant": MULTILINGUAL, "language": "fr"})
+    assert len(pcm) > 0
+    code, health = await chatterbox.worker.json("GET", "/health")
+    assert health["model"] == "loaded" and health["variant"] == MULTILINGUAL
+    grown = resident_kib(chatterbox.worker.pid) * 1024 - before
+    assert grown < 0.5 * health["modelBytes"], (grown, health["modelBytes"], english["modelBytes"])
+    assert chatterbox.hub.requests[asked:] == []
+    assert not (chatterbox.cache.parent / "pkuseg").exists()
+    lines = await logged(chatterbox.worker, lambda ls: any("Cangjie table" in line for line in ls))
+    [table] = [line for line in lines if "Cangjie table" in line]
+    assert "400 glyphs" in table and f"snapshots/{commit}/Cangjie5_TC.json" in table, table
+    assert any(line.startswith("unloaded original") for line in lines), lines[-20:]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_language_the_multilingual_variant_does_not_declare_is_refused(chatterbox: Served) -> None:
+    """
+    Japanese and Chinese, which the build knows but this stack does not speak, and a tag
+    no variant lists are refused as unsupported naming the language field, listing the
+    languages the variant speaks.
+    """
+    for language in ("ja", "zh", "xx-nope"):
+        response = await deferred_raw(chatterbox.worker.socket_path, "POST", "/speak", json.dumps(
+            {"text": "Hello.", "variant": MULTILINGUAL, "language": language, "stream": False}).encode())
+        assert response.status == 422, (language, response.body[:300])
+        error = json.loads(response.body)["error"]
+        assert error["code"] == "unsupported" and error["field"] == "language", error
+        assert "fr" in error["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_clone_speaks_in_the_multilingual_variant(chatterbox: Served) -> None:
+    """
+    A clone made from a clip is spoken by the multilingual variant, in German: its
+    conditioning is computed by the multilingual model at this first speak after the
+    switch, and the answer is 24 kHz audio.
+    """
+    await loaded_as(chatterbox, MULTILINGUAL)
+    code, voices = await chatterbox.worker.json("GET", "/voices")
+    if "narrator" not in [v["id"] for v in voices]:
+        code, body = await create(chatterbox.worker, {"id": "narrator", "label": "Narrator"},
+                                  {"reference": ("clip.wav", sine_wav(140, seconds=5.0, rate=RATE))})
+        assert code == 201, body
+    computed = sum("conditioning for narrator" in line for line in messages(chatterbox.worker))
+    pcm = await wav(chatterbox, {"text": "Guten Tag, wie geht es Ihnen?", "voice": "narrator",
+                                 "variant": MULTILINGUAL, "language": "de"})
+    assert len(pcm) > 0
+    lines = await logged(chatterbox.worker,
+                         lambda ls: sum("conditioning for narrator" in x for x in ls) > computed)
+    assert sum("conditioning for narrator" in line for line in lines) == computed + 1
+
+
 @pytest_twisted.ensureDeferred
 async def test_unload_gives_the_memory_back(chatterbox: Served) -> None:
     """
@@ -276,3 +395,4 @@ async def test_chatterbox_conforms(chatterbox: Served) -> None:
     check_summary(run)
     passed = set(lines_of(run, "pass  "))
     assert "a seed reproduces audio in variant original" in passed, run.stdout
+    assert "a seed reproduces audio in variant multilingual" in passed, run.stdout

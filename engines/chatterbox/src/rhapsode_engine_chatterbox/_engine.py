@@ -1,19 +1,24 @@
 """
-The Chatterbox engine's adapter: Resemble AI's Chatterbox (English), through chatterbox-tts
-on torch, on the device the core gives the worker.
+The Chatterbox engine's adapter: Resemble AI's Chatterbox, through chatterbox-tts on torch,
+on the device the core gives the worker, as two variants: C{original} (English) and
+C{multilingual} (the build of 23 languages, of which this stack speaks the 21 in
+L{MULTILINGUAL_LANGUAGES}).
 
-The model is three networks and a tokenizer, loaded by chatterbox-tts's own
-C{ChatterboxTTS.from_local} from a snapshot of C{ResembleAI/chatterbox} pinned to one
-commit, fetched through the hub's client (L{rhapsode_worker.hub}): a 0.5B Llama (T3)
-makes speech tokens from text, S3Gen makes 24 kHz audio from them, a voice encoder and
-conditioning taken from a reference clip give the voice.  Every output passes through
-Resemble's Perth watermarker inside C{generate()}: the watermark is imperceptible and is
-in every file this engine makes.
+Each is three networks and a tokenizer, loaded by chatterbox-tts's own loader
+(C{ChatterboxTTS.from_local}, C{ChatterboxMultilingualTTS.from_local}) from a snapshot of
+C{ResembleAI/chatterbox} pinned to one commit, fetched through the hub's client
+(L{rhapsode_worker.hub}): a 0.5B Llama (T3) makes speech tokens from text, S3Gen makes
+24 kHz audio from them, a voice encoder and conditioning taken from a reference clip give
+the voice.  The multilingual T3 reads a language token before the text; the request's
+C{language} is that token.  Its tokenizer would reach the network while it is built
+(L{_multilingual}): the load keeps it to the snapshot on the disk.  Every output passes
+through Resemble's Perth watermarker inside C{generate()}: the watermark is imperceptible
+and is in every file this engine makes.
 
-Voices: the repository's built-in voice (C{conds.pt}) as C{default}, and clones from an
-uploaded clip of 5 to 20 seconds.  A clone stores the clip only; its conditioning is
-computed at its first speak, under the model's lease (section 7), and kept while the
-model is loaded.
+Voices, in both variants: the repository's built-in voice (C{conds.pt}, which both
+builds read) as C{default}, and clones from an uploaded clip of 5 to 20 seconds.  A clone
+stores the clip only; its conditioning is computed by the loaded model at the clone's first
+speak, under the model's lease (section 7), and kept while that model is loaded.
 
 Dials: exaggeration, cfgWeight and temperature, passed to C{generate()} as they are.
 Deliveries are relative to the request's own dials (section 5): hushed halves the
@@ -38,7 +43,7 @@ import os
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, TypeAlias
 
 from rhapsode_worker import (
     Engine,
@@ -59,11 +64,24 @@ from rhapsode_worker.hub import HubSnapshot, fetch, local
 from twisted.logger import Logger
 
 if TYPE_CHECKING:
+    from chatterbox.mtl_tts import ChatterboxMultilingualTTS
     from chatterbox.tts import ChatterboxTTS
+
+    Model: TypeAlias = ChatterboxTTS | ChatterboxMultilingualTTS
 
 log = Logger(namespace="rhapsode_engine_chatterbox")
 
 VARIANT = "original"
+MULTILINGUAL = "multilingual"
+#: What the multilingual variant speaks: chatterbox-tts 0.1.7's SUPPORTED_LANGUAGES, whose
+#: codes are BCP 47's, English first (the default where a request names none), less
+#: Japanese (its kanji reach the model only through pykakasi, GPL-3.0-or-later and not
+#: installed) and Chinese (its text is segmented into words by spacy-pkuseg, whose model
+#: would be downloaded from GitHub at load, which the load does not do: L{_multilingual}).
+#: Hebrew and Russian are spoken as a plain install of chatterbox-tts speaks them, without
+#: the optional packages that add niqqud and stress marks, which it does not depend on.
+MULTILINGUAL_LANGUAGES = ("en", "ar", "da", "de", "el", "es", "fi", "fr", "he", "hi", "it", "ko", "ms", "nl",
+                          "no", "pl", "pt", "ru", "sv", "sw", "tr")
 SAMPLE_RATE = 24_000
 DEFAULT_VOICE = "default"
 #: The speech tokens one generate() may make: its own hard-coded limit (40 s of audio).
@@ -74,30 +92,45 @@ REFERENCE_SECONDS = (5.0, 20.0)
 #: S3Gen can decode.
 DRAWS = 3
 
-#: ResembleAI/chatterbox at the commit chatterbox-tts 0.1.7's English files were
-#: published with (its ve, t3_cfg and s3gen safetensors, tokenizer.json and conds.pt).
+REPO = "ResembleAI/chatterbox"
+#: The commit chatterbox-tts 0.1.7's English files were published with.  The
+#: multilingual files are taken from the same commit: that it holds them (the library's
+#: from_pretrained reads them from "main") is assumed, not checked against the hub.
+REVISION = "5bb1f6ee58e50c3b8d408bc82a6d3740c2db6e18"
+
 SNAPSHOTS: dict[str, HubSnapshot] = {
     VARIANT: HubSnapshot(
-        repo="ResembleAI/chatterbox",
-        revision="5bb1f6ee58e50c3b8d408bc82a6d3740c2db6e18",
+        repo=REPO, revision=REVISION,
         files=("ve.safetensors", "t3_cfg.safetensors", "s3gen.safetensors", "tokenizer.json", "conds.pt"),
+    ),
+    # The files ChatterboxMultilingualTTS.from_pretrained names.
+    MULTILINGUAL: HubSnapshot(
+        repo=REPO, revision=REVISION,
+        files=("ve.pt", "t3_mtl23ls_v2.safetensors", "s3gen.pt", "grapheme_mtl_merged_expanded_v1.json",
+               "conds.pt", "Cangjie5_TC.json"),
     ),
 }
 
-_VARIANTS: dict[str, Variant] = {
-    VARIANT: Variant(
+
+def _variant(languages: Sequence[str]) -> Variant:
+    return Variant(
         deliveries=("hushed", "frantic"),
         dials={
             "exaggeration": (0.25, 2.0, 0.5),
             "cfgWeight": (0.0, 1.0, 0.5),
             "temperature": (0.05, 5.0, 0.8),
         },
-        languages=("en",),
+        languages=languages,
         max_speakers=0,
         blends=False,
         seed_reproducible=True,
         reference_seconds=REFERENCE_SECONDS,
-    ),
+    )
+
+
+_VARIANTS: dict[str, Variant] = {
+    VARIANT: _variant(("en",)),
+    MULTILINGUAL: _variant(MULTILINGUAL_LANGUAGES),
 }
 
 
@@ -146,8 +179,8 @@ def max_tokens(environ: Mapping[str, str]) -> int:
 
 class ChatterboxEngine(Engine):
     """
-    Chatterbox (English): its built-in voice, clones from a clip, three dials, two
-    deliveries; watermarked.
+    Chatterbox, English and multilingual: its built-in voice, clones from a clip, three
+    dials, two deliveries; watermarked.
     """
 
     native_format = NativeFormat(sample_rate=SAMPLE_RATE)
@@ -162,7 +195,9 @@ class ChatterboxEngine(Engine):
         self._cap = max_tokens(self._environ)
         # Before serving: the device is resolved once, and /health never asks it again.
         self._device = device if device is not None else TorchDevice.probe(self._environ)
-        self._model: ChatterboxTTS | None = None
+        self._model: Model | None = None
+        #: The variant of the loaded model (meaningful while there is one).
+        self._variant = VARIANT
         self._conds: dict[str, Any] = {}
         self._builtin: Any = None
 
@@ -185,22 +220,45 @@ class ChatterboxEngine(Engine):
             log.info("torchaudio {audio} does not match torch {torch}: its native extensions are left "
                      "out, and the Python half chatterbox-tts uses is what runs",
                      audio=version("torchaudio"), torch=version("torch"))
-        from chatterbox.tts import ChatterboxTTS
 
         started = time.monotonic()
         with self._device.cores():
-            model = self._device.measured(lambda: ChatterboxTTS.from_local(folder, self._device.name))
+            model = self._device.measured(lambda: self._from_local(variant, folder))
         if model.watermarker is None:
             raise Internal("resemble-perth gave no watermarker (it needs setuptools<81 for pkg_resources)")
         self._cap_tokens(model)
         refuse_empty(model)
         self._model = model
+        self._variant = variant
         self._builtin = model.conds
         log.info("{variant} loaded from {folder} on {device} in {seconds:.1f} s, at most {cap} speech "
                  "tokens a generation", variant=variant, folder=str(folder), device=self._device.name,
                  seconds=time.monotonic() - started, cap=self._cap)
 
-    def _cap_tokens(self, model: "ChatterboxTTS") -> None:
+    def _from_local(self, variant: str, folder: Path) -> "Model":
+        if variant == VARIANT:
+            from chatterbox.tts import ChatterboxTTS
+
+            return ChatterboxTTS.from_local(folder, self._device.name)
+        from chatterbox.mtl_tts import ChatterboxMultilingualTTS
+
+        from ._multilingual import offline_tokenizer
+
+        with offline_tokenizer(SNAPSHOTS[variant], self._environ) as served:
+            model = ChatterboxMultilingualTTS.from_local(folder, self._device.name)
+        # The converter swallows a table it could not read (Chinese alone needs it,
+        # and Chinese is not declared): said here, where the worker's log shows it.
+        glyphs = len(model.tokenizer.cangjie_converter.word2cj)
+        if glyphs:
+            log.info("the tokenizer's Cangjie table, {glyphs} glyphs, read from {files} (the pinned snapshot "
+                     "in the hub's cache, without asking the hub)",
+                     glyphs=glyphs, files=", ".join(served.files))
+        else:
+            log.warn("the tokenizer read no Cangjie table (asked for {files}, refused {refused})",
+                     files=", ".join(served.files) or "none", refused=", ".join(served.refused) or "none")
+        return model
+
+    def _cap_tokens(self, model: "Model") -> None:
         # generate() passes max_new_tokens=1000 itself, so a lower cap has to be applied
         # where T3 receives it: on this model object, not in the library's files.
         if self._cap >= MAX_TOKENS:
@@ -230,20 +288,23 @@ class ChatterboxEngine(Engine):
         model = self._loaded(request.variant)
         import numpy as np
         import torch
-        from chatterbox.tts import Conditionals
 
         exaggeration, cfg = delivered(request.delivery, request.params)
+        # The multilingual T3 reads the language as a token: the declared codes are
+        # chatterbox-tts's own language ids.
+        language = {"language_id": request.language} if self._variant == MULTILINGUAL else {}
         with self._device.cores():
             seeded(request.seed)
             conds = self._conditionals(model, request.voice or DEFAULT_VOICE, exaggeration)
             for draw in range(1, DRAWS + 1):
                 # generate() replaces conds.t3 when the exaggeration changes: a copy each
-                # time, so a voice's stored conditioning is never altered by a request.
-                model.conds = Conditionals(conds.t3, conds.gen)
+                # time (of the loaded build's own Conditionals class), so a voice's stored
+                # conditioning is never altered by a request.
+                model.conds = type(conds)(conds.t3, conds.gen)
                 try:
                     with torch.inference_mode():
                         wav = model.generate(request.text, exaggeration=exaggeration, cfg_weight=cfg,
-                                             temperature=float(request.params["temperature"]))
+                                             temperature=float(request.params["temperature"]), **language)
                     break
                 except NoSpeech:
                     log.warn("draw {draw} of {draws} ended before any speech token", draw=draw, draws=DRAWS)
@@ -254,7 +315,7 @@ class ChatterboxEngine(Engine):
         pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2")
         return iter((pcm.tobytes(),))
 
-    def _conditionals(self, model: "ChatterboxTTS", voice: str, exaggeration: float) -> Any:
+    def _conditionals(self, model: "Model", voice: str, exaggeration: float) -> Any:
         if voice == DEFAULT_VOICE:
             if self._builtin is None:
                 raise Internal("the snapshot has no built-in voice (conds.pt)")
@@ -311,7 +372,7 @@ class ChatterboxEngine(Engine):
             raise Unsupported(f"no variant {variant!r}", field="variant")
         return SNAPSHOTS[variant]
 
-    def _loaded(self, variant: str) -> "ChatterboxTTS":
-        if self._model is None or variant != VARIANT:
+    def _loaded(self, variant: str) -> "Model":
+        if self._model is None or variant != self._variant:
             raise ModelUnavailable(f"variant {variant!r} is not loaded", field="variant")
         return self._model
