@@ -15,7 +15,10 @@ from typing import Any
 from treq.testing import StubTreq
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ConnectionLost
+from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from rhapsode._config import parse_config
@@ -257,28 +260,95 @@ def test_a_cluster_that_names_no_node_is_a_model_unavailable() -> None:
 
 def test_a_cluster_client_keeps_the_clusters_answer_a_moment_and_drops_it_on_failure() -> None:
     """
-    For a second the cluster's answer for a model stands (no second /_route); a request
-    to the node that fails before its answer drops it, so the next asks afresh; and once
-    the second is over the cluster is asked again.
+    For a second the cluster's answer for a model stands for a request made when no
+    other for that model is being answered (no second /_route); a request to the node
+    that fails before its answer drops it, so the next asks afresh; and once the second
+    is over the cluster is asked again.
     """
     clock = MemoryReactorClock()
     app = Routing()
     worker = FakeClient()
     client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: worker, clock)
     headers = {MODEL_HEADER: [b"tone/classic"]}
+    case = SynchronousTestCase()
     first = client.request(b"POST", "/speak", None, headers)
+    worker.pending[0].callback(FakeResponse(200, b"pcm", {}))
+    case.successResultOf(first).deliverBody(Protocol())
     second = client.request(b"POST", "/speak", None, headers)
     assert len(app.requests) == 1 and len(worker.pending) == 2
     worker.pending[1].errback(ConnectionRefusedError())
-    case = SynchronousTestCase()
     case.failureResultOf(second, ConnectionRefusedError)
-    client.request(b"POST", "/speak", None, headers)
+    third = client.request(b"POST", "/speak", None, headers)
     assert len(app.requests) == 2
+    worker.pending[2].callback(FakeResponse(200, b"pcm", {}))
+    case.successResultOf(third).deliverBody(Protocol())
+    fourth = client.request(b"POST", "/speak", None, headers)
+    assert len(app.requests) == 2
+    worker.pending[3].callback(FakeResponse(200, b"pcm", {}))
+    case.successResultOf(fourth).deliverBody(Protocol())
     clock.advance(1.5)
     client.request(b"POST", "/speak", None, headers)
     assert len(app.requests) == 3
-    first.cancel()
-    case.failureResultOf(first)
+
+
+class CutResponse(FakeResponse):
+    """
+    A node's response whose body is cut short: some audio, then the connection lost.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(200, b"pcm", {})
+
+    def deliverBody(self, protocol: Any) -> None:
+        protocol.makeConnection(StringTransport())
+        protocol.dataReceived(self._body)
+        protocol.connectionLost(Failure(ConnectionLost()))
+
+
+def test_a_request_made_while_its_model_is_being_answered_asks_the_cluster() -> None:
+    """
+    While a request for a model is being answered (its head not yet come, or its body
+    not yet ended), another for the same model asks the cluster's router, which sees
+    every node's leases, rather than following the kept answer to the same node; once
+    every body has ended, however it ended, the kept answer stands again; a request for
+    another model is not held to the first's.
+    """
+    clock = MemoryReactorClock()
+    app = Routing()
+    worker = FakeClient()
+    client = ClusterClient(app, "tone", MODEL_HEADER, lambda url: worker, clock)
+    classic = {MODEL_HEADER: [b"tone/classic"]}
+    expressive = {MODEL_HEADER: [b"tone/expressive"]}
+    case = SynchronousTestCase()
+    first = client.request(b"POST", "/speak", None, classic)
+    second = client.request(b"POST", "/speak", None, classic)
+    assert len(app.requests) == 2
+    worker.pending[0].callback(FakeResponse(200, b"pcm", {}))
+    worker.pending[1].callback(CutResponse())
+    client.request(b"POST", "/speak", None, expressive)
+    assert len(app.requests) == 3  # another model's answer is kept apart
+    fourth = client.request(b"POST", "/speak", None, classic)
+    assert len(app.requests) == 4  # both heads came, neither body has been read
+    reader = Protocol()
+    case.successResultOf(first).deliverBody(reader)
+    assert isinstance(reader.transport, StringTransport)  # the reader has the body's own transport
+    fifth = client.request(b"POST", "/speak", None, classic)
+    assert len(app.requests) == 5  # the second's body is unread, the fourth has no head
+    case.successResultOf(second).deliverBody(Protocol())
+    worker.pending[3].errback(ConnectionRefusedError())
+    case.failureResultOf(fourth, ConnectionRefusedError)
+    worker.pending[4].callback(FakeResponse(200, b"pcm", {}))
+    case.successResultOf(fifth).deliverBody(Protocol())
+    sixth = client.request(b"POST", "/speak", None, classic)
+    assert len(app.requests) == 6  # nothing is being answered, but the failure dropped the kept answer
+    worker.pending[5].callback(FakeResponse(200, b"pcm", {}))
+    seventh = client.request(b"POST", "/speak", None, classic)
+    assert len(app.requests) == 7  # the sixth's body is unread
+    case.successResultOf(sixth).deliverBody(Protocol())
+    worker.pending[6].callback(FakeResponse(200, b"pcm", {}))
+    case.successResultOf(seventh).deliverBody(Protocol())
+    client.request(b"POST", "/speak", None, classic)
+    assert len(app.requests) == 7  # every body ended: the kept answer stands
 
 
 TIMED_CAPABILITIES = {

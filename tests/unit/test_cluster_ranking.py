@@ -16,7 +16,7 @@ from rhapsode._cluster.ranking import (
 
 def report(*resident: tuple[str, str, int], slots: int = 0, free: int | None = None,
            sizes: dict[tuple[str, str], int] | None = None, engines: tuple[str, ...] = ("tone", "piper"),
-           promised: tuple[str, ...] = ()) -> NodeReport:
+           promised: tuple[str, ...] = (), number: int | None = None) -> NodeReport:
     models = [
         {"engine": e, "variant": v, "leases": n, "lastUsedAt": f"2026-12-01T00:00:0{i}.000Z",
          **({"sizeBytes": (sizes or {})[(e, v)]} if (e, v) in (sizes or {}) else {})}
@@ -26,6 +26,8 @@ def report(*resident: tuple[str, str, int], slots: int = 0, free: int | None = N
                              "promised": list(promised)}
     if free is not None:
         stats["memory"] = {"freeBytes": free, "totalBytes": 2 * free}
+    if number is not None:
+        stats["report"] = number
     return NodeReport.read(stats)
 
 
@@ -254,7 +256,8 @@ def test_a_request_is_offered_its_best_rank_alone_until_it_has_waited_spill_seco
     queue-length probe's deadline, which a loaded box does: a later rank would load
     the model on a second node.  So the router offers the best rank alone (Serve asks
     it again, with longer deadlines) until the request has waited SPILL_SECONDS, then
-    every rank, best first; a single rank is offered as it is.
+    every rank, best first.  Within the best rank its first node, the router's choice,
+    comes alone, then the others of that rank.
     """
     holder = Candidate("holder", report(("piper", "medium", 0)))
     room = Candidate("room", report(slots=1))
@@ -265,5 +268,82 @@ def test_a_request_is_offered_its_best_rank_alone_until_it_has_waited_spill_seco
     assert offered(ranks, SPILL_SECONDS - 0.01) == [["holder"]]
     assert offered(ranks, SPILL_SECONDS) == ranks
     assert offered(ranks, 0.5, spill_seconds=0.5) == ranks
-    assert offered([["a", "b"]], 0.0) == [["a", "b"]]
+    assert offered([["a", "b", "c"]], 0.0) == [["a"], ["b", "c"]]
+    assert offered([["a", "b"], ["c"]], SPILL_SECONDS) == [["a"], ["b"], ["c"]]
     assert offered([], 0.0) == []
+
+
+def test_nodes_busy_with_a_model_rank_one_a_rank_fewest_leases_first() -> None:
+    """
+    Where every holder is busy with the model and no node has room, each holder is a
+    rank of its own, the one with the fewest leases on it first: Serve would choose
+    among one rank's nodes by queue lengths that a route's instant answer leaves at
+    naught, and the request belongs with the shortest queue.
+    """
+    nodes = [Candidate(name, report(("tone", "v1", leases))) for name, leases in (("a", 5), ("b", 2), ("c", 9))]
+    assert rank(nodes, "tone/v1") == [["b"], ["a"], ["c"]]
+
+
+def test_requests_sent_since_a_nodes_report_count_as_its_leases_until_the_next() -> None:
+    """
+    A request the router sent a node for a model counts as a lease on it there until
+    the node's next report (a report with another number), which counts it itself; a
+    node whose replica numbers no reports is never credited; a node gone from the
+    cluster is forgotten.
+    """
+    sent: Sent[str] = Sent()
+    nodes = [("a", "A", report(("tone", "v1", 1), number=1)), ("b", "B", report(("tone", "v1", 1)))]
+    assert [c.routed for c in sent.candidates(nodes, "tone/v1", 100.0)] == [0, 0]
+    for _ in range(2):
+        sent.record("tone/v1", "a", 100.1)
+        sent.record("tone/v1", "b", 100.1)
+    sent.record("tone", "a", 100.1)  # an engine alone: loads nothing, leases nothing
+    assert [c.routed for c in sent.candidates(nodes, "tone/v1", 100.2)] == [2, 0]
+    assert [c.routed for c in sent.candidates(nodes, "tone/v2", 100.2)] == [0, 0]
+    assert rank(sent.candidates(nodes, "tone/v1", 100.2), "tone/v1") == [["B"], ["A"]]  # 1 + 2 leases: busy
+    later = [("a", "A", report(("tone", "v1", 3), number=2)), ("b", "B", report(("tone", "v1", 3)))]
+    assert [c.routed for c in sent.candidates(later, "tone/v1", 100.7)] == [0, 0]
+    sent.record("tone/v1", "a", 100.8)
+    assert [c.routed for c in sent.candidates([("b", "B", report(("tone", "v1", 3)))], "tone/v1", 100.9)] == [0]
+    assert [c.routed for c in sent.candidates(later, "tone/v1", 101.0)] == [0, 0]  # a was forgotten with its count
+
+
+def test_a_choice_counts_at_once_until_serve_routes_it_or_it_grows_old() -> None:
+    """
+    What the router chose for a request counts as sent there at once (Serve ranks a
+    whole burst before it routes any of it): as a lease on the model, and as the model's
+    holder where the node's report does not show it.  Choosing again for the same
+    request replaces the choice; Serve routing it turns the choice into a request sent
+    where Serve did send it; one never routed is dropped after REMEMBER_SECONDS.
+    """
+    sent: Sent[str] = Sent()
+    nodes = [("a", "A", report(slots=1, number=1)), ("b", "B", report(slots=1, number=1))]
+    sent.choose("r1", "tone/v1", "a", 100.0)
+    assert [(c.sent, c.routed) for c in sent.candidates(nodes, "tone/v1", 100.0)] == [(True, 1), (False, 0)]
+    sent.choose("r1", "tone/v1", "b", 100.1)
+    assert [(c.sent, c.routed) for c in sent.candidates(nodes, "tone/v1", 100.1)] == [(False, 0), (True, 1)]
+    sent.choose("r2", "tone/v1", "b", 100.1)
+    assert [c.routed for c in sent.candidates(nodes, "tone/v1", 100.1)] == [0, 2]
+    sent.record("tone/v1", "a", 100.2, "r1")  # Serve sent r1 elsewhere than chosen
+    assert [c.routed for c in sent.candidates(nodes, "tone/v1", 100.2)] == [1, 1]
+    sent.choose("r3", "tone", "a", 100.2)  # an engine alone is never counted
+    assert [c.routed for c in sent.candidates(nodes, "tone/v1", 100.2)] == [1, 1]
+    assert [c.routed for c in sent.candidates(nodes, "tone/v1", 100.2 + REMEMBER_SECONDS)] == [1, 0]
+
+
+def test_a_burst_for_a_model_in_demand_spreads_over_the_nodes_before_any_report() -> None:
+    """
+    Twelve requests for one model ranked back to back, none routed by Serve yet and no
+    report newer than the burst: the holder takes as many as the spreading rule allows,
+    the model then goes to each node with room in turn, and the rest go to the node
+    with the shortest queue each time; the nodes end level.
+    """
+    sent: Sent[str] = Sent()
+    nodes = [("a", "A", report(("tone", "v1", 0))), ("b", "B", report(slots=1)), ("c", "C", report(slots=1))]
+    chosen = []
+    for number in range(12):
+        offer = offered(rank(sent.candidates(nodes, "tone/v1", 100.0), "tone/v1"), 0.0)
+        sent.choose(number, "tone/v1", offer[0][0].lower(), 100.0)
+        chosen.append(offer[0][0])
+    assert chosen[:2] == ["A", "A"] and set(chosen[2:6]) == {"B", "C"}
+    assert {node: chosen.count(node) for node in "ABC"} == {"A": 4, "B": 4, "C": 4}

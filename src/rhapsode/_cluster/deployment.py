@@ -153,6 +153,9 @@ class RhapsodeNode:
         self._session: aiohttp.ClientSession | None = None
         #: Routing key -> when this replica answered a route for it.
         self._promised: dict[str, float] = {}
+        #: How many reports this replica has made: a router tells a report newer than
+        #: the routes it sent here by it (rhapsode._cluster.ranking.Sent).
+        self._reports = 0
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + START_SECONDS
@@ -206,6 +209,8 @@ class RhapsodeNode:
         async with self._client().get(self.base + "/node", timeout=aiohttp.ClientTimeout(total=2)) as answer:
             stats: dict[str, Any] = await answer.json()
         stats["promised"] = still_promised(self._promised, stats, time.monotonic())
+        self._reports += 1
+        stats["report"] = self._reports
         return stats
 
     async def check_health(self) -> None:

@@ -9,7 +9,9 @@ loads nothing), the ranks are, best first:
   1. nodes that hold it now (or were just sent it, until their next report says so, or
      report it promised: their replica answered a route for it whose request has not
      arrived), and are not busy with it (fewer than C{spread_at} leases), fewest leases
-     first;
+     first; a node's leases are those its last report counted and the routes for the
+     model this router sent it since that report, whose requests the report could not
+     count yet (a burst of requests arrives well inside one report period);
   2. nodes with room for it: a free slot (not counting those that models just sent or
      promised there will take; a node that has not reported yet counts one), and free
      memory for its measured size where any node has measured it;
@@ -17,7 +19,9 @@ loads nothing), the ranks are, best first:
      evict it, the coldest first (the one whose model was used longest ago: the cluster
      evicts as one residency would, least recently used first);
   4. nodes that hold it but are busy with it: a model in demand spreads to a node with
-     room before it waits behind its own requests, and before it evicts another's;
+     room before it waits behind its own requests, and before it evicts another's; each
+     in a rank of its own, fewest leases first, so the next request goes to the node with
+     the shortest queue for the model rather than any of them;
   5. every other node: the request waits there as section 3 says, and that node's
      evictionWaitSeconds decides.
 
@@ -27,7 +31,7 @@ Eviction stays with each node's residency manager; a router never evicts by coun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 __all__ = [
     "PROMISE_SECONDS", "REMEMBER_SECONDS", "SPILL_SECONDS", "SPREAD_AT", "Candidate", "NodeReport", "Sent", "model_of",
@@ -82,6 +86,9 @@ class NodeReport:
     #: Models its replica was routed (it answered C{/_route} for them) that the node does
     #: not hold yet: the front's request is on its way (C{engine/variant} routing keys).
     promised: frozenset[str] = frozenset()
+    #: The replica's count of its reports, which tells a router a report newer than the
+    #: routes it sent since the last one (None where the replica numbers none).
+    number: int | None = None
 
     @classmethod
     def read(cls, stats: Mapping[str, Any] | None) -> "NodeReport":
@@ -107,6 +114,7 @@ class NodeReport:
             lru_leases=int(oldest.get("leases", 0)) if oldest is not None else None,
             lru_used=str(oldest.get("lastUsedAt", "")) if oldest is not None else "",
             promised=frozenset(str(m) for m in stats.get("promised") or () if isinstance(m, str)),
+            number=stats["report"] if isinstance(stats.get("report"), int) else None,
         )
 
     def holds(self, engine: str, variant: str | None) -> int | None:
@@ -148,6 +156,9 @@ class Candidate(Generic[_R]):
     #: Other models the router sent it that its report does not show yet: each will
     #: take one of the slots the report still counts free.
     pending: int = 0
+    #: Requests for this model the router sent it since its report, each a lease the
+    #: report does not count yet.
+    routed: int = 0
 
 
 def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT) -> list[list[_R]]:
@@ -166,10 +177,9 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
     for candidate in candidates:
         report = candidate.report
         leases = report.holds(engine, variant)
-        if leases is not None and leases >= spread_at:
-            busy.append((leases, candidate))
-        elif leases is not None or candidate.sent or report.expects(engine, variant):
-            held.append((leases or 0, candidate))
+        if leases is not None or candidate.sent or candidate.routed or report.expects(engine, variant):
+            load = (leases or 0) + candidate.routed
+            (busy if load >= spread_at else held).append((load, candidate))
         elif report.slots - max(candidate.pending, report.others_promised(model_id)) > 0 and (
             size is None or report.free_bytes is None or report.free_bytes >= size
         ):
@@ -181,7 +191,9 @@ def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SP
     ranks = [
         [c.replica for _, c in sorted(held, key=lambda pair: pair[0])],
         [c.replica for c in _by_leases(room)],
-        [c.replica for _, c in sorted(busy, key=lambda pair: pair[0])],
+        # One rank a node, fewest leases first: Serve would pick among a rank's by
+        # queue lengths, which for a route answered at once are all naught.
+        *([c.replica] for _, c in sorted(busy, key=lambda pair: pair[0])),
         # One rank a node, coldest first: Serve picks freely among the nodes of one rank.
         *([c.replica] for c in sorted(evictable, key=lambda c: (c.report.lru_used, sum(c.report.resident.values())))),
         [c.replica for c in _by_leases(rest)],
@@ -207,13 +219,35 @@ class Sent(Generic[_K]):
     def __init__(self) -> None:
         #: model -> (the node it was sent to, when).
         self._sent: dict[str, tuple[_K, float]] = {}
+        #: node -> (the number of the last report seen of it, model -> requests sent
+        #: it for that model since).
+        self._routed: dict[_K, tuple[int | None, dict[str, int]]] = {}
+        #: request -> (its model, the node chosen for it, when): chosen, not yet routed.
+        self._chosen: dict[Hashable, tuple[str, _K, float]] = {}
 
-    def record(self, model_id: str, where: _K, now: float) -> None:
+    def choose(self, request: Hashable, model_id: str, where: _K, now: float) -> None:
         """
-        The router sent a request for C{model_id} to the node C{where} at C{now}.
+        The router chose the node C{where} for C{request}, for C{model_id}, at C{now}.
+
+        Serve asks a router to rank every request of a burst before it routes the first
+        of them, so what was chosen counts at once, as if sent: the next request of the
+        burst sees it (a model no node holds goes to one node, a queue grows on one node
+        only as far as the spreading rule allows).  Choosing again for the same request
+        replaces its choice.
         """
         if _names_model(model_id):
+            self._chosen[request] = (model_id, where, now)
             self._sent[model_id] = (where, now)
+
+    def record(self, model_id: str, where: _K, now: float, request: Hashable = None) -> None:
+        """
+        The router sent C{request}, for C{model_id}, to the node C{where} at C{now}.
+        """
+        self._chosen.pop(request, None)
+        if _names_model(model_id):
+            self._sent[model_id] = (where, now)
+            counts = self._routed.setdefault(where, (None, {}))[1]
+            counts[model_id] = counts.get(model_id, 0) + 1
 
     def candidates(self, nodes: Sequence[tuple[_K, _R, NodeReport]], model_id: str, now: float) -> list[Candidate[_R]]:
         """
@@ -222,6 +256,17 @@ class Sent(Generic[_K]):
         the nodes' reports now show, or that grew old, is forgotten first.
         """
         reports = {key: report for key, _, report in nodes}
+        for key in [key for key in self._routed if key not in reports]:
+            del self._routed[key]  # a node gone from the cluster
+        for key, shown in reports.items():
+            seen = self._routed.get(key)
+            if seen is None or shown.number is None or shown.number != seen[0]:
+                # A report not seen before counts every lease up to it: what was sent
+                # before it starts again from naught (and an unnumbered one always).
+                self._routed[key] = (shown.number, {})
+        for request, (_, _, when) in list(self._chosen.items()):
+            if now - when > REMEMBER_SECONDS:
+                del self._chosen[request]  # Serve never routed it (cancelled, or gone)
         for other, (where, when) in list(self._sent.items()):
             report = reports.get(where)
             engine, variant = model_of(other)
@@ -233,6 +278,9 @@ class Sent(Generic[_K]):
             Candidate(
                 replica, report, sent=sent is not None and sent[0] == key,
                 pending=sum(1 for other, (where, _) in self._sent.items() if other != model_id and where == key),
+                routed=self._routed.get(key, (None, {}))[1].get(model_id, 0) + sum(
+                    1 for model, where, _ in self._chosen.values() if model == model_id and where == key
+                ),
             )
             for key, replica, report in nodes
         ]
@@ -241,8 +289,13 @@ class Sent(Generic[_K]):
 def offered(ranks: list[list[_R]], waited: float, spill_seconds: float = SPILL_SECONDS) -> list[list[_R]]:
     """
     The ranks a router offers Serve for a request that has waited C{waited} seconds to
-    be routed: the best alone, until C{spill_seconds}; then all of them, best first.
+    be routed: the first node of the best rank alone (the router's own choice, which it
+    counts at once: L{Sent.choose}), then the rest of that rank; after C{spill_seconds},
+    every later rank too, best first.
 
+    The choice is the router's because Serve picks among the nodes of one rank by their
+    queue lengths, which for a route (answered at once) are all naught: it would send a
+    burst anywhere in the rank, and the router could not count what it had not chosen.
     Serve passes a request to the next rank not only when every replica of a rank has
     its most requests but also when none answered its queue-length probe within the
     probe's deadline (a tenth of a second at first).  On a loaded box that happens: a
@@ -252,7 +305,11 @@ def offered(ranks: list[list[_R]], waited: float, spill_seconds: float = SPILL_S
     a best rank that stays unable to take it (its replicas full, or gone, which Serve
     removes) gives way to the rest after C{spill_seconds}.
     """
-    return ranks if waited >= spill_seconds else ranks[:1]
+    if not ranks:
+        return []
+    chosen, *peers = ranks[0]
+    later = ranks[1:] if waited >= spill_seconds else []
+    return [[chosen], *([peers] if peers else []), *later]
 
 
 def promise(routed: dict[str, float], model_id: str, now: float) -> None:

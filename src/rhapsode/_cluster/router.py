@@ -3,14 +3,16 @@ The cluster's request router: a Ray Serve C{RequestRouter} that sends each reque
 node already holding its model, by the nodes' own residency reports
 (L{rhapsode._cluster.ranking}).
 
-Each replica reports its node core's C{GET /node} as its routing stats.  Until a node's
-report shows a model it was sent (L{rhapsode._cluster.ranking.Sent}), a router remembers
-sending it there, so a burst for a model that no node holds yet loads it once, on one
-node, rather than on every node that had room.
-Which replica of a rank takes the request is Serve's own choice (the one with the
-shortest queue).  A request is offered its best rank alone for a few seconds
-(L{rhapsode._cluster.ranking.offered}): Serve passes to the next rank when a rank's
-replicas are late with their queue lengths, not only when they are full.
+Each replica reports its node core's C{GET /node} as its routing stats, numbered.  Until
+a node's report shows a model it was sent (L{rhapsode._cluster.ranking.Sent}), a router
+remembers sending it there, so a burst for a model that no node holds yet loads it once,
+on one node, rather than on every node that had room; and the requests it sent a node
+since that node's last report count as leases there, so a burst for a model in demand
+spreads rather than queueing on one node.  Serve ranks every request of a burst before it
+routes the first, so the router counts its choice as it makes it: the first node of the
+best rank, offered alone (L{rhapsode._cluster.ranking.offered}), then the rest of that
+rank, and after a few seconds the later ranks (Serve passes to the next rank when a
+rank's replicas are late with their queue lengths, not only when they are full).
 """
 
 from __future__ import annotations
@@ -56,11 +58,18 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
         if pending_request is None or not model:
             return [candidate_replicas]
         nodes = [(replica.replica_id, replica, NodeReport.read(replica.routing_stats)) for replica in candidate_replicas]
-        candidates = self._memory().candidates(nodes, model, time.monotonic())
+        now = time.monotonic()
+        memory = self._memory()
+        candidates = memory.candidates(nodes, model, now)
         ranked: List[List[RunningReplica]] = rank(candidates, model, getattr(self, "_spread_at", SPREAD_AT))
         # Serve's own record of when the request came, by the wall clock.
         waited = time.time() - pending_request.created_at
-        return offered(ranked, waited)
+        offer = offered(ranked, waited)
+        if offer:
+            memory.choose(pending_request.metadata.internal_request_id, model, offer[0][0].replica_id, now)
+        return offer
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        self._memory().record(self._model_of(pending_request), replica_id, time.monotonic())
+        self._memory().record(
+            self._model_of(pending_request), replica_id, time.monotonic(), pending_request.metadata.internal_request_id
+        )
