@@ -9,10 +9,11 @@ interleaving here is deterministic.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 from _sockets import recorded
+from _deferreds import failure_of
 from _worker_fakes import FakePool, ImmediateReactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
@@ -22,7 +23,7 @@ from zope.interface.verify import verifyObject
 from rhapsode_protocol.errors import OutOfMemory
 from rhapsode_worker import Engine, Variant
 from rhapsode_worker._model import ModelState
-from rhapsode_worker._schedule import Job, Scheduler
+from rhapsode_worker._schedule import Job, ReactorStep, Scheduler
 
 
 def _ignore_pcm(pcm: bytes) -> None:
@@ -541,3 +542,145 @@ def test_a_generation_runs_only_once_its_variant_is_loaded(concurrency: int, see
     assert engine.broken == []
     assert all(job.done.called for job in jobs) and not scheduler.busy
     assert engine.spoken > 0
+
+
+class Relay:
+    """
+    An asynchronous step's source, as a relaying engine's speak() is: each chunk comes
+    when the test fires the Deferred the step waits on; it records every pull, whether
+    the wait was cancelled, and whether it was closed.
+    """
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.pulls = 0
+        self.waiting: Deferred[bytes] | None = None
+        self.cancelled = False
+        self.closed = False
+
+    def _cancelled(self, _: Deferred[bytes]) -> None:
+        self.cancelled = True
+
+    async def speak(self) -> AsyncIterator[bytes]:
+        try:
+            for _ in range(self.chunks):
+                self.pulls += 1
+                self.waiting = Deferred(self._cancelled)
+                yield await self.waiting
+        finally:
+            self.closed = True
+
+    def send(self, chunk: bytes) -> None:
+        waiting, self.waiting = self.waiting, None
+        assert waiting is not None, "the step is not waiting for a chunk"
+        waiting.callback(chunk)
+
+
+def test_a_reactor_step_is_drawn_on_the_reactor_as_its_chunks_come() -> None:
+    """
+    A ReactorStep (an engine's asynchronous speak()) runs on no thread: only the load
+    goes to the pool; each chunk reaches the job as it comes, the first before the
+    second exists; the job is done when the step's iterator ends, which is closed.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    relay = Relay(2)
+    got: list[bytes] = []
+    job = Job("a", [ReactorStep(relay.speak)], got.append)
+    scheduler.submit(job)
+    pool.run_next()  # the load
+    assert pool.calls == [] and relay.pulls == 1
+    relay.send(b"one")
+    assert got == [b"one"] and relay.pulls == 2
+    relay.send(b"two")
+    assert got == [b"one", b"two"] and relay.closed
+    assert job.done.called and not scheduler.busy
+
+
+def test_a_paused_job_draws_nothing_more_from_its_reactor_step() -> None:
+    """
+    While its reader is paused a job pulls nothing more from its asynchronous step, so
+    a relaying engine holds back (and pauses its own source); resumed, it pulls again.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    relay = Relay(3)
+    got: list[bytes] = []
+    job = Job("a", [ReactorStep(relay.speak)], got.append)
+    scheduler.submit(job)
+    pool.run_next()
+    job.pauseProducing()
+    relay.send(b"one")  # the pull already asked for completes
+    assert got == [b"one"] and relay.pulls == 1 and relay.waiting is None
+    job.pauseProducing()
+    job.resumeProducing()
+    assert relay.pulls == 2
+    relay.send(b"two")
+    relay.send(b"three")
+    assert got == [b"one", b"two", b"three"] and job.done.called
+
+
+def test_cancelling_a_job_cancels_its_reactor_steps_pull_and_closes_it() -> None:
+    """
+    A client gone: the pull the step waits on is cancelled at once (a relaying engine
+    drops its upstream then, not when the next chunk would have come), the iterator is
+    closed, the job fails with CancelledError and the scheduler is free; a paused job
+    cancelled likewise closes its step.
+    """
+    for paused in (False, True):
+        events: list[str] = []
+        scheduler, pool, _ = make(events)
+        relay = Relay(3)
+        job = Job("a", [ReactorStep(relay.speak)], _ignore_pcm)
+        scheduler.submit(job)
+        pool.run_next()
+        if paused:
+            job.pauseProducing()
+            relay.send(b"one")
+        job.cancel()
+        assert relay.cancelled is not paused and relay.closed
+        assert isinstance(failure_of(job.done).value, CancelledError)
+        assert not scheduler.busy
+
+
+def test_a_reactor_step_that_fails_fails_its_job_and_the_next_step_never_runs() -> None:
+    """
+    An asynchronous step raising fails its job with that error (the response aborts
+    if its head went), its iterator closed; the job's later steps never begin, and
+    another job's steps run on.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    relay, later = Relay(2), Relay(1)
+    job = Job("a", [ReactorStep(relay.speak), ReactorStep(later.speak)], _ignore_pcm)
+    other = Job("a", [step(events, "o0")], _ignore_pcm)
+    scheduler.submit(job)
+    scheduler.submit(other)
+    pool.run_next()
+    assert relay.waiting is not None
+    relay.waiting.errback(OutOfMemory("the server ran out"))
+    assert isinstance(failure_of(job.done).value, OutOfMemory) and relay.closed
+    assert later.pulls == 0
+    pool.run_all()
+    assert events[-1] == "speak o0" and other.done.called
+
+
+def test_reactor_steps_take_turns_within_the_declared_concurrency() -> None:
+    """
+    With concurrency 1 a second job's asynchronous step waits until the first's ends,
+    as a thread's would; with 2 both are drawn at once.
+    """
+    for concurrency, both in ((1, False), (2, True)):
+        pool = FakePool()
+        reactor = ImmediateReactor()
+        model = ModelState(RecordingEngine([]), reactor, pool)
+        scheduler = Scheduler(reactor, pool, model, concurrency)
+        first, second = Relay(1), Relay(1)
+        scheduler.submit(Job("a", [ReactorStep(first.speak)], _ignore_pcm))
+        scheduler.submit(Job("a", [ReactorStep(second.speak)], _ignore_pcm))
+        pool.run_next()
+        assert (first.pulls, second.pulls) == (1, 1 if both else 0)
+        first.send(b"one")
+        assert second.pulls == 1
+        second.send(b"two")
+        assert not scheduler.busy

@@ -403,7 +403,11 @@ class IEngine(Interface):
         """Built-in and created voices; cheap, no model needed."""
 
     def speak(request: SpeakRequest) -> Iterator[bytes | Timing]:
-        """Blocking: yield native PCM for one segment (and L{Timing}s, when asked); only after load(request.variant)."""
+        """
+        Blocking: yield native PCM for one segment (and L{Timing}s, when asked); only after
+        load(request.variant).  Or, for an adapter that relays (L{Engine.relays}), an
+        asynchronous generator of 16-bit PCM, drawn on the reactor thread: it must not block.
+        """
 
     def dialogue(request: DialogueRequest) -> Iterator[bytes | Timing]:
         """Blocking: yield native PCM for a conversation (and L{Timing}s); only after load(request.variant). Optional."""
@@ -552,7 +556,9 @@ class Engine:
     #: while its reader is paused the SDK stops drawing from speak(), whose thread waits,
     #: so the audio waits where it is made and the reader's pause reaches that server.
     #: An engine that computes leaves it off: its segment runs on into memory, so that a
-    #: slow reader never holds the model from the others.
+    #: slow reader never holds the model from the others.  A relaying adapter may also
+    #: write speak() as an asynchronous generator of 16-bit PCM: it is then drawn on the
+    #: reactor thread, a chunk at a time as the reader takes them, and must never block.
     relays: bool = False
 
     def __init__(self, context: WorkerContext | None = None) -> None:

@@ -8,11 +8,12 @@ scheduler's synthesis pool (model work) or the reactor's thread pool (voice file
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import replace
 from functools import partial
 from pathlib import PurePath
-from typing import Any, Callable, Iterator, Mapping, Sequence, cast
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, cast
 
 from klein import Klein
 from twisted.internet.defer import Deferred
@@ -61,7 +62,7 @@ from ._engine import (
 )
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
-from ._schedule import SEND_BUFFER_BYTES, Job, Scheduler
+from ._schedule import SEND_BUFFER_BYTES, Job, ReactorStep, Scheduler, Step
 from ._timing import Framing, LazyMap, Source, Timeline, framing_for
 
 #: A voice upload's cap (protocol.md section 7), refused at the head when declared and
@@ -433,6 +434,14 @@ class WorkerApp:
         #: The PCM the worker encodes and sends: the adapter's, made 16-bit.
         self.pcm16 = engine.native_format.pcm16
         self._pcm = _as_pcm16 if engine.native_format.encoding == "pcm_f32le" else _as_is
+        #: Whether speak() is an asynchronous generator, drawn on the reactor thread
+        #: (L{ReactorStep}) rather than run on a synthesis thread.
+        self._speaks_async = inspect.isasyncgenfunction(getattr(type(engine), "speak", None))
+        if self._speaks_async and engine.native_format.encoding != "pcm_s16le":
+            raise TypeError(
+                f"{type(engine).__name__}.speak is asynchronous and its native encoding is "
+                f"{engine.native_format.encoding}: an asynchronous speak() yields 16-bit PCM"
+            )
         self.variants: Mapping[str, Variant] = dict(engine.variants())
         if engine.default_variant not in self.variants:
             raise ValueError(f"default variant {engine.default_variant!r} is not in variants()")
@@ -785,15 +794,17 @@ class WorkerApp:
 
     def _segments(
         self, request: SpeakRequest, pieces: Sequence[str] | None = None, stream: bool = True
-    ) -> list[Callable[[], Iterator[Any]]]:
+    ) -> "list[Step | ReactorStep]":
         engine = self.engine
         if pieces is None:
             pieces = split_text(request.text, engine.segment_characters, self._first_limit(stream))
         count = len(pieces)
-        return [
-            partial(self._pcm, engine.speak, replace(request, text=piece, segment_index=i, segment_count=count))
-            for i, piece in enumerate(pieces)
-        ]
+        requests = [replace(request, text=piece, segment_index=i, segment_count=count) for i, piece in enumerate(pieces)]
+        if self._speaks_async:
+            # speak() is declared as a generator; this engine's is an asynchronous one.
+            draw = cast(Callable[[SpeakRequest], AsyncIterator[Any]], engine.speak)
+            return [ReactorStep(partial(draw, each)) for each in requests]
+        return [partial(self._pcm, engine.speak, each) for each in requests]
 
     def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> tuple[str, Framing] | None:
         """
@@ -937,7 +948,7 @@ class WorkerApp:
         self,
         request: IRequest,
         variant: str,
-        steps: list[Callable[[], Iterator[Any]]],
+        steps: "list[Step | ReactorStep]",
         fmt: str,
         stream: bool,
         rate: int | None = None,

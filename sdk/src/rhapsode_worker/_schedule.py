@@ -10,6 +10,10 @@ nothing starts while they run.
 A job is an C{IPushProducer}: its consumer pauses it when the client reads slowly, and a
 paused job is simply not given its next turn, so at most one segment of audio per
 request waits in memory and a slow reader never holds the model from the others.
+
+A step is run on a synthesis thread, except a L{ReactorStep}: the asynchronous speech
+of an engine that waits on the network rather than computes (a remote server's
+stream), drawn on the reactor thread as its reader takes it, a chunk at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import threading
 import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IPushProducer
@@ -31,6 +35,23 @@ from ._pool import WorkerPool, in_pool
 from ._threads import set_demand
 
 Step = Callable[[], Iterator[Any]]
+
+
+class ReactorStep:
+    """
+    A step whose audio comes from an asynchronous iterator, drawn on the reactor thread:
+    C{make()} begins it.  Nothing of it may block; it waits on Deferreds.
+
+    While its job is paused nothing more is drawn (the iterator is left waiting for its
+    next pull, and so must hold back what it is sent: a relaying engine pauses its own
+    source); when its job is cancelled the pull it waits on is cancelled, and the
+    iterator is closed whatever way the step ends.
+    """
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], AsyncIterator[Any]]) -> None:
+        self.make = make
 
 # PCM crosses from the synthesis thread to the reactor in batches: one hop per small
 # chunk costs more than the audio is worth.  The first chunk of a step goes at once,
@@ -77,7 +98,7 @@ class Job:
     def __init__(
         self,
         variant: str,
-        steps: list[Step],
+        steps: "list[Step | ReactorStep]",
         on_pcm: Callable[[bytes], None],
         on_step: Callable[[int], None] = lambda index: None,
         on_timing: Callable[[Sequence[Timing]], None] | None = None,
@@ -85,7 +106,7 @@ class Job:
     ) -> None:
         self.variant = variant
         self.gather = gather
-        self._steps: deque[Step] = deque(steps)
+        self._steps: "deque[Step | ReactorStep]" = deque(steps)
         self._index = 0
         self.on_pcm = on_pcm
         self.on_step = on_step
@@ -98,6 +119,10 @@ class Job:
         #: relaying engine's synthesis thread waits on before it draws another chunk.
         self._flowing = threading.Event()
         self._flowing.set()
+        #: A reactor step's wait for the reader to take audio again, while it is paused.
+        self._resumed: Deferred[None] | None = None
+        #: A reactor step's pull on its iterator, while one is outstanding.
+        self._pull: Deferred[Any] | None = None
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -106,8 +131,14 @@ class Job:
     def resumeProducing(self) -> None:
         self.paused = False
         self._flowing.set()
+        self._release()
         if self._scheduler is not None:
             self._scheduler._wake(self)
+
+    def _release(self) -> None:
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:
+            resumed.callback(None)
 
     def stopProducing(self) -> None:
         self.cancel()
@@ -120,6 +151,10 @@ class Job:
             return
         self.cancelled = True
         self._flowing.set()
+        self._release()
+        pull, self._pull = self._pull, None
+        if pull is not None:
+            pull.cancel()
         if self._scheduler is not None:
             self._scheduler._wake(self)
 
@@ -265,7 +300,11 @@ class Scheduler:
         if index:
             job.on_step(index)
         self._running += 1
-        d = in_pool(self._reactor, self._pool, self._drain_step, job, step, index == 0)
+        d: Deferred[Any]
+        if isinstance(step, ReactorStep):
+            d = Deferred.fromCoroutine(_draw(job, step))
+        else:
+            d = in_pool(self._reactor, self._pool, self._drain_step, job, step, index == 0)
 
         def finished(result: Any) -> None:
             self._running -= 1
@@ -364,6 +403,41 @@ class Scheduler:
             waiters, self._idle_waiters = self._idle_waiters, []
             for d in waiters:
                 d.callback(None)
+
+
+async def _draw(job: Job, step: ReactorStep) -> None:
+    """
+    On the reactor: a reactor step's audio to its job as each chunk comes, its timings
+    first; nothing is drawn while the job is paused, and a cancelled job's pull is
+    cancelled (L{Job.cancel}), which ends the step with L{CancelledError}.
+    """
+    chunks = step.make()
+    try:
+        while not job.cancelled:
+            if job.paused:
+                job._resumed = Deferred()
+                await job._resumed
+                continue
+            job._pull = pull = Deferred.fromCoroutine(_next(chunks))
+            try:
+                chunk = await pull
+            except StopAsyncIteration:
+                return
+            finally:
+                job._pull = None
+            if isinstance(chunk, Timing):
+                if job.on_timing is not None:
+                    job.on_timing([chunk])
+            elif chunk:
+                job.on_pcm(chunk)
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _next(chunks: AsyncIterator[Any]) -> Any:
+    return await chunks.__anext__()
 
 
 class _Batch:
