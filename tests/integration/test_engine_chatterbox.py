@@ -9,8 +9,9 @@ voice, a clone from a clip, 24 kHz speech with its watermark, the same worker be
 real core through /speak, the OpenAI shim, MCP and the WebSocket, the multilingual variant
 (its languages, a switch to it from the English one that gives the English model's memory
 back and asks nothing of the hub while loading, speech in French, a clone in German, a
-language it does not declare refused), memory given back by an unload, and the
-conformance checker.  Content is never asserted.
+language it does not declare refused, the speech tokens its generate() would hand S3Gen
+undecodable dropped), memory given back by an unload, and the conformance checker.
+Content is never asserted.
 
 The checkpoint (both builds, 6.4 GB) is built once into the test-weights cache outside
 the tree; the worker's load takes about 7 GB of memory, one model at a time.
@@ -357,6 +358,73 @@ async def test_a_clone_speaks_in_the_multilingual_variant(chatterbox: Served) ->
     lines = await logged(chatterbox.worker,
                          lambda ls: sum("conditioning for narrator" in x for x in ls) > computed)
     assert sum("conditioning for narrator" in line for line in lines) == computed + 1
+
+
+#: Run in Chatterbox's virtualenv: the adapter's speak() on variant multilingual, with
+#: chatterbox-tts's own Conditionals, and a model whose generate() does what the
+#: multilingual one does with T3's draw (hands S3Gen every token, none dropped), T3 replaced
+#: by given draws, S3Gen by one that fails as its embedding does on a token past its
+#: vocabulary.  Prints one JSON line per case.
+UNDECODABLE = """
+import json, sys
+import torch
+from rhapsode_engine_chatterbox import _torchaudio
+from rhapsode_engine_chatterbox._engine import MULTILINGUAL, ChatterboxEngine, refuse_empty
+from rhapsode_worker import SpeakRequest, SpeechError
+from rhapsode_worker.devices import TorchDevice
+
+_torchaudio.install()
+from chatterbox.mtl_tts import Conditionals
+
+class S3Gen:
+    def __init__(self):
+        self.handed = []
+
+    def inference(self, speech_tokens, **_):
+        self.handed.append(speech_tokens.tolist())
+        if int(speech_tokens.max()) >= 6561:
+            raise IndexError("index out of range in self")
+        return torch.zeros(1, 480 * speech_tokens.numel()), None
+
+class Model:
+    def __init__(self, draws):
+        self.draws, self.languages = draws, []
+        self.s3gen = S3Gen()
+        self.conds = Conditionals(None, {})
+
+    def generate(self, text, language_id, **_):
+        self.languages.append(language_id)
+        wav, _ = self.s3gen.inference(speech_tokens=torch.tensor(self.draws[len(self.languages) - 1]))
+        return wav
+
+for argument in sys.argv[1:]:
+    engine = ChatterboxEngine(device=TorchDevice.probe({}))
+    model = Model([[int(n) for n in draw.split(",")] for draw in argument.split("/")])
+    refuse_empty(model)
+    engine._model, engine._variant, engine._builtin = model, MULTILINGUAL, model.conds
+    request = SpeakRequest(text="Bonjour.", variant=MULTILINGUAL, language="fr",
+                           params={"exaggeration": 0.5, "cfgWeight": 0.5, "temperature": 0.8})
+    try:
+        result = {"samples": len(b"".join(engine.speak(request))) // 2}
+    except SpeechError as error:
+        result = {"code": error.code}
+    print(json.dumps({**result, "languages": model.languages, "handed": model.s3gen.handed}), flush=True)
+"""
+
+
+def test_the_multilingual_build_hands_s3gen_only_tokens_it_can_decode() -> None:
+    """
+    The multilingual generate() hands S3Gen every speech token T3 drew, where the English
+    one drops those past S3Gen's vocabulary (6561), on which S3Gen's embedding fails: the
+    adapter drops them, speaks what is left, draws again when nothing is, and passes the
+    request's language as the language id.
+    """
+    run = subprocess.run([engine_python("chatterbox"), "-c", UNDECODABLE, "5,6563,8193,6560", "7000,8000/3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kept, redrawn = [json.loads(line) for line in run.stdout.splitlines()]
+    assert kept == {"samples": 2 * 480, "languages": ["fr"], "handed": [[5, 6560]]}
+    assert redrawn == {"samples": 480, "languages": ["fr", "fr"], "handed": [[3]]}
 
 
 @pytest_twisted.ensureDeferred

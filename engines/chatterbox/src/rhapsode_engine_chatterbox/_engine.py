@@ -30,9 +30,14 @@ C{RHAPSODE_CHATTERBOX_MAX_TOKENS} lowers it, which is how the tests bound a mode
 random weights, whose stop token never comes.  Text is split at 300 characters (about
 19 s at an ordinary pace) by the SDK.
 
-A draw can end before its first speech token (T3 samples its stop token, or only tokens
-outside S3Gen's vocabulary, which generate() drops), and S3Gen cannot make audio of
-nothing: rather than the vocoder's own error, the tokens are drawn again, up to
+T3's speech vocabulary (8194) is larger than S3Gen's (6561): the English generate() drops
+the tokens S3Gen cannot decode before handing them over, the multilingual one does not,
+and S3Gen's embedding then fails ("index out of range in self") on any such token T3
+samples (a model of random weights does in about one token of five; a trained one at a
+high temperature can).  The adapter drops them in both, as the English build does
+(L{refuse_empty}).  A draw can end before its first speech token S3Gen can decode (T3
+samples its stop token, or only tokens outside S3Gen's vocabulary), and S3Gen cannot make
+audio of nothing: rather than the vocoder's own error, the tokens are drawn again, up to
 L{DRAWS} times in all, and past that the request fails naming what happened.  A seeded
 request stays reproducible: its later draws follow from the same seed.
 """
@@ -154,13 +159,22 @@ class NoSpeech(Exception):
 
 def refuse_empty(model: Any) -> None:
     """
-    Make C{model}'s S3Gen raise L{NoSpeech} when it is handed no speech tokens, before
-    its vocoder fails on them: on this model object, not in the library's files.
+    Make C{model}'s S3Gen take only the speech tokens it can decode, those below its
+    vocabulary's size (the English generate() hands it only those, the multilingual one
+    every token T3 drew), and raise L{NoSpeech} when none is left, before its vocoder
+    fails on nothing: on this model object, not in the library's files.
     """
+    from chatterbox.models.s3tokenizer import SPEECH_VOCAB_SIZE
+
     real = model.s3gen.inference
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        tokens = kwargs["speech_tokens"] if "speech_tokens" in kwargs else args[0]
+        if "speech_tokens" in kwargs:
+            drawn = kwargs["speech_tokens"]
+            tokens = kwargs["speech_tokens"] = drawn[drawn < SPEECH_VOCAB_SIZE]
+        else:
+            tokens = args[0][args[0] < SPEECH_VOCAB_SIZE]
+            args = (tokens, *args[1:])
         if tokens.numel() == 0:
             raise NoSpeech()
         return real(*args, **kwargs)
