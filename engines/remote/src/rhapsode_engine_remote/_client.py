@@ -264,10 +264,3 @@ def read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:
     except (socket.timeout, TimeoutError):
         return b""
 
-
-def error_of(response: http.client.HTTPResponse) -> ServerError:
-    """
-    The error a non-2xx response carries, its body read to the cap.
-    """
-    message, param = _message(read_capped(response, ANSWER_LIMIT))
-    return ServerError(response.status, message, param)

@@ -7,9 +7,11 @@ there, nothing is measured or freed here, and the capability document says so (e
 variant's C{remote}).  Speech is relayed as the server streams it: vLLM-Omni's SSE of
 PCM deltas (whose explicit C{speech.audio.done} is what tells a whole answer from one cut
 short; its C{speech.audio.error}, or no done event, fails it), or an OpenAI server's PCM
-body.  The SDK encodes whatever format the request asked for, and since this engine
-relays (C{relays}), a reader that pauses stops the synthesis thread reading the server's
-socket, so the pause reaches the server: nothing piles up here.
+body.  C{speak()} is an asynchronous generator that the SDK pulls on the reactor thread
+(L{rhapsode_engine_remote._relay}): no thread stands between the server's first byte and
+the worker's.  The SDK encodes whatever format the request asked for, and since this
+engine relays (C{relays}), a reader that pauses stops the pulls, this engine then stops
+reading the server's socket, and the pause reaches the server: nothing piles up here.
 
 The server's refusals are the taxonomy's (L{_refusal}); a server that cannot be reached
 is C{model_unavailable}, retryable, and the variant is reported unreachable on /health
@@ -33,8 +35,9 @@ import re
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence, TypeVar
 
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from rhapsode_worker import (
@@ -55,12 +58,15 @@ from rhapsode_worker import (
     WorkerContext,
 )
 
-from ._client import NotJSON, ServerError, Unreachable, error_of
-from ._stream import raw_pcm, refusal, sse_pcm
+from ._client import NotJSON, ServerError, Unreachable
 from ._config import RemoteConfigError, read_config
 from ._describe import Described, catalog, describe
+from ._relay import Relay
+from ._stream import refusal
 
 log = Logger(namespace="rhapsode_engine_remote")
+
+_T = TypeVar("_T")
 
 #: How long a server's voices list is believed before it is asked again: every request
 #: naming a voice is checked against it.
@@ -81,8 +87,9 @@ class RemoteEngine(Engine):
     segment_characters = None
     reference_formats = tuple(REFERENCE_TYPES)
 
-    def __init__(self, context: WorkerContext) -> None:
+    def __init__(self, context: WorkerContext, reactor: Any = None) -> None:
         super().__init__(context)
+        self._reactor = reactor if reactor is not None else _global_reactor()
         # A configuration that cannot be used ends the worker before its handshake, the
         # error (RemoteConfigError, naming where) its log line.
         config = read_config(context.environ)
@@ -102,7 +109,12 @@ class RemoteEngine(Engine):
         self.concurrency = config.concurrency
         self.max_characters = max(d.config.max_characters for d in self._described.values())
         self.license = self._license()
+        #: Each variant's server, as speak() asks it on the reactor thread.
+        self._relays = {name: Relay(d.server.config, self._reactor) for name, d in self._described.items()}
         self._store = VoiceStore(context.voice_dir, blob=".ref")
+        #: The voices made here, so that speak() tells one from a preset without reading
+        #: the folder on the reactor thread; kept by create_voice and delete_voice.
+        self._made = set(self._store.ids())
         self._presets: dict[str, tuple[float, list[str]]] = {}
         self._presets_lock = threading.Lock()
         #: Variants whose server does not answer now, with why (read by /health): from
@@ -212,9 +224,12 @@ class RemoteEngine(Engine):
                     self._mark_up(name)
 
     def close(self) -> None:
+        """On the reactor thread: stop probing, close every idle connection."""
         self._stop.set()
         for d in self._described.values():
             d.server.close()
+        for relay in self._relays.values():
+            relay.close()
 
     # -- voices ---------------------------------------------------------------------------
 
@@ -223,15 +238,12 @@ class RemoteEngine(Engine):
         The server's own voices for variant C{d}, asked at most every VOICES_SECONDS; the
         catalog's speakers, or the configuration's voices, where it cannot be asked.
         """
-        if d.config.voices is not None:
-            return list(d.config.voices)
-        if not d.presets:
-            return []
+        known = self._known_presets(d)
+        if known is not None:
+            return known
         now = time.monotonic()
         with self._presets_lock:
             cached = self._presets.get(d.name)
-        if cached is not None and now - cached[0] < VOICES_SECONDS:
-            return cached[1]
         try:
             listed = d.server.json("GET", "/v1/audio/voices")
         except (Unreachable, ServerError) as error:
@@ -253,6 +265,22 @@ class RemoteEngine(Engine):
         with self._presets_lock:
             self._presets[d.name] = (now, names)
         return names
+
+    def _known_presets(self, d: Described) -> list[str] | None:
+        """
+        Variant C{d}'s presets where they are known without asking its server (the
+        configuration's, none, or a list asked within VOICES_SECONDS); None where the
+        server must be asked.
+        """
+        if d.config.voices is not None:
+            return list(d.config.voices)
+        if not d.presets:
+            return []
+        with self._presets_lock:
+            cached = self._presets.get(d.name)
+        if cached is not None and time.monotonic() - cached[0] < VOICES_SECONDS:
+            return cached[1]
+        return None
 
     def _presets_by_variant(self) -> dict[str, list[str]]:
         # The default variant's first, so a preview of the first voice listed speaks.
@@ -307,6 +335,7 @@ class RemoteEngine(Engine):
                     log.warn("uploading {voice} to {variant} failed ({error}); it is sent per request",
                              voice=voice_id, variant=d.name, error=str(error))
         self._store.save(voice_id, record, reference.data)
+        self._made.add(voice_id)
         return Voice(id=voice_id, label=label, spec=f"{voice_id}@{digest[:16]}",
                      description="Made here from a reference", tags=("cloned",), builtin=False)
 
@@ -338,12 +367,15 @@ class RemoteEngine(Engine):
                 log.warn("deleting {voice} from {server} failed: {error}", voice=name, server=d.server.origin,
                          error=str(error))
         self._store.delete(voice_id)
+        self._made.discard(voice_id)
 
     # -- speaking -------------------------------------------------------------------------
 
     def _voice_fields(self, d: Described, voice: str | None) -> dict[str, Any]:
         """
         How variant C{d} is told which voice to speak in, or the refusal when it cannot.
+        Blocking: a voice made here is read from its folder, and a preset list older than
+        VOICES_SECONDS is asked of the server.
         """
         if voice is None:
             return {"voice": d.default_voice} if d.default_voice else {}
@@ -366,18 +398,34 @@ class RemoteEngine(Engine):
             if d.default_voice:
                 fields["voice"] = d.default_voice
             return fields
-        if voice not in self._preset_names(d):
+        return self._preset_fields(d, voice, self._preset_names(d))
+
+    def _known_voice_fields(self, d: Described, voice: str | None) -> dict[str, Any] | None:
+        """
+        L{_voice_fields} where it needs neither the folder nor the server (no voice, or a
+        preset whose list is known): what the reactor thread may compute; None otherwise.
+        """
+        if voice is None:
+            return {"voice": d.default_voice} if d.default_voice else {}
+        if voice in self._made:
+            return None
+        names = self._known_presets(d)
+        return None if names is None else self._preset_fields(d, voice, names)
+
+    @staticmethod
+    def _preset_fields(d: Described, voice: str, names: list[str]) -> dict[str, Any]:
+        if voice not in names:
             raise UnknownVoice(f'variant "{d.name}" has no voice "{voice}"', field="voice")
         return {"voice": voice}
 
-    def _body(self, d: Described, request: SpeakRequest, streamed: bool) -> dict[str, Any]:
+    def _body(self, d: Described, request: SpeakRequest, streamed: bool, voice: Mapping[str, Any]) -> dict[str, Any]:
         text = request.text
         for cue, spoken in d.cues.items():
             text = text.replace(f"[{cue}]", spoken)
         body: dict[str, Any] = {"input": text, "response_format": "pcm"}
         if d.model:
             body["model"] = d.model
-        body.update(self._voice_fields(d, request.voice))
+        body.update(voice)
         speed = request.params.get("speed", 1.0)
         if speed != 1.0:
             body["speed"] = speed
@@ -394,24 +442,44 @@ class RemoteEngine(Engine):
                 body["stream_format"] = "sse"
         return body
 
-    def speak(self, request: SpeakRequest) -> Iterator[bytes]:
+    async def _blocking(self, call: Callable[..., _T], *args: Any) -> _T:
+        """C{call(*args)} on the reactor's thread pool, for what reads a file or a server."""
+        done: _T = await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), call, *args)
+        return done
+
+    # An asynchronous generator, which the SDK draws on the reactor thread (Engine.speak
+    # is declared as the blocking kind).
+    async def speak(self, request: SpeakRequest) -> AsyncIterator[bytes]:  # type: ignore[override]
         d = self._described[request.variant]
         # vLLM-Omni streams only at speed 1; otherwise the answer comes whole.
         streamed = d.api == "vllm-omni" and request.params.get("speed", 1.0) == 1.0
-        body = json.dumps(self._body(d, request, streamed)).encode()
-        where = d.server.origin
+        voice = self._known_voice_fields(d, request.voice)
+        if voice is None:
+            voice = await self._blocking(self._voice_fields, d, request.voice)
+        body = json.dumps(self._body(d, request, streamed, voice)).encode()
+        relay = self._relays[request.variant]
         try:
-            with d.server.exchange("POST", "/v1/audio/speech", body, {"Content-Type": "application/json"}) as response:
-                self._mark_up(request.variant)
-                if response.status != 200:
-                    raise refusal(error_of(response), where, request.voice)
-                if streamed:
-                    yield from sse_pcm(response, where)
-                else:
-                    yield from raw_pcm(response, where)
+            response = await relay.request(b"POST", "/v1/audio/speech", body)
         except Unreachable as error:
             self._mark_down(request.variant, str(error))
             raise ModelUnavailable(f"variant {request.variant}: {error}") from None
+        self._mark_up(request.variant)
+        if response.code != 200:
+            raise refusal(await relay.error_of(response), relay.origin, request.voice)
+        reader = relay.read(response, sse=streamed, where=relay.origin)
+        try:
+            while (pcm := await reader.next()) is not None:
+                yield pcm
+        finally:
+            # Let go, however this ends: a body read to its end has gone back to the
+            # pool; a pulled one's client went away, or it failed: its connection closes.
+            reader.release()
+
+
+def _global_reactor() -> Any:
+    from twisted.internet import reactor
+
+    return reactor
 
 
 #: The protocol's voice id rule: a server's voice named otherwise cannot be listed.

@@ -1,5 +1,6 @@
 """
-Reading a speech server's answer as PCM, and its refusals as the taxonomy's.
+What a speech server's answer means: its refusals as the taxonomy's, and vLLM-Omni's
+SSE of PCM as events (L{Events}), fed bytes as they arrive by whichever reader holds them.
 
 vLLM-Omni's SSE (C{speech.audio.delta} events of base64 PCM) is read until its explicit
 C{speech.audio.done}: an error event, an event that is not one, or an end without done is
@@ -8,6 +9,11 @@ PCM body is read as it arrives, and one that ends short of its Content-Length or
 its last chunk fails the same way.  Every failure here comes after audio may have gone,
 so the SDK aborts the connection on it: the client sees a truncated body, never a clean
 short one.
+
+The worker reads its answers on the reactor (L{rhapsode_engine_remote._relay}).  The
+blocking readers at the end (L{sse_pcm}, L{raw_pcm}), which read an C{http.client}
+response by the same rules, are no longer called by the engine: they stay only while
+tests/unit/test_engine_remote_pure.py pins the rules through them, and go with those tests.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from rhapsode_worker import BadRequest, Internal, ModelUnavailable, Overloaded, 
 
 from ._client import ServerError
 
-#: What one SSE line may be: a delta of a few hundred milliseconds of base64 PCM.
+#: What one SSE line may be, and one event's data in all: a delta of a few hundred
+#: milliseconds of base64 PCM is far less.  Longer is refused, never held.
 _LINE_LIMIT = 8 * 1024 * 1024
 _CHUNK = 64 * 1024
 
@@ -51,6 +58,104 @@ def refusal(error: ServerError, where: str, voice: str | None) -> SpeechError:
     return ModelUnavailable(said)
 
 
+class Events:
+    """
+    vLLM-Omni's C{speech.audio.*} events, fed the body's bytes as they come: each
+    delta's PCM, until C{speech.audio.done} (then L{done}, and whatever follows is not
+    read).  Lines end at LF (a CR before it is dropped); C{data:} lines make an event, a
+    blank line ends it; C{event:}, C{id:} and comments are skipped.
+
+    @ivar where: the server, for the errors' messages.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.done = False
+        self._partial = bytearray()
+        self._data: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """
+        The PCM of each delta that C{data} completes, in order.
+
+        @raise ModelUnavailable: on an error event, an event that is not JSON (or nests
+            deeper than the parser recurses) or not base64, or a line or an event longer
+            than the limit; after the PCM of the events before it.
+        """
+        if self.done:
+            return
+        start = 0
+        if self._partial:
+            # A line begun in an earlier piece: only this piece is searched for its end,
+            # so a long line costs its length once, not once per piece.
+            start = data.find(b"\n") + 1
+            if not start:
+                self._keep(data)
+                return
+            self._keep(data[:start - 1])
+            line, self._partial = bytes(self._partial), bytearray()
+            pcm = self._line(line.rstrip(b"\r"))
+            if pcm:
+                yield pcm
+        while not self.done:
+            end = data.find(b"\n", start)
+            if end < 0:
+                self._keep(data[start:])
+                return
+            if end - start > _LINE_LIMIT:
+                raise self._too_long()
+            pcm = self._line(data[start:end].rstrip(b"\r"))
+            start = end + 1
+            if pcm:
+                yield pcm
+
+    def _keep(self, piece: bytes) -> None:
+        self._partial += piece
+        if len(self._partial) > _LINE_LIMIT:
+            raise self._too_long()
+
+    def end(self) -> None:
+        """
+        The body ended.
+
+        @raise ModelUnavailable: before C{speech.audio.done}.
+        """
+        if not self.done:
+            raise ModelUnavailable(f"{self.where} ended its stream without speech.audio.done")
+
+    def _too_long(self) -> ModelUnavailable:
+        return ModelUnavailable(f"{self.where} sent an event longer than {_LINE_LIMIT} bytes")
+
+    def _line(self, line: bytes) -> bytes | None:
+        if line.startswith(b"data:"):
+            piece = line[5:].lstrip()
+            self._size += len(piece)
+            if self._size > _LINE_LIMIT:
+                raise self._too_long()
+            self._data.append(piece)
+            return None
+        if line or not self._data:
+            return None  # event:, id:, comments; or a blank line with no data yet
+        raw = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+        self._data, self._size = [], 0
+        try:
+            event = json.loads(raw)
+        except (ValueError, RecursionError):  # nested past the parser's recursion, too
+            raise ModelUnavailable(f"{self.where} sent an event that is not JSON") from None
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "speech.audio.delta":
+            try:
+                return base64.b64decode(event.get("audio", ""), validate=True)
+            except (ValueError, TypeError):
+                raise ModelUnavailable(f"{self.where} sent a delta that is not base64") from None
+        if kind == "speech.audio.done":
+            self.done = True
+        elif kind == "speech.audio.error":
+            error = event.get("error") if isinstance(event.get("error"), dict) else {}
+            raise ModelUnavailable(f"{self.where} failed while speaking: {error.get('message', 'no message')}")
+        return None
+
 
 def raw_pcm(response: Any, where: str) -> Iterator[bytes]:
     """
@@ -78,42 +183,18 @@ def raw_pcm(response: Any, where: str) -> Iterator[bytes]:
 
 def sse_pcm(response: Any, where: str) -> Iterator[bytes]:
     """
-    vLLM-Omni's C{speech.audio.*} events as PCM: each delta's audio as it comes, until
-    C{speech.audio.done}.  An error event, a malformed event, or an end without done
-    fails the stream.
+    vLLM-Omni's C{speech.audio.*} events (L{Events}) read from an C{http.client}
+    response: each delta's audio as it comes, until C{speech.audio.done}.
     """
-    data: list[bytes] = []
-    while True:
+    events = Events(where)
+    while not events.done:
         try:
-            line = response.readline(_LINE_LIMIT)
+            data = response.read1(_CHUNK)
         except (socket.timeout, TimeoutError):
             raise ModelUnavailable(f"{where} stopped sending audio past its stall time") from None
         except Exception as exc:
             raise ModelUnavailable(f"{where} broke off its audio ({type(exc).__name__})") from None
-        if not line:
-            raise ModelUnavailable(f"{where} ended its stream without speech.audio.done")
-        line = line.rstrip(b"\r\n")
-        if line.startswith(b"data:"):
-            data.append(line[5:].lstrip())
-            continue
-        if line or not data:
-            continue  # event:, id:, comments; or a blank line with no data yet
-        raw, data = b"\n".join(data), []
-        try:
-            event = json.loads(raw)
-        except (ValueError, RecursionError):  # nested past the parser's recursion, too
-            raise ModelUnavailable(f"{where} sent an event that is not JSON") from None
-        kind = event.get("type") if isinstance(event, dict) else None
-        if kind == "speech.audio.delta":
-            try:
-                pcm = base64.b64decode(event.get("audio", ""), validate=True)
-            except ValueError:
-                raise ModelUnavailable(f"{where} sent a delta that is not base64") from None
-            if pcm:
-                yield pcm
-        elif kind == "speech.audio.done":
-            response.read(_CHUNK)  # the body's end, so the connection can be used again
-            return
-        elif kind == "speech.audio.error":
-            error = event.get("error") if isinstance(event.get("error"), dict) else {}
-            raise ModelUnavailable(f"{where} failed while speaking: {error.get('message', 'no message')}")
+        if not data:
+            events.end()
+        yield from events.feed(data)
+    response.read(_CHUNK)  # the body's end, so the connection can be used again
