@@ -1,59 +1,21 @@
 """
 The remote engine's pure parts: its configuration (both forms, and every refusal naming
-where), the server's refusals as the taxonomy's, and the readers of its answers (an SSE
-of PCM deltas that must end with done; a PCM body that must not end short).
-
-The adapter's package is not installed in the core's virtualenv (its Engine reads the
-installed distribution's version), so these modules are loaded under an empty package,
-as the Kokoro adapter's pure tests do; they import nothing but the SDK.
+where), the server's refusals as the taxonomy's, and a server's JSON nested too deep.
+The readers of its answers are test_remote_relay's.  The adapter's modules are loaded
+from the tree (tests/_remote_adapter.py).
 """
 
 from __future__ import annotations
 
-import base64
-import importlib.machinery
-import importlib.util
-import io
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _remote_adapter import delta, load
 
 from rhapsode_worker import BadRequest, Internal, ModelUnavailable, Overloaded, UnknownVoice
 
-SRC = Path(__file__).resolve().parents[2] / "engines" / "remote" / "src" / "rhapsode_engine_remote"
-
-
-def _load() -> tuple[Any, Any, Any]:
-    name = "rhapsode_engine_remote"
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    package = importlib.util.module_from_spec(spec)
-    package.__path__ = [str(SRC)]
-    saved = sys.modules.get(name)
-    sys.modules[name] = package
-    try:
-        loaded = []
-        for module in ("_config", "_client", "_stream"):
-            path = SRC / f"{module}.py"
-            module_spec = importlib.util.spec_from_file_location(f"{name}.{module}", path)
-            assert module_spec is not None and module_spec.loader is not None
-            found = importlib.util.module_from_spec(module_spec)
-            sys.modules[f"{name}.{module}"] = found
-            module_spec.loader.exec_module(found)
-            loaded.append(found)
-        return loaded[0], loaded[1], loaded[2]
-    finally:
-        for module in ("_config", "_client", "_stream"):
-            sys.modules.pop(f"{name}.{module}", None)
-        if saved is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = saved
-
-
-config, client, stream = _load()
+config, client, stream = load("_config", "_client", "_stream")
 
 
 def test_one_server_from_the_short_form() -> None:
@@ -137,67 +99,6 @@ def test_a_servers_refusals_are_the_taxonomys(status: int, message: str, voice: 
         assert "Invalid API key" not in error.message and "key" in error.message
 
 
-class Answer(io.BytesIO):
-    """An answer's body as http.client's response reads it."""
-
-    def __init__(self, body: bytes, *, chunked: bool = True, length: int | None = None) -> None:
-        super().__init__(body)
-        self.chunked = chunked
-        self.length = length
-
-    def read1(self, size: int = -1) -> bytes:
-        data = super().read1(size)
-        if self.length is not None:
-            self.length -= len(data)
-        return data
-
-    def isclosed(self) -> bool:
-        return self.tell() == len(self.getvalue())
-
-
-def sse(*events: dict[str, Any]) -> bytes:
-    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + json.dumps(e).encode() + b"\n\n" for e in events)
-
-
-def delta(pcm: bytes) -> dict[str, Any]:
-    return {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode(), "response_format": "pcm"}
-
-
-def test_an_sse_answer_is_its_deltas_until_done() -> None:
-    """
-    The deltas' PCM, in order, and nothing after speech.audio.done.
-    """
-    body = sse(delta(b"\x01\x00" * 10), delta(b"\x02\x00" * 5), {"type": "speech.audio.done", "usage": {}})
-    assert list(stream.sse_pcm(Answer(body), "x")) == [b"\x01\x00" * 10, b"\x02\x00" * 5]
-
-
-@pytest.mark.parametrize("tail", [
-    b"",  # the stream ends without done
-    sse({"type": "speech.audio.error", "error": {"message": "CUDA error"}}),
-    b"data: {not json}\n\n",
-    b'data: {"type": "speech.audio.delta", "audio": "***"}\n\n',
-])
-def test_an_sse_answer_that_does_not_end_with_done_fails(tail: bytes) -> None:
-    """
-    An end without done, an error event, or an event that cannot be read fails the
-    stream after what came before it, so the worker aborts instead of ending clean.
-    """
-    got: list[bytes] = []
-    with pytest.raises(ModelUnavailable):
-        for pcm in stream.sse_pcm(Answer(sse(delta(b"\x01\x00")) + tail), "x"):
-            got.append(pcm)
-    assert got == [b"\x01\x00"]
-
-
-def test_a_pcm_body_short_of_its_length_fails() -> None:
-    """
-    A Content-Length body read to its length ends; one that ends before it fails.
-    """
-    assert b"".join(stream.raw_pcm(Answer(b"\x00" * 100, chunked=False, length=100), "x")) == b"\x00" * 100
-    with pytest.raises(ModelUnavailable):
-        list(stream.raw_pcm(Answer(b"\x00" * 100, chunked=False, length=200), "x"))
-
-
 DEEP = b"[" * 5000 + b"]" * 5000
 
 
@@ -213,5 +114,6 @@ def test_a_servers_json_nested_too_deep_to_parse_is_its_fault_not_a_crash() -> N
     with pytest.raises(client.NotJSON) as refused:
         client._document(DEEP, "http://gpu:8091/v1/models answered 200")
     assert refused.value.status == 502 and "/v1/models" in refused.value.message
+    events = stream.Events("x")
     with pytest.raises(ModelUnavailable):
-        list(stream.sse_pcm(Answer(sse(delta(b"\x01\x00")) + b"data: " + DEEP + b"\n\n"), "x"))
+        list(events.feed(delta(b"\x01\x00") + b"data: " + DEEP + b"\n\n"))

@@ -8,20 +8,14 @@ a failure, so an answer cut short can never pass for a whole one.  An OpenAI ser
 PCM body is read as it arrives, and one that ends short of its Content-Length or without
 its last chunk fails the same way.  Every failure here comes after audio may have gone,
 so the SDK aborts the connection on it: the client sees a truncated body, never a clean
-short one.
-
-The worker reads its answers on the reactor (L{rhapsode_engine_remote._relay}).  The
-blocking readers at the end (L{sse_pcm}, L{raw_pcm}), which read an C{http.client}
-response by the same rules, are no longer called by the engine: they stay only while
-tests/unit/test_engine_remote_pure.py pins the rules through them, and go with those tests.
+short one.  The worker reads its answers on the reactor (L{rhapsode_engine_remote._relay}).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import socket
-from typing import Any, Iterator
+from typing import Iterator
 
 from rhapsode_worker import BadRequest, Internal, ModelUnavailable, Overloaded, SpeechError, UnknownVoice
 
@@ -30,7 +24,6 @@ from ._client import ServerError
 #: What one SSE line may be, and one event's data in all: a delta of a few hundred
 #: milliseconds of base64 PCM is far less.  Longer is refused, never held.
 _LINE_LIMIT = 8 * 1024 * 1024
-_CHUNK = 64 * 1024
 
 
 def refusal(error: ServerError, where: str, voice: str | None) -> SpeechError:
@@ -155,46 +148,3 @@ class Events:
             error = event.get("error") if isinstance(event.get("error"), dict) else {}
             raise ModelUnavailable(f"{self.where} failed while speaking: {error.get('message', 'no message')}")
         return None
-
-
-def raw_pcm(response: Any, where: str) -> Iterator[bytes]:
-    """
-    A PCM body as it arrives; a body cut short (a chunked one without its end, or one
-    short of its Content-Length) or a stall fails, so the worker aborts, never ends clean.
-    """
-    while True:
-        try:
-            chunk = response.read1(_CHUNK)
-        except (socket.timeout, TimeoutError):
-            raise ModelUnavailable(f"{where} stopped sending audio past its stall time") from None
-        except Exception as exc:  # http.client.IncompleteRead, a reset: the stream broke off
-            raise ModelUnavailable(f"{where} broke off its audio ({type(exc).__name__})") from None
-        if not chunk:
-            if response.chunked or response.length is None:
-                # A chunked body's last chunk closes it; one cut short raised above.  One
-                # delimited by the connection's close ends when that closes.
-                return
-            if response.length:
-                raise ModelUnavailable(f"{where} ended its audio {response.length} bytes short")
-            response.read()  # what http.client needs to call the body read and reuse the connection
-            return
-        yield chunk
-
-
-def sse_pcm(response: Any, where: str) -> Iterator[bytes]:
-    """
-    vLLM-Omni's C{speech.audio.*} events (L{Events}) read from an C{http.client}
-    response: each delta's audio as it comes, until C{speech.audio.done}.
-    """
-    events = Events(where)
-    while not events.done:
-        try:
-            data = response.read1(_CHUNK)
-        except (socket.timeout, TimeoutError):
-            raise ModelUnavailable(f"{where} stopped sending audio past its stall time") from None
-        except Exception as exc:
-            raise ModelUnavailable(f"{where} broke off its audio ({type(exc).__name__})") from None
-        if not data:
-            events.end()
-        yield from events.feed(data)
-    response.read(_CHUNK)  # the body's end, so the connection can be used again
