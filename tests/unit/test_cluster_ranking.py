@@ -6,6 +6,7 @@ that can evict, then the rest.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from rhapsode._cluster.ranking import (
@@ -271,6 +272,37 @@ def test_a_request_is_offered_its_best_rank_alone_until_it_has_waited_spill_seco
     assert offered([["a", "b", "c"]], 0.0) == [["a"], ["b", "c"]]
     assert offered([["a", "b"], ["c"]], SPILL_SECONDS) == [["a"], ["b"], ["c"]]
     assert offered([], 0.0) == []
+
+
+def test_routers_that_know_nothing_of_each_other_break_ties_apart() -> None:
+    """
+    Each proxy's router knows only its own choices: three routers ranking three new
+    models at once over three empty nodes (no report shows any yet) do not all send
+    them to the same node, as routers that broke ties by the nodes' order did every
+    time; and a tie broken at random still keeps the ranks' order (the node with fewer
+    leases, the colder node, first).
+    """
+    nodes = [(key, key.upper(), report(slots=1)) for key in ("a", "b", "c")]
+    ties = random.Random(11)
+    together = 0
+    firsts = set()
+    for _ in range(200):
+        chosen = []
+        for model in ("tone/v1", "espeak/default", "piper/medium"):
+            router: Sent[str] = Sent()
+            chosen.append(offered(rank(router.candidates(nodes, model, 100.0), model, ties=ties), 0.0)[0][0])
+        firsts.update(chosen)
+        together += len(set(chosen)) == 1
+    assert firsts == {"A", "B", "C"}
+    assert together < 40  # 1 in 9 by chance, where breaking ties by order made it 200 of 200
+    unequal = [
+        Candidate("busy", report(("tone", "v1", 1), slots=2)),
+        Candidate("idle", report(slots=2)),
+        Candidate("cold", NodeReport(resident={("espeak", "default"): 0}, lru_leases=0, lru_used="2026-01-01T00:00:00Z")),
+        Candidate("warm", NodeReport(resident={("espeak", "default"): 0}, lru_leases=0, lru_used="2026-06-01T00:00:00Z")),
+    ]
+    for _ in range(50):
+        assert rank(unequal, "piper/medium", ties=ties) == [["idle", "busy"], ["cold"], ["warm"]]
 
 
 def test_nodes_busy_with_a_model_rank_one_a_rank_fewest_leases_first() -> None:

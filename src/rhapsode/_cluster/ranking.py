@@ -30,6 +30,7 @@ Eviction stays with each node's residency manager; a router never evicts by coun
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
 
@@ -161,12 +162,23 @@ class Candidate(Generic[_R]):
     routed: int = 0
 
 
-def rank(candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT) -> list[list[_R]]:
+def rank(
+    candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT, ties: random.Random | None = None
+) -> list[list[_R]]:
     """
     The nodes for a request for C{model_id}, in the five ranks above (empty ranks left
     out), each rank in order of fewest leases; rank 3 is split into one rank a node,
     coldest first, since Serve chooses among the nodes of one rank by its own measure.
+
+    Nodes equal by those orders keep the order of C{candidates}, or a random one drawn
+    from C{ties}: a router takes the first node of the best rank (L{offered}), and each
+    of a cluster's proxies has a router of its own that knows only its own choices
+    until the nodes report them, so routers that all broke ties alike sent two new
+    models to one empty node as often as the models came together.
     """
+    if ties is not None:
+        candidates = list(candidates)
+        ties.shuffle(candidates)
     engine, variant = model_of(model_id)
     size = _measured(candidates, engine, variant)
     held: list[tuple[int, Candidate[_R]]] = []

@@ -10,13 +10,15 @@ on one node, rather than on every node that had room; and the requests it sent a
 since that node's last report count as leases there, so a burst for a model in demand
 spreads rather than queueing on one node.  Serve ranks every request of a burst before it
 routes the first, so the router counts its choice as it makes it: the first node of the
-best rank, offered alone (L{rhapsode._cluster.ranking.offered}), then the rest of that
-rank, and after a few seconds the later ranks (Serve passes to the next rank when a
-rank's replicas are late with their queue lengths, not only when they are full).
+best rank (ties broken at random: each proxy has a router of its own), offered alone
+(L{rhapsode._cluster.ranking.offered}), then the rest of that rank, and after a few
+seconds the later ranks (Serve passes to the next rank when a rank's replicas are late
+with their queue lengths, not only when they are full).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any, List, Optional
 
@@ -37,6 +39,7 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
     def initialize_state(self, **kwargs: Any) -> None:
         self._sent = Sent()
         self._spread_at = int(kwargs.get("spread_at", SPREAD_AT))
+        self._ties = random.Random()
 
     def _memory(self) -> Sent[ReplicaID]:
         # Serve calls initialize_state as it builds the router; made here should it not.
@@ -61,7 +64,9 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
         now = time.monotonic()
         memory = self._memory()
         candidates = memory.candidates(nodes, model, now)
-        ranked: List[List[RunningReplica]] = rank(candidates, model, getattr(self, "_spread_at", SPREAD_AT))
+        ranked: List[List[RunningReplica]] = rank(
+            candidates, model, getattr(self, "_spread_at", SPREAD_AT), getattr(self, "_ties", None) or random.Random()
+        )
         # Serve's own record of when the request came, by the wall clock.
         waited = time.time() - pending_request.created_at
         offer = offered(ranked, waited)
