@@ -15,6 +15,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+#: How long one side of a side-by-side bench is left alone before the other side's turn.
+#: onnxruntime's own threads, as the peers build their sessions (its defaults), spin on
+#: after each run: a warm piper-tts voice burnt 39-41 ms of CPU in the 50-300 ms after a
+#: one-sentence run (8 ms in the first 10 ms), so a request that follows a peer's at
+#: once finds a core taken.  Our sessions stop spinning when a run ends, so without a
+#: pause the bench charged the peers' spinning to our side (Wyoming door, one short
+#: sentence: 1.31-1.42x wyoming-piper back to back, 0.96x with this pause).
+SETTLE_SECONDS = 0.3
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import proxy as proxy_bench
 import wyoming_door
-from _common import KeptAlive, percentile, request_bytes, start_worker, tcp, timed
+from _common import SETTLE_SECONDS, KeptAlive, percentile, request_bytes, start_worker, tcp, timed
 
 import engines as engines_bench
 
@@ -326,14 +326,20 @@ class Row:
 
 def both(ours_first: bool, ours: Callable[[], float], theirs: list[tuple[str, Callable[[], float]]]) -> tuple[float, dict[str, float]]:
     """
-    Our side and each peer's, ours first or last as the round says.
+    Our side and each peer's, ours first or last as the round says, each after a pause
+    that lets the side before it settle (L{_common.SETTLE_SECONDS}).
     """
     got: dict[str, float] = {}
+
+    def settled(measure: Callable[[], float]) -> float:
+        time.sleep(SETTLE_SECONDS)
+        return measure()
+
     if not ours_first:
-        got.update((name, measure()) for name, measure in theirs)
-    mine = ours()
+        got.update((name, settled(measure)) for name, measure in theirs)
+    mine = settled(ours)
     if ours_first:
-        got.update((name, measure()) for name, measure in theirs)
+        got.update((name, settled(measure)) for name, measure in theirs)
     return mine, got
 
 

@@ -8,7 +8,8 @@ wyoming-piper 2.5.2 runs in a virtualenv of its own (.venvs/bench-peers, made
 here the first time, with the same piper-tts and onnxruntime the engine pins); the core
 is `rhapsode serve` with the Piper engine and its Wyoming door.  Both are warmed up, then
 each text (short, medium, long) is synthesized with the wyoming library's client, the
-two servers taking turns request by request, one at a time and four at once; printed:
+two servers taking turns request by request, one at a time and four at once, each turn
+after a pause that lets the other's threads settle (L{_common.SETTLE_SECONDS}); printed:
 the median time to the first audio-chunk and to audio-stop, and the door's over
 wyoming-piper's.  The goals (issue 24): first chunk at most 0.5x, whole at most 1.05x.
 Asserts nothing.  Everything runs on this machine, clients and servers alike.
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import free_port, wait_listening
+from _common import SETTLE_SECONDS, free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPER = ROOT / ".venvs" / "piper" / "bin" / "python"
@@ -138,6 +139,7 @@ async def run(servers: dict[str, tuple[int, str | None]]) -> dict[tuple[str, str
                 for name, (port, voice) in servers.items():
                     got = await asyncio.gather(*(once(port, text, voice) for _ in range(concurrent)))
                     results.setdefault((name, label, concurrent), []).extend(got)
+                    await asyncio.sleep(SETTLE_SECONDS)
     return results
 
 
