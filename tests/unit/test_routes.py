@@ -506,7 +506,9 @@ def heard_app(monkeypatch: pytest.MonkeyPatch) -> tuple[HeardEngine, StubTreq]:
     engine = HeardEngine()
     app, stub = make_app(engine)
 
-    async def respond(request: Any, variant: str, steps: list[Any], fmt: str, stream: bool, rate: Any = None) -> bytes:
+    async def respond(
+        request: Any, variant: str, steps: list[Any], fmt: str, stream: bool, rate: Any = None, joints: Any = ()
+    ) -> bytes:
         for step in steps:
             list(step())
         request.setResponseCode(200)
@@ -813,14 +815,41 @@ def test_float_pcm_reaches_the_client_as_16_bit(tmp_path: Path) -> None:
     worker = WorkerHarness(FloatEngine, tmp_path)
     caps = worker.get("/capabilities").json()
     assert caps["nativeFormat"] == {"encoding": "pcm_s16le", "sampleRate": 16000, "channels": 1}
-    pcm = worker.post("/speak", {"text": "first one. second.", "format": "pcm", "stream": False})
+    pcm = worker.post("/speak", {"text": "First one. Second.", "format": "pcm", "stream": False})
     half = struct.pack("<h", 16383)
     assert pcm.code == 200
-    assert pcm.body == half * 1600 * len("first one.") + b"\x00\x00" * 1600 + half * 1600 * len("second.")
+    assert pcm.body == half * 1600 * len("First one.") + b"\x00\x00" * 1600 + half * 1600 * len("Second.")
     assert pcm.duration_ms == 1800
-    wav = worker.post("/speak", {"text": "first one. second.", "format": "wav", "stream": False})
+    wav = worker.post("/speak", {"text": "First one. Second.", "format": "wav", "stream": False})
     assert wav.body[44:] == pcm.body
     assert struct.unpack("<HHIIHH", wav.body[20:36]) == (1, 1, 16000, 32000, 2, 16)
+
+
+def test_the_joint_silence_stands_between_sentences_and_not_inside_one(tmp_path: Path) -> None:
+    """
+    The adapter's joint silence is a pause between sentences: where the splitter cuts
+    inside a sentence (here between words, the sentence being longer than a segment),
+    the two pieces follow each other with none, and where a piece ends a sentence the
+    next one starts after the declared silence.
+    """
+    import struct
+
+    from rhapsode_protocol.text import split_pieces
+    from rhapsode_worker.testing import WorkerHarness
+
+    worker = WorkerHarness(FloatEngine, tmp_path)
+    text = "Red fox runs far. Go."
+    pieces = split_pieces(text, 10)
+    assert [(p.text, p.ends_sentence) for p in pieces] == [("Red fox", False), ("runs far.", True), ("Go.", True)]
+    half = struct.pack("<h", 16383)
+    silence = b"\x00\x00" * 1600
+    for stream in (True, False):
+        pcm = worker.post("/speak", {"text": text, "format": "pcm", "stream": stream})
+        assert pcm.code == 200, stream
+        assert pcm.body == (
+            half * 1600 * len("Red fox") + half * 1600 * len("runs far.") + silence + half * 1600 * len("Go.")
+        ), stream
+        assert pcm.duration_ms == 100 * len("Red foxruns far.Go.") + 100, stream
 
 
 class FirstCutEngine(PlainEngine):
@@ -863,5 +892,5 @@ def test_float_pcm_is_converted_inside_the_step_the_synthesis_pool_runs() -> Non
     """
     app, _ = make_app(FloatEngine())
     request = SpeakRequest(text="abc", variant="v1")
-    (step,) = app._segments(request)
+    (step,) = app._segments(request).steps
     assert b"".join(step()) == b"\xff\x3f" * 1600 * 3

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rhapsode_protocol._split import _sentences, split_text
+from rhapsode_protocol._split import _sentences, split_pieces, split_text
 
 
 def sentences(text: str) -> list[str]:
@@ -87,6 +87,46 @@ def test_properties_hold_for_arbitrary_text(text: str, limit: int, first_limit: 
     limits unless they are single words, and no two neighbours could have been joined.
     """
     check(text, limit, first_limit)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=texts, limit=st.integers(1, 60), first_limit=st.none() | st.integers(1, 60))
+def test_a_piece_ends_a_sentence_exactly_where_the_scanner_ends_one(
+    text: str, limit: int, first_limit: int | None
+) -> None:
+    """
+    A piece says it ends a sentence exactly when its last span ends where one of the
+    sentence scanner's sentences ends; the last piece always does.
+    """
+    ends = {end for _, end in _sentences(text)}
+    pieces = split_pieces(text, limit, first_limit)
+    for piece in pieces:
+        assert piece.ends_sentence == (piece.atoms[-1][1] in ends), (text, piece)
+    if pieces:
+        assert pieces[-1].ends_sentence
+
+
+@pytest.mark.parametrize(
+    "text, limit, first_limit, expected",
+    [
+        # The short first segment cuts a sentence between words, then at a clause mark.
+        ("The harbour lights came on one by one as the evening ferry pulled away.", 200, 30,
+         [False, True]),
+        ("Turn on the kitchen lights, please. And the porch too.", 200, 30, [False, True]),
+        # Whole sentences, each its own piece.
+        ("One. Two. Three.", 6, None, [True, True, True]),
+        # A lower-case word after the full stop keeps one sentence, cut between words.
+        ("first one. second.", 10, None, [False, True]),
+    ],
+)
+def test_pieces_say_whether_they_end_a_sentence(
+    text: str, limit: int, first_limit: int | None, expected: list[bool]
+) -> None:
+    """
+    Pieces cut inside a sentence (at a clause or between words) say so; pieces that end
+    one, and the last piece, say that.
+    """
+    assert [piece.ends_sentence for piece in split_pieces(text, limit, first_limit)] == expected
 
 
 @settings(max_examples=200, deadline=None)

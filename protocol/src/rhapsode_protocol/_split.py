@@ -119,10 +119,13 @@ class Piece:
     """
     One piece of L{split_pieces}: its text, and the spans of the source text it was
     packed from, in order; where two were apart in the source one space joins them.
+    C{ends_sentence} is false where the piece stops inside a sentence: one cut at a
+    clause or between words, to fit the limit or the shorter first one.
     """
 
     text: str
     atoms: tuple[Span, ...]
+    ends_sentence: bool = True
 
     def source(self, start: int, end: int) -> Span:
         """
@@ -209,19 +212,21 @@ def _pack_pieces(text: str, limit: int, first: int) -> list[Piece]:
     atoms: list[Span] = []
     size = 0
     last_end = 0
+    closed = True  # whether the last atom packed ended its sentence
     for sentence in _sentences(text):
         for start, end in _refine(text, sentence, limit if pieces else first):
             atom = text[start:end]
             joint = " " if parts and start > last_end else ""
             if parts and size + len(joint) + len(atom) > (limit if pieces else first):
-                pieces.append(Piece("".join(parts), tuple(atoms)))
+                pieces.append(Piece("".join(parts), tuple(atoms), closed))
                 parts, atoms, size, joint = [], [], 0, ""
             parts.append(joint + atom)
             atoms.append((start, end))
             size += len(joint) + len(atom)
             last_end = end
+            closed = end == sentence[1]
     if parts:
-        pieces.append(Piece("".join(parts), tuple(atoms)))
+        pieces.append(Piece("".join(parts), tuple(atoms), closed))
     return pieces
 
 

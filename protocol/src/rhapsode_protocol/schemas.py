@@ -464,7 +464,11 @@ VARIANT_CAPS: Schema = _object(
                     "A shorter first segment of a streamed answer, for a quicker first byte"
                     " (a buffered one is cut at segmentCharacters alone).", minimum=1
                 ),
-                "jointSilenceMs": _integer("Silence between segments.", minimum=0),
+                "jointSilenceMs": _integer(
+                    "Silence between segments where one ends a sentence; a segment cut inside a"
+                    " sentence (the shorter first one, or a sentence over segmentCharacters) runs"
+                    " into the next with none.", minimum=0
+                ),
             },
             required=["supported"],
         ),

@@ -384,7 +384,7 @@ class IEngine(Interface):
     max_characters = Attribute("Most text one request may carry")
     segment_characters = Attribute("Most text one generation gets; None: the whole text")
     first_segment_characters = Attribute("A shorter first segment of a streamed answer, or None")
-    joint_silence_ms = Attribute("Silence inserted between segments")
+    joint_silence_ms = Attribute("Silence inserted between segments, where one ends a sentence")
     concurrency = Attribute("Generations that may run at once (default 1)")
     reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")
     private_tag_patterns = Attribute("Regexes of the engine's own tag syntax, stripped")

@@ -13,7 +13,7 @@ import math
 from dataclasses import replace
 from functools import partial
 from pathlib import PurePath
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence, cast
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
 
 from klein import Klein
 from twisted.internet.defer import Deferred
@@ -40,7 +40,7 @@ from rhapsode_protocol.http.answers import (
 )
 from rhapsode_protocol.http.form import read_form
 from rhapsode_protocol.http.site import DirectSite, HandlerResource, Routes, gathered
-from rhapsode_protocol.text import split_pieces, split_text
+from rhapsode_protocol.text import Piece, split_pieces
 from rhapsode_protocol.validation import check_instructions, check_sample_rate, choose_language
 from rhapsode_protocol.vocab import clean_text, clean_text_mapped, is_speakable
 
@@ -155,6 +155,16 @@ def check_unit(variant: Variant, name: str, unit: str) -> None:
         raise Unsupported(
             f'variant "{name}" does not time "{unit}" (timestamps: {claimed})', field="timestamps"
         )
+
+
+class _Segments(NamedTuple):
+    """
+    A request's segments as steps, and the milliseconds of silence before each step
+    after the first.
+    """
+
+    steps: "list[Step | ReactorStep]"
+    joints: list[int]
 
 
 class _ListSink:
@@ -729,7 +739,8 @@ class WorkerApp:
                 language=v.languages[0],
                 params={n: d.default for n, d in _dials(v).items()},
             )
-            return await self._respond(request, variant, self._segments(speak, stream=False), "wav", False)
+            segments = self._segments(speak, stream=False)
+            return await self._respond(request, variant, segments.steps, "wav", False, joints=segments.joints)
 
         return await self._guarded(request, handle)
 
@@ -793,18 +804,25 @@ class WorkerApp:
         return self.engine.first_segment_characters if stream else None
 
     def _segments(
-        self, request: SpeakRequest, pieces: Sequence[str] | None = None, stream: bool = True
-    ) -> "list[Step | ReactorStep]":
+        self, request: SpeakRequest, pieces: Sequence[Piece] | None = None, stream: bool = True
+    ) -> "_Segments":
         engine = self.engine
         if pieces is None:
-            pieces = split_text(request.text, engine.segment_characters, self._first_limit(stream))
+            pieces = split_pieces(request.text, engine.segment_characters, self._first_limit(stream))
         count = len(pieces)
-        requests = [replace(request, text=piece, segment_index=i, segment_count=count) for i, piece in enumerate(pieces)]
+        requests = [
+            replace(request, text=piece.text, segment_index=i, segment_count=count) for i, piece in enumerate(pieces)
+        ]
+        # The adapter's joint silence is a pause between sentences: a piece cut inside
+        # one (the short first segment, or a sentence longer than a segment) goes on into
+        # the next with only the silence the model leaves at its edges (Kokoro's 250 ms
+        # there made a 400 ms gap mid-phrase, where its reading of the whole has none).
+        joints = [engine.joint_silence_ms if piece.ends_sentence else 0 for piece in pieces[:-1]]
         if self._speaks_async:
             # speak() is declared as a generator; this engine's is an asynchronous one.
             draw = cast(Callable[[SpeakRequest], AsyncIterator[Any]], engine.speak)
-            return [ReactorStep(partial(draw, each)) for each in requests]
-        return [partial(self._pcm, engine.speak, each) for each in requests]
+            return _Segments([ReactorStep(partial(draw, each)) for each in requests], joints)
+        return _Segments([partial(self._pcm, engine.speak, each) for each in requests], joints)
 
     def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> tuple[str, Framing] | None:
         """
@@ -876,14 +894,16 @@ class WorkerApp:
             stream = bool(body.get("stream", True))
             rate = body.get("sampleRate")
             if timed is None:
-                return await self._respond(request, variant, self._segments(speak, stream=stream), fmt, stream, rate)
+                segments = self._segments(speak, stream=stream)
+                return await self._respond(request, variant, segments.steps, fmt, stream, rate,
+                                           joints=segments.joints)
             engine = self.engine
             pieces = split_pieces(text, engine.segment_characters, self._first_limit(stream))
             sources = [Source(body["text"], cleaned, piece) for piece in pieces]
-            steps = self._segments(speak, [piece.text for piece in pieces])
+            segments = self._segments(speak, pieces)
             timeline = self._timeline(variant, timed[0], sources)
-            return await self._respond(request, variant, steps, fmt, stream, rate, timeline=timeline,
-                                       framing=timed[1])
+            return await self._respond(request, variant, segments.steps, fmt, stream, rate, timeline=timeline,
+                                       framing=timed[1], joints=segments.joints)
 
         return await self._guarded(request, handle)
 
@@ -954,19 +974,20 @@ class WorkerApp:
         rate: int | None = None,
         timeline: Timeline | None = None,
         framing: Framing | None = None,
+        joints: Sequence[int] = (),
     ) -> Any:
         """
         Schedule the synthesis and write its audio (resampled to C{rate}, where one is
         asked for), aborting on a failure after headers.  With a C{timeline}, the
-        adapter's timings are written beside it in C{framing}.
+        adapter's timings are written beside it in C{framing}.  C{joints} are the
+        milliseconds of silence before each step after the first (L{_segments}).
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
         finished = request.notifyFinish()  # type: ignore[attr-defined]
-        joint = self.engine.joint_silence_ms
         output: _AudioResponse
 
         def next_step(index: int) -> None:
-            output.silence(joint)
+            output.silence(joints[index - 1])
             if timeline is not None:
                 timeline.step(index, output.frames)
 
