@@ -506,10 +506,8 @@ def heard_app(monkeypatch: pytest.MonkeyPatch) -> tuple[HeardEngine, StubTreq]:
     engine = HeardEngine()
     app, stub = make_app(engine)
 
-    async def respond(
-        request: Any, variant: str, steps: list[Any], fmt: str, stream: bool, rate: Any = None, joints: Any = ()
-    ) -> bytes:
-        for step in steps:
+    async def respond(request: Any, variant: str, segments: Any, fmt: str, stream: bool, rate: Any = None) -> bytes:
+        for step in segments.steps:
             list(step())
         request.setResponseCode(200)
         return b"{}"

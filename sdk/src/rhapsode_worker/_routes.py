@@ -740,7 +740,7 @@ class WorkerApp:
                 params={n: d.default for n, d in _dials(v).items()},
             )
             segments = self._segments(speak, stream=False)
-            return await self._respond(request, variant, segments.steps, "wav", False, joints=segments.joints)
+            return await self._respond(request, variant, segments, "wav", False)
 
         return await self._guarded(request, handle)
 
@@ -895,15 +895,14 @@ class WorkerApp:
             rate = body.get("sampleRate")
             if timed is None:
                 segments = self._segments(speak, stream=stream)
-                return await self._respond(request, variant, segments.steps, fmt, stream, rate,
-                                           joints=segments.joints)
+                return await self._respond(request, variant, segments, fmt, stream, rate)
             engine = self.engine
             pieces = split_pieces(text, engine.segment_characters, self._first_limit(stream))
             sources = [Source(body["text"], cleaned, piece) for piece in pieces]
             segments = self._segments(speak, pieces)
             timeline = self._timeline(variant, timed[0], sources)
-            return await self._respond(request, variant, segments.steps, fmt, stream, rate, timeline=timeline,
-                                       framing=timed[1], joints=segments.joints)
+            return await self._respond(request, variant, segments, fmt, stream, rate, timeline=timeline,
+                                       framing=timed[1])
 
         return await self._guarded(request, handle)
 
@@ -951,14 +950,15 @@ class WorkerApp:
                 seed=body.get("seed"),
                 timestamps=unit,
             )
-            step = partial(self._pcm, self.engine.dialogue, dialogue)
+            # One generation: no joint.
+            segments = _Segments([partial(self._pcm, self.engine.dialogue, dialogue)], [])
             if timed is None:
                 return await self._respond(
-                    request, variant, [step], fmt, body.get("stream", True), body.get("sampleRate")
+                    request, variant, segments, fmt, body.get("stream", True), body.get("sampleRate")
                 )
             timeline = self._timeline(variant, timed[0], turns=sources)
             return await self._respond(
-                request, variant, [step], fmt, body.get("stream", True), body.get("sampleRate"), timeline=timeline,
+                request, variant, segments, fmt, body.get("stream", True), body.get("sampleRate"), timeline=timeline,
                 framing=timed[1]
             )
 
@@ -968,32 +968,30 @@ class WorkerApp:
         self,
         request: IRequest,
         variant: str,
-        steps: "list[Step | ReactorStep]",
+        segments: _Segments,
         fmt: str,
         stream: bool,
         rate: int | None = None,
         timeline: Timeline | None = None,
         framing: Framing | None = None,
-        joints: Sequence[int] = (),
     ) -> Any:
         """
         Schedule the synthesis and write its audio (resampled to C{rate}, where one is
         asked for), aborting on a failure after headers.  With a C{timeline}, the
-        adapter's timings are written beside it in C{framing}.  C{joints} are the
-        milliseconds of silence before each step after the first (L{_segments}).
+        adapter's timings are written beside it in C{framing}.
         """
         # Taken now: a Deferred asked for after the connection is lost never fires.
         finished = request.notifyFinish()  # type: ignore[attr-defined]
         output: _AudioResponse
 
         def next_step(index: int) -> None:
-            output.silence(joints[index - 1])
+            output.silence(segments.joints[index - 1])
             if timeline is not None:
                 timeline.step(index, output.frames)
 
         job = Job(
             variant,
-            steps,
+            segments.steps,
             on_pcm=lambda pcm: output.pcm(pcm),
             on_step=next_step,
             on_timing=None if timeline is None else (lambda marks: output.timings(marks)),

@@ -47,6 +47,12 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
             self._sent = Sent()
         return self._sent
 
+    def _tie_breaker(self) -> random.Random:
+        # As _memory: made here should Serve not have called initialize_state.
+        if not hasattr(self, "_ties"):
+            self._ties = random.Random()
+        return self._ties
+
     def _model_of(self, pending: Optional[PendingRequest]) -> str:
         if pending is None:
             return ""
@@ -65,7 +71,7 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
         memory = self._memory()
         candidates = memory.candidates(nodes, model, now)
         ranked: List[List[RunningReplica]] = rank(
-            candidates, model, getattr(self, "_spread_at", SPREAD_AT), getattr(self, "_ties", None) or random.Random()
+            candidates, model, getattr(self, "_spread_at", SPREAD_AT), self._tie_breaker()
         )
         # Serve's own record of when the request came, by the wall clock.
         waited = time.time() - pending_request.created_at
