@@ -39,7 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import free_port, request_bytes, tcp, timed, wait_listening
+from _common import free_port, installed_bytecode, request_bytes, tcp, timed, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = "The harbour lights came on one by one as the evening ferry pulled away."
@@ -367,6 +367,7 @@ def main() -> None:
                         help="which of the texts to measure (default: all)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
+    installed_bytecode(tmp / "bytecode")
     port = free_port()
     engines = {
         e: {"module": f"rhapsode_engine_{e}", "python": str(ROOT / ".venvs" / e / "bin" / "python"),

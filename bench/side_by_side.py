@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import proxy as proxy_bench
 import wyoming_door
-from _common import SETTLE_SECONDS, KeptAlive, percentile, request_bytes, start_worker, tcp, timed
+from _common import SETTLE_SECONDS, KeptAlive, installed_bytecode, percentile, request_bytes, start_worker, tcp, timed
 
 import engines as engines_bench
 
@@ -212,6 +212,10 @@ class Rig:
             self.wyoming = self.process(wyoming)
             asyncio.run(wyoming_door.once(self.wyoming_port, "Warm up.", None))
             self.piper_http_pid = self.piper_http._server.pid
+        if "piper-cold" in self.rows:
+            # Untimed: each side's first start compiles its bytecode (installed_bytecode).
+            engines_bench.cold_first_audio(self.tmp / "cold-warm-up", "piper", False)
+            piper_cli_cold()
         if self.rows & kokoro_rows:
             environ = dict(os.environ, RHAPSODE_KOKORO_CACHE=str(KOKORO_CACHE))
             core, self.kokoro_port = engines_bench.start_core(self.tmp / "kokoro", ["kokoro"], environ)
@@ -546,6 +550,7 @@ def main() -> None:
         return
     rows = [row for row in rows if row.name in args.only]
     rig = Rig(Path(tempfile.mkdtemp(prefix="side-by-side-")), set(args.only))
+    installed_bytecode(rig.tmp / "bytecode")
     print(f"{os.cpu_count()} cores; load before starting {load()}")
     try:
         rig.start()

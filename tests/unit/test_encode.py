@@ -26,12 +26,15 @@ from zope.interface.verify import verifyObject
 
 from rhapsode_protocol.errors import Unsupported
 from rhapsode_worker._encode import (
+    _audio_encoders,
     FORMATS,
     EncoderFailed,
     EncodingAborted,
     available_formats,
     content_type,
     find_ffmpeg,
+    probe_cache_dir,
+    probe_ffmpeg,
     make_encoder,
     pcm16_from_f32le,
     wav_header,
@@ -234,6 +237,79 @@ def test_available_formats_without_a_working_ffmpeg(tmp_path: Path) -> None:
     assert available_formats(fake_ffmpeg(tmp_path, "echo broken >&2\nexit 1\n")) == ("wav", "pcm")
     assert available_formats(str(tmp_path / "absent")) == ("wav", "pcm")
     assert set(available_formats(None)) <= set(FORMATS)
+
+
+def test_probe_ffmpeg_keeps_its_answer_for_the_next_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start probes ffmpeg once and keeps what it found; the next start (the in-process
+    memo cleared) reads it without running anything, until the binary or PATH changes."""
+    counter = tmp_path / "runs"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ffmpeg = fake_ffmpeg(bin_dir, f'echo run >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n')
+    # First on PATH; the rest of it still finds the shell's cat.
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    cache = tmp_path / "cache"
+
+    def start() -> tuple[str | None, tuple[str, ...]]:
+        _audio_encoders.cache_clear()
+        return probe_ffmpeg(cache)
+
+    assert start() == (ffmpeg, ("wav", "mp3", "flac", "pcm", "aac"))
+    assert start() == (ffmpeg, ("wav", "mp3", "flac", "pcm", "aac"))
+    assert counter.read_text() == "run\n"
+    assert [p.name.startswith("ffmpeg-") for p in cache.iterdir()] == [True]
+    # The binary replaced in place: probed again.
+    Path(ffmpeg).write_text(f'#!/bin/sh\necho run >> "{counter}"\necho " ------"\necho " A....D flac  FLAC"\n')
+    os.utime(ffmpeg, ns=(1, 1))
+    assert start() == (ffmpeg, ("wav", "flac", "pcm"))
+    assert counter.read_text() == "run\nrun\n"
+    assert start() == (ffmpeg, ("wav", "flac", "pcm"))
+    assert counter.read_text() == "run\nrun\n"
+    # Another ffmpeg first on PATH: another key, probed.
+    other = tmp_path / "other"
+    other.mkdir()
+    second = fake_ffmpeg(other, f'echo other >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n')
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
+    assert start() == (second, ("wav", "mp3", "flac", "pcm", "aac"))
+    assert counter.read_text() == "run\nrun\nother\n"
+
+
+def test_probe_ffmpeg_keeps_no_failure_and_survives_a_bad_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe that found no encoders is not kept (the next start probes again), and a
+    cache that is garbage or cannot be written only costs the probe."""
+    counter = tmp_path / "runs"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ffmpeg = fake_ffmpeg(bin_dir, f'echo run >> "{counter}"\nexit 1\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        _audio_encoders.cache_clear()
+        assert probe_ffmpeg(cache) == (ffmpeg, ("wav", "pcm"))
+    assert counter.read_text() == "run\nrun\n"
+    assert not cache.exists()
+    # A file where the folder should be: nothing can be kept, the answer still comes.
+    blocked = tmp_path / "blocked"
+    blocked.write_text("not a folder")
+    Path(ffmpeg).write_text(f'#!/bin/sh\ncat <<"EOF"\n{LISTING}EOF\n')
+    _audio_encoders.cache_clear()
+    assert probe_ffmpeg(blocked) == (ffmpeg, ("wav", "mp3", "flac", "pcm", "aac"))
+    # A kept answer that is garbage is probed over and replaced.
+    _audio_encoders.cache_clear()
+    assert probe_ffmpeg(cache)[1] == ("wav", "mp3", "flac", "pcm", "aac")
+    (kept,) = cache.iterdir()
+    kept.write_text("{not json")
+    _audio_encoders.cache_clear()
+    assert probe_ffmpeg(cache)[1] == ("wav", "mp3", "flac", "pcm", "aac")
+    assert kept.read_text().startswith("{")
+    assert list(cache.iterdir()) == [kept]
+
+
+def test_probe_cache_dir_follows_xdg(tmp_path: Path) -> None:
+    """The probes' folder is under XDG_CACHE_HOME when it is absolute, else ~/.cache."""
+    assert probe_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "rhapsode" / "probes"
+    assert probe_cache_dir({"XDG_CACHE_HOME": "relative"}) == Path.home() / ".cache" / "rhapsode" / "probes"
+    assert probe_cache_dir({}) == Path.home() / ".cache" / "rhapsode" / "probes"
 
 
 def test_find_ffmpeg_prefers_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,8 +88,7 @@ def started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[R
     run; anything that spawns a probe fails the test if it runs.
     """
     monkeypatch.setattr(platform, "processor", _forbidden("platform.processor"))
-    monkeypatch.setattr(_runtime, "find_ffmpeg", _forbidden("find_ffmpeg"))
-    monkeypatch.setattr(_runtime, "available_formats", _forbidden("available_formats"))
+    monkeypatch.setattr(_runtime, "probe_ffmpeg", _forbidden("probe_ffmpeg"))
     monkeypatch.setattr(_memory, "_cpu_name", None)
     reactor = Reactor()
     process = FakeProcess()

@@ -17,7 +17,10 @@ source.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import hashlib
+import json
 import os
 import shutil
 import struct
@@ -26,7 +29,8 @@ import sys
 import tempfile
 from array import array
 from functools import lru_cache
-from typing import Any, Callable, Iterator, Protocol, cast
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Protocol, cast
 
 import imageio_ffmpeg
 from twisted.internet.defer import Deferred, fail, succeed
@@ -73,6 +77,62 @@ def available_formats(ffmpeg: str | None) -> tuple[str, ...]:
     """
     encoders = _audio_encoders(ffmpeg) if ffmpeg is not None else frozenset()
     return tuple(f for f in FORMATS if f not in _ENCODER_OF or _ENCODER_OF[f] in encoders)
+
+
+def probe_cache_dir(environ: Mapping[str, str]) -> Path:
+    """
+    Where a worker keeps what it learnt of this machine at start-up (L{probe_ffmpeg}):
+    C{$XDG_CACHE_HOME/rhapsode/probes}, else C{~/.cache/rhapsode/probes}.
+    """
+    base = environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "rhapsode" / "probes"
+
+
+def probe_ffmpeg(cache: Path | None) -> tuple[str | None, tuple[str, ...]]:
+    """
+    L{find_ffmpeg} and the L{available_formats} of what it finds, as the last start in
+    this environment found them where nothing they depend on has changed since, else
+    probed afresh and kept in the folder C{cache} (None: always probed).
+
+    Probing runs two programs before a worker can listen (imageio-ffmpeg checks its
+    binary with C{-version}, then C{-encoders} lists the encoders): 30-40 ms of every
+    cold start here.  What they depend on makes the key: the ffmpeg on C{PATH},
+    C{IMAGEIO_FFMPEG_EXE}, the imageio-ffmpeg installed and this interpreter; and the binary found must be the one probed, by its size and
+    modification time.  Only a probe that found an ffmpeg with encoders is kept, so a
+    machine that gains one is probed again.  Blocks (once per start), as the probes do.
+    """
+    key = json.dumps([
+        shutil.which("ffmpeg"),
+        os.environ.get("IMAGEIO_FFMPEG_EXE"),
+        getattr(imageio_ffmpeg, "__version__", ""),
+        imageio_ffmpeg.__file__,
+        sys.prefix,
+    ])
+    record = None if cache is None else cache / f"ffmpeg-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if record is not None:
+        try:
+            kept = json.loads(record.read_text(encoding="utf-8"))
+            found = os.stat(kept["ffmpeg"])
+            if kept["key"] == key and [found.st_size, found.st_mtime_ns] == kept["binary"]:
+                return str(kept["ffmpeg"]), tuple(f for f in FORMATS if f in kept["formats"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none kept, another start's, or unreadable: probe
+    ffmpeg = find_ffmpeg()
+    formats = available_formats(ffmpeg)
+    if record is not None and ffmpeg is not None and set(formats) - {"wav", "pcm"}:
+        partial = record.with_name(f".{record.name}.{os.getpid()}")
+        try:
+            found = os.stat(ffmpeg)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({
+                "key": key, "ffmpeg": ffmpeg, "binary": [found.st_size, found.st_mtime_ns], "formats": formats,
+            }), encoding="utf-8")
+            os.replace(partial, record)  # whole or not at all: another worker may read it now
+        except OSError:
+            # A cache that cannot be written: the next start probes again.
+            with contextlib.suppress(OSError):
+                partial.unlink()
+    return ffmpeg, formats
 
 
 @lru_cache(maxsize=None)

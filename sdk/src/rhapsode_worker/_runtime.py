@@ -52,7 +52,7 @@ from rhapsode_protocol.spawn import (
 
 from . import _memory
 from ._context import WorkerContext
-from ._encode import available_formats, find_ffmpeg
+from ._encode import probe_cache_dir, probe_ffmpeg
 from ._engine import IEngine
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
@@ -521,9 +521,9 @@ def serve(factory: EngineFactory, environ: Mapping[str, str] | None = None) -> N
     except Exception:
         log.failure("the engine could not be made")
         process.exit(1)
-    # Each probe runs a program: done here, before the reactor runs, no request waits.
-    ffmpeg = find_ffmpeg()
-    formats = available_formats(ffmpeg)
+    # Each probe runs a program: done here, before the reactor runs, no request waits;
+    # and only when the last start's answers no longer hold.
+    ffmpeg, formats = probe_ffmpeg(probe_cache_dir(environ))
     _memory.probe_cpu()
     # Access lines are logged at info; at a stricter level none is even formatted.
     access_log = level in (LogLevel.debug, LogLevel.info)
