@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from _common import KeptAlive, free_port, percentile, request_bytes, start_worker, tcp, timed, unix, wait_listening
+from _common import KeptAlive, cpu_seconds, free_port, percentile, request_bytes, start_worker, tcp, timed, unix, wait_listening
 
 RATE_BYTES = 48_000  # 24 kHz, 16-bit mono: one second of audio
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests."
@@ -52,11 +52,6 @@ def start_core(tmp: Path, worker_url: str) -> tuple[subprocess.Popen[bytes], int
     proc = subprocess.Popen([rhapsode, "serve", "--config", str(tmp / "core.json")], stdout=subprocess.DEVNULL)
     wait_listening(port)
     return proc, port
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:

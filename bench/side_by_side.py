@@ -26,7 +26,7 @@ The rows (`--list` prints them with their goals):
                       it, over kokoro-onnx's `create` and its process's CPU
   tone-200            200 concurrent realtime tone streams, first byte p50, through the
                       core over the same worker reached directly
-  core-cpu            the core's CPU (user + system, from /proc) per streamed request
+  core-cpu            the core's CPU (every thread's, from /proc) per streamed request
                       relaying ~1 MB of pcm
   piper-memory        a Piper user at rest (core + worker, RSS) after a request, over
                       the lightest peer at rest after the same request
@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import proxy as proxy_bench
 import wyoming_door
-from _common import SETTLE_SECONDS, KeptAlive, installed_bytecode, percentile, request_bytes, start_worker, tcp, timed
+from _common import SETTLE_SECONDS, KeptAlive, cpu_seconds, installed_bytecode, percentile, request_bytes, start_worker, tcp, timed
 
 import engines as engines_bench
 
@@ -383,9 +383,9 @@ class KokoroLong:
 
         def ours() -> float:
             pid = worker_pid(rig.kokoro_port, "kokoro")
-            before = proxy_bench.cpu_seconds(pid)
+            before = cpu_seconds(pid)
             took = speak(rig.kokoro_port, "kokoro", LONG, False, "pcm")[1]
-            spent["ours"] = proxy_bench.cpu_seconds(pid) - before
+            spent["ours"] = cpu_seconds(pid) - before
             return took
 
         def theirs() -> float:
@@ -419,12 +419,12 @@ def core_cpu(rig: Rig, ours_first: bool) -> tuple[float, dict[str, float]]:
     kept = KeptAlive(tcp(rig.tone_port))
     body = request_bytes("/speak", {"engine": "tone", "text": MEGABYTE_TEXT, "format": "pcm", "seed": 1})
     size = kept.timed(body)[2]
-    before = proxy_bench.cpu_seconds(rig.tone_core.pid)
+    before = cpu_seconds(rig.tone_core.pid)
     n = 40
     for _ in range(n):
         kept.timed(body)
     kept.close()
-    per = (proxy_bench.cpu_seconds(rig.tone_core.pid) - before) / n * 1e3
+    per = (cpu_seconds(rig.tone_core.pid) - before) / n * 1e3
     return per, {}, f"per request of {size / 1e6:.2f} MB"
 
 

@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import free_port, wait_listening
+from _common import cpu_seconds, free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = "The harbour lights came on one by one as the evening ferry pulled away."
@@ -42,19 +42,6 @@ PARAGRAPH = (
 )
 TEXTS = {"sentence": SENTENCE, "400 chars": PARAGRAPH, "2000 chars": " ".join([PARAGRAPH] * 6)[:2000]}
 ENGINES = ("espeak", "piper")
-
-
-def cpu_seconds(pid: int) -> float:
-    """
-    The CPU time every thread of process C{pid} has had so far.
-    """
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # a thread that ended meanwhile
-    return total / 1e9
 
 
 Sample = tuple[float, float, float, float]
