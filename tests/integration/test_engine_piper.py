@@ -361,3 +361,34 @@ def test_the_sdks_conversion_of_pipers_floats_is_pipers_own(tmp_path: Path) -> N
     count, size, numpy_same, python_same = run.stdout.split()
     assert int(count) >= 2 and int(size) > 100_000
     assert (numpy_same, python_same) == ("True", "True")
+
+
+def test_the_session_that_keeps_its_arena_plans_no_memory_patterns(tmp_path: Path) -> None:
+    """
+    Piper's sessions as a load makes them on a budget of two cores: the two-thread
+    session of lone runs keeps onnxruntime's CPU arena and plans no memory patterns (each
+    sentence's input has a shape of its own, and the patterns' blocks only grew the
+    arena); the one-thread session of runs that share the cores keeps no arena.  Read
+    from the sessions onnxruntime made, after a sentence on each.
+    """
+    script = (
+        "from pathlib import Path\n"
+        "from rhapsode_engine_piper import PiperEngine\n"
+        "from rhapsode_worker import WorkerContext\n"
+        f"engine = PiperEngine(WorkerContext(voice_dir=Path({str(tmp_path)!r}), cache_dir=Path({str(tmp_path)!r})))\n"
+        "engine.load('medium')\n"
+        "import numpy as np\n"
+        "voice = engine._voice\n"
+        "ids = voice.phonemes_to_ids(voice.phonemize('A sentence for each session.')[0])\n"
+        "feed = {'input': np.array([ids], dtype=np.int64), 'input_lengths': np.array([len(ids)], dtype=np.int64),\n"
+        "        'scales': np.array([0.667, 1.0, 0.8], dtype=np.float32)}\n"
+        "for threads in (2, 1):\n"
+        "    made = voice.session._session(threads)\n"
+        "    audio = made.run(None, {i.name: feed[i.name] for i in made.get_inputs()})[0]\n"
+        "    options = made.get_session_options()\n"
+        "    print(threads, options.enable_cpu_mem_arena, options.enable_mem_pattern, audio.size > 10000)\n"
+    )
+    environ = {**os.environ, "RHAPSODE_WORKER_CORES": "2", "RHAPSODE_WORKER_ONNX_CACHE": str(tmp_path / "onnx")}
+    run = subprocess.run([engine_python("piper"), "-c", script], capture_output=True, text=True, timeout=300, env=environ)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:2] == ["2 True False True", "1 False True True"]

@@ -19,6 +19,16 @@ segment can hold, so that is about where it stops.  The one-thread session that 
 share has none (L{_arena_for_lone_runs}): with it, two such texts at once took the same
 9.0-10.0 s and left the worker at 733-743 MiB against 551-576 MiB.
 
+The session that keeps the arena plans no memory patterns.  onnxruntime plans a pattern
+for each set of input shapes it meets and then takes the whole of it from the arena as
+one block; Piper's input is as long as the sentence, so patterns are rarely met again,
+and their blocks left the arena larger and more cut up.  The same rounds of a
+72-character sentence, its first 40 characters and the rest (five each, four times)
+left a process at 283-308 MiB with patterns and 238-239 MiB without, from 166-168 MiB
+loaded; the time did not move beyond its noise (two interleaved runs in one process,
+medians of 30, 16 and 4 runs: 72 characters 166-170 ms with, 170-171 without; 200
+characters 529-540 ms against 518-563; 2000 characters 5.96-6.28 s against 5.41-5.87).
+
 Seeds.  Piper's noise comes from random-normal operators inside the graph.  onnxruntime
 seeds each one once, when the session is built (from the clock, unless
 C{onnxruntime.set_seed} came first), and every run advances it; so the same request twice
@@ -91,6 +101,8 @@ _VARIANTS: dict[str, Variant] = {
 
 def _arena_for_lone_runs(options: Any, whole: bool) -> None:
     options.enable_cpu_mem_arena = whole
+    # Patterns are planned per input shape, and every sentence has its own (above).
+    options.enable_mem_pattern = not whole
 
 
 class PiperEngine(Engine):
