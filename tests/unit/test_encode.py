@@ -239,15 +239,22 @@ def test_available_formats_without_a_working_ffmpeg(tmp_path: Path) -> None:
     assert set(available_formats(None)) <= set(FORMATS)
 
 
+def first_on_path(folder: Path, script: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """
+    A fake ffmpeg (L{fake_ffmpeg}) in C{folder}, put first on PATH; the rest of PATH still
+    finds the shell's own commands.
+    """
+    folder.mkdir()
+    ffmpeg = fake_ffmpeg(folder, script)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return ffmpeg
+
+
 def test_probe_ffmpeg_keeps_its_answer_for_the_next_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A start probes ffmpeg once and keeps what it found; the next start (the in-process
     memo cleared) reads it without running anything, until the binary or PATH changes."""
     counter = tmp_path / "runs"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    ffmpeg = fake_ffmpeg(bin_dir, f'echo run >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n')
-    # First on PATH; the rest of it still finds the shell's cat.
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    ffmpeg = first_on_path(tmp_path / "bin", f'echo run >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n', monkeypatch)
     cache = tmp_path / "cache"
 
     def start() -> tuple[str | None, tuple[str, ...]]:
@@ -266,10 +273,7 @@ def test_probe_ffmpeg_keeps_its_answer_for_the_next_start(tmp_path: Path, monkey
     assert start() == (ffmpeg, ("wav", "flac", "pcm"))
     assert counter.read_text() == "run\nrun\n"
     # Another ffmpeg first on PATH: another key, probed.
-    other = tmp_path / "other"
-    other.mkdir()
-    second = fake_ffmpeg(other, f'echo other >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n')
-    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
+    second = first_on_path(tmp_path / "other", f'echo other >> "{counter}"\ncat <<"EOF"\n{LISTING}EOF\n', monkeypatch)
     assert start() == (second, ("wav", "mp3", "flac", "pcm", "aac"))
     assert counter.read_text() == "run\nrun\nother\n"
 
@@ -278,10 +282,7 @@ def test_probe_ffmpeg_keeps_no_failure_and_survives_a_bad_cache(tmp_path: Path, 
     """A probe that found no encoders is not kept (the next start probes again), and a
     cache that is garbage or cannot be written only costs the probe."""
     counter = tmp_path / "runs"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    ffmpeg = fake_ffmpeg(bin_dir, f'echo run >> "{counter}"\nexit 1\n')
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    ffmpeg = first_on_path(tmp_path / "bin", f'echo run >> "{counter}"\nexit 1\n', monkeypatch)
     cache = tmp_path / "cache"
     for _ in range(2):
         _audio_encoders.cache_clear()
