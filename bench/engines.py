@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -441,6 +442,7 @@ def main() -> None:
     finally:
         core.terminate()
         core.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)  # the cores' folders and the bytecode
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -577,6 +578,7 @@ def main() -> None:
         print(f"load at the end {load()}")
     finally:
         rig.close()
+        shutil.rmtree(rig.tmp, ignore_errors=True)  # the cores' folders and the bytecode
 
 
 if __name__ == "__main__":
