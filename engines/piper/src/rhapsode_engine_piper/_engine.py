@@ -13,11 +13,12 @@ Memory.  onnxruntime's CPU arena keeps the largest activations any sentence ever
 The session of a lone run (every core of the budget) keeps it: without it that run
 allocates afresh at every operator, and a ~2000-character text took 6.05-7.55 s against
 4.91-5.96 s with it (six interleaved rounds in one process, 2 cores); Piper's own
-C{piper.http_server} keeps it too.  It costs memory: a worker measured 251 MiB loaded,
-435 MiB after that text and 445 MiB after a 200-character sentence, the longest a
-segment can hold, so that is about where it stops.  The one-thread session that runs
-share has none (L{_arena_for_lone_runs}): with it, two such texts at once took the same
-9.0-10.0 s and left the worker at 733-743 MiB against 551-576 MiB.
+C{piper.http_server} keeps it too.  It costs memory: a worker measured 186-187 MiB after
+its first sentence, 289-290 MiB after that text and 290-291 MiB after a 200-character
+sentence, the longest a segment can hold, so that is about where it stops (390 MiB
+after each while the session planned memory patterns, below).  The one-thread session
+that runs share has none (L{_arena_for_lone_runs}): with it, two such texts at once took
+the same 9.0-10.0 s and left the worker at 733-743 MiB against 551-576 MiB.
 
 The session that keeps the arena plans no memory patterns.  onnxruntime plans a pattern
 for each set of input shapes it meets and then takes the whole of it from the arena as
