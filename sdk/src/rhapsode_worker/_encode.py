@@ -97,9 +97,10 @@ def probe_ffmpeg(cache: Path | None) -> tuple[str | None, tuple[str, ...]]:
     Probing runs two programs before a worker can listen (imageio-ffmpeg checks its
     binary with C{-version}, then C{-encoders} lists the encoders): 30-40 ms of every
     cold start here.  What they depend on makes the key: the ffmpeg on C{PATH},
-    C{IMAGEIO_FFMPEG_EXE}, the imageio-ffmpeg installed and this interpreter; and the binary found must be the one probed, by its size and
-    modification time.  Only a probe that found an ffmpeg with encoders is kept, so a
-    machine that gains one is probed again.  Blocks (once per start), as the probes do.
+    C{IMAGEIO_FFMPEG_EXE}, the imageio-ffmpeg installed and this interpreter; and the
+    binary found must be the one probed, by its size and modification time.  Only a
+    probe that found an ffmpeg with encoders is kept, so a machine that gains one is
+    probed again.  Blocks (once per start), as the probes do.
     """
     key = json.dumps([
         shutil.which("ffmpeg"),
