@@ -45,6 +45,7 @@ from rhapsode_protocol.errors import Internal, Unsupported
 from rhapsode_protocol.schemas import MEDIA_TYPES
 
 from ._engine import NativeFormat
+from ._folders import cache_home
 
 FORMATS: tuple[str, ...] = tuple(MEDIA_TYPES)
 
@@ -84,8 +85,7 @@ def probe_cache_dir(environ: Mapping[str, str]) -> Path:
     Where a worker keeps what it learnt of this machine at start-up (L{probe_ffmpeg}):
     C{$XDG_CACHE_HOME/rhapsode/probes}, else C{~/.cache/rhapsode/probes}.
     """
-    base = environ.get("XDG_CACHE_HOME", "")
-    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "rhapsode" / "probes"
+    return cache_home(environ) / "probes"
 
 
 def probe_ffmpeg(cache: Path | None) -> tuple[str | None, tuple[str, ...]]:

@@ -55,6 +55,8 @@ from typing import IO, Any, Callable, Mapping, Sequence
 
 from rhapsode_protocol.spawn import CORE_DIR_VARIABLE, CORES_VARIABLE, machine_cores
 
+from ._folders import cache_home
+
 ONNX_CACHE_VARIABLE = "RHAPSODE_WORKER_ONNX_CACHE"
 
 #: How often a run that found every core taken by another worker looks again; a run
@@ -350,8 +352,7 @@ def optimised_cache_dir(environ: Mapping[str, str]) -> Path | None:
         return None
     if raw:
         return Path(raw)
-    base = environ.get("XDG_CACHE_HOME", "")
-    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "rhapsode" / "onnx"
+    return cache_home(environ) / "onnx"
 
 
 def optimised_name(model: Path, onnxruntime_version: str, configured: str = "") -> str:
