@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from twisted.application import service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
 from twisted.logger import (
     FilteringLogObserver,
@@ -689,7 +689,8 @@ class RhapsodeService(service.Service):
 
         def unbound(failure: Failure) -> "Deferred[Any]":
             # The public port is open already: closed again, and the start fails.
-            closing = http_port.stopListening()
+            # IListeningPort.stopListening may answer None, when it stopped at once.
+            closing = maybeDeferred(http_port.stopListening)
             closing.addBoth(lambda _: failure)
             return closing
 
@@ -805,10 +806,11 @@ class RhapsodeService(service.Service):
                 self.watchdog.stop()
             if self.cluster is not None:
                 await self.cluster.stop()
+            # IListeningPort.stopListening answers a Deferred, or None when it stopped at once.
             if self.port is not None:
-                await self.port.stopListening()
+                await maybeDeferred(self.port.stopListening)
             if self.wyoming_port is not None:
-                await self.wyoming_port.stopListening()
+                await maybeDeferred(self.wyoming_port.stopListening)
             if self.advertisement is not None:
                 try:
                     await self.advertisement.stop()
