@@ -34,8 +34,8 @@ def installed_bytecode(folder: Path) -> None:
     start from bytecode; but the checkout's own packages are installed editable, whose
     bytecode Python writes beside the sources on first import, unless
     C{PYTHONDONTWRITEBYTECODE} is set (as on the development box).  Then every worker
-    start compiled the protocol, the SDK and the adapter afresh: 5-10% of a cold Piper
-    start here, which a user never pays.  With C{PYTHONPYCACHEPREFIX} every interpreter
+    start compiled the protocol, the SDK and the adapter afresh (a cold Piper start here:
+    0.75 s against 0.71 s median, five paired starts), which a user never pays.  With C{PYTHONPYCACHEPREFIX} every interpreter
     reads and writes its bytecode under C{folder} instead (the tree is never written),
     so each side compiles once, in its first start, and a bench warms both sides before
     timing.
@@ -49,7 +49,7 @@ def cpu_seconds(pid: int) -> float:
     """
     The CPU time every thread of process C{pid} has had so far, to the nanosecond (each
     thread's /proc/PID/task/TID/schedstat); /proc/PID/stat counts whole clock ticks, 10 ms
-    here, which over 40 requests read a core's 1.6 ms a request as 1.5 or 1.75.  A thread
+    here, which over 40 requests read a core's ~1.8 ms a request as 1.5, 1.75 or 2.0.  A thread
     that has ended is no longer counted: measure processes whose threads live on (a core's
     reactor and pools, a worker's synthesis threads).
     """

@@ -64,7 +64,7 @@ def request(port: int, body: dict[str, object], accept: str | None) -> tuple[flo
     """
     payload = json.dumps(body).encode()
     head = (
-        f"POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        "POST /speak HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
         + (f"Accept: {accept}\r\n" if accept else "")
         + f"Content-Length: {len(payload)}\r\n\r\n"
     ).encode()
