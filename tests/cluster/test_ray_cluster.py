@@ -1,9 +1,9 @@
 """
 Rhapsode on a local Ray cluster (ray.cluster_utils.Cluster): a head, which runs Serve's
-controller and proxy, and three nodes with a node core each (maxResidentModels 1; tone,
-espeak and piper), and a front (a real `rhapsode serve`) that reaches the cluster as one
-upstream.  Requests for a model keep
-going to the node that holds it; a node that dies mid-stream cuts the stream, and its
+controller, and three nodes with a node core each (maxResidentModels 1; tone, espeak and
+piper), each of the four with a Serve proxy of its own on one shared port, and a front (a
+real `rhapsode serve`) that reaches the cluster as one upstream.  Requests for a model keep
+going to the node that holds it, whichever proxy routes them; a node that dies mid-stream cuts the stream, and its
 model is loaded on another node, which evicts its own; and when every node's model is
 leased, a request for another model waits and fails retryable, evicting nothing.
 """
@@ -30,6 +30,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from rhapsode._cluster.deployment import application
+from rhapsode._cluster.directory import DIRECTORY
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = ROOT / ".venvs"
@@ -175,7 +176,8 @@ def test_each_model_keeps_to_one_node_and_loads_once(cluster: dict[str, Any]) ->
     Eighteen requests, six rounds of three models, through the front, one after another
     with no pause for the nodes' reports (Serve collects them every half second, so
     the second round is routed before a report shows the first round's models; what a
-    replica promised covers that gap): three loads in all, every answer for a model
+    replica promised covers that gap, and the directory's claims cover it for the other
+    proxies' routers, which did not route them): three loads in all, every answer for a model
     from one node (X-Rhapsode-Node), and each node's own residency lists only its model;
     the front's /residency shows all three, each with its node.
     """
@@ -192,6 +194,13 @@ def test_each_model_keeps_to_one_node_and_loads_once(cluster: dict[str, Any]) ->
     for node in cluster["nodes"]:
         models = get(node["url"] + "/residency")["models"]
         assert [m["engine"] for m in models] == [e for e, nodes in served.items() if node["node"] in nodes]
+    # Each model was placed through the cluster's directory, which every proxy's router
+    # asks, on the replica of the node that served it.
+    placements = ray.get(ray.get_actor(DIRECTORY, namespace="serve").placements.remote())
+    replicas = {node["node"]: node["replica"] for node in get(cluster["app"] + "/_nodes")}
+    for engine, variant in MODELS:
+        count, replica = placements[f"{engine}/{variant}"]
+        assert count >= 1 and replica and replica in replicas[next(iter(served[engine]))], (placements, replicas)
     front = wait_for(lambda: (lambda r: r if len(r["models"]) == 3 else None)(
         get(f"http://127.0.0.1:{cluster['front']}/residency")), 30, "the front showing three models")
     assert {(m["engine"], m["node"]) for m in front["models"]} == {(e, next(iter(n))) for e, n in served.items()}

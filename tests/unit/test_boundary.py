@@ -137,13 +137,13 @@ def test_the_core_never_imports_the_sdk_or_the_checker() -> None:
 
 
 #: The core's modules that import Ray: they run in a cluster's Ray processes only.
-RAY_MODULES = {"rhapsode._cluster.router", "rhapsode._cluster.deployment"}
+RAY_MODULES = {"rhapsode._cluster.router", "rhapsode._cluster.deployment", "rhapsode._cluster.directory"}
 
 
 def test_only_the_cluster_modules_import_ray() -> None:
     """
     Ray is the cluster extra, never the core's dependency: no module but the cluster
-    deployment and its router imports it, in any form (the cluster commands import it
+    deployment, its directory and its router imports it, in any form (the cluster commands import it
     when they run, inside a function).
     """
     hits = []

@@ -10,8 +10,8 @@ import random
 from typing import Any
 
 from rhapsode._cluster.ranking import (
-    PROMISE_SECONDS, REMEMBER_SECONDS, SPILL_SECONDS, Candidate, NodeReport, Sent, model_of, offered, promise, rank,
-    still_promised,
+    CLAIM_SECONDS, CLAIMS_KEPT, PROMISE_SECONDS, REMEMBER_SECONDS, SPILL_SECONDS, Candidate, Claims, NodeReport, Sent,
+    first, model_of, offered, promise, rank, still_promised, unplaced,
 )
 
 
@@ -379,3 +379,134 @@ def test_a_burst_for_a_model_in_demand_spreads_over_the_nodes_before_any_report(
         chosen.append(offer[0][0])
     assert chosen[:2] == ["A", "A"] and set(chosen[2:6]) == {"B", "C"}
     assert {node: chosen.count(node) for node in "ABC"} == {"A": 4, "B": 4, "C": 4}
+
+
+def _routed_alone(router: Sent[str], nodes: list[tuple[str, str, NodeReport]], model: str, now: float,
+                  claims: Claims[str] | None, ties: random.Random) -> str:
+    """
+    What one proxy's router does for a request (rhapsode._cluster.router): ranks by its
+    own view, asks the shared claims where its view shows the model nowhere, counts its
+    choice; the node chosen, by key.
+    """
+    candidates = router.candidates(nodes, model, now)
+    ranks = rank(candidates, model, ties=ties)
+    if claims is not None and unplaced(candidates, model):
+        by_key = {c.replica.lower(): c for c in candidates}
+        keys = [r.lower() for each in ranks for r in each]
+        placed = claims.place(model, [(key, by_key[key].free(model), by_key[key].placed()) for key in keys], now)
+        assert placed is not None
+        ranks = first(ranks, placed.upper())
+    where = offered(ranks, 0.0)[0][0].lower()
+    router.choose(("request", model, now), model, where, now)
+    router.record(model, where, now, ("request", model, now))
+    return where
+
+
+def test_routers_of_several_proxies_place_models_apart_through_the_claims_whatever_their_views() -> None:
+    """
+    A front speaking one request after another through proxies that answer in turn: each
+    model's router knows nothing of the others' choices, and every node's report is from
+    before any route.  Without the shared claims, most of 200 runs loaded two models on
+    one node, or one model on two (194 of 200 when written); with them, every run places
+    the three models on the three nodes, each once, and every later request for a model
+    goes where it went.
+    """
+    ties = random.Random(5)
+    stale = [(key, key.upper(), report(slots=1)) for key in ("a", "b", "c")]
+    models = ("tone/v1", "espeak/default", "piper/medium")
+
+    def run(claims: Claims[str] | None) -> dict[str, set[str]]:
+        routers = {model: Sent[str]() for model in models}
+        stranger: Sent[str] = Sent()  # a proxy that routed none of them yet
+        where: dict[str, set[str]] = {}
+        for round_ in range(3):
+            for step, model in enumerate(models):
+                now = 100.0 + round_ + step / 10
+                router = routers[model] if round_ != 1 else stranger
+                where.setdefault(model, set()).add(_routed_alone(router, stale, model, now, claims, ties))
+        return where
+
+    apart = 0
+    for _ in range(200):
+        without = run(None)
+        apart += all(len(nodes) == 1 for nodes in without.values()) and len(set().union(*without.values())) == 3
+        placed = run(Claims())
+        assert all(len(nodes) == 1 for nodes in placed.values()), placed
+        assert set().union(*placed.values()) == {"a", "b", "c"}, placed
+    assert apart < 100  # the routers alone, with no report to go by, rarely did
+
+
+def test_a_claim_sends_its_model_where_it_went_and_takes_the_slot_from_others_until_it_grows_old() -> None:
+    """
+    A model claimed on a node goes there again for any router, while that node is among
+    its offers; another model does not take that node's slot unless the router's view
+    already shows the claimed model there (the slot it counts free is then truly free);
+    after CLAIM_SECONDS the claim is gone.
+    """
+    claims: Claims[str] = Claims()
+    empty = frozenset[str]()
+    assert claims.place("tone/v1", [("a", 1, empty), ("b", 1, empty)], 0.0) == "a"
+    assert claims.place("tone/v1", [("b", 1, empty), ("a", 1, empty)], 1.0) == "a"
+    assert claims.place("tone/v1", [("b", 1, empty), ("c", 1, empty)], 1.0) == "b"  # a gone: placed anew
+    assert claims.place("piper/medium", [("b", 1, empty), ("c", 1, empty)], 2.0) == "c"
+    assert claims.place("kokoro/v1", [("b", 1, frozenset({"tone/v1"})), ("c", 1, empty)], 2.0) == "b"
+    assert claims.place("espeak/default", [("d", 1, empty)], 2.0 + CLAIM_SECONDS / 2) == "d"
+    # tone, piper and kokoro grew old; espeak did not.
+    assert claims.place("dia/v1", [("b", 1, empty), ("c", 1, empty), ("d", 1, empty)], 2.5 + CLAIM_SECONDS) == "b"
+    assert claims.place("tone/v1", [("d", 2, empty), ("b", 1, empty)], 2.5 + CLAIM_SECONDS) == "d"
+    assert claims.place("x/v1", [], 0.0) is None
+
+
+def test_a_router_that_would_evict_is_sent_to_a_node_no_other_router_just_filled() -> None:
+    """
+    Where the router's best node has no room in its view (it would evict there), the
+    claims send the model to the first offered node with no model just placed on it that
+    the router cannot see; and where every node has one, the router's best.
+    """
+    claims: Claims[str] = Claims()
+    empty = frozenset[str]()
+    assert claims.place("tone/v1", [("a", 1, empty)], 0.0) == "a"
+    assert claims.place("piper/medium", [("a", 0, empty), ("b", 0, empty)], 0.5) == "b"
+    assert claims.place("espeak/default", [("a", 0, empty), ("b", 0, empty)], 1.0) == "a"
+    # A best node with room that another model just filled: the next with room, else
+    # the first with no such claim.
+    assert claims.place("kokoro/v1", [("a", 1, empty), ("b", 1, empty), ("c", 0, empty)], 1.5) == "c"
+
+
+def test_claims_keep_at_most_claims_kept_models_the_newest() -> None:
+    """
+    Model ids come from requests' headers: the claims keep the CLAIMS_KEPT placed last,
+    and a model placed again where it is claimed keeps its claim as it was.
+    """
+    claims: Claims[str] = Claims()
+    empty = frozenset[str]()
+    claims.place("first/v1", [("a", 1, empty)], 0.0)
+    claims.place("second/v1", [("b", 1, empty)], 0.0)
+    assert claims.place("first/v1", [("c", 1, empty), ("a", 1, empty)], 0.5) == "a"
+    for n in range(CLAIMS_KEPT - 1):
+        claims.place(f"model/{n}", [(f"n{n}", 1, empty)], 1.0)
+    # second/v1 is still claimed on b; first/v1, the oldest, was dropped.
+    assert claims.place("second/v1", [("c", 1, empty), ("b", 1, empty)], 2.0) == "b"
+    assert claims.place("first/v1", [("c", 1, empty), ("a", 1, empty)], 2.0) == "c"
+
+
+def test_a_model_is_unplaced_where_the_routers_view_shows_it_on_no_node() -> None:
+    """
+    unplaced: a model no candidate holds, expects, or was sent or routed by this
+    router; never an engine alone.  first() puts a chosen node before the ranks.
+    """
+    empty = Candidate("empty", report(slots=1))
+    assert unplaced([empty], "tone/v1") is True
+    assert unplaced([empty], "tone") is False
+    assert unplaced([empty, Candidate("held", report(("tone", "v1", 0)))], "tone/v1") is False
+    assert unplaced([empty, Candidate("coming", report(slots=1, promised=("tone/v1",)))], "tone/v1") is False
+    assert unplaced([Candidate("sent", report(slots=1), sent=True)], "tone/v1") is False
+    assert unplaced([Candidate("routed", report(slots=1), routed=1)], "tone/v1") is False
+    both = Candidate("both", report(("piper", "medium", 0), slots=2, promised=("espeak/default",)),
+                     pending=1, coming=frozenset({"kokoro/v1"}))
+    assert both.placed() == {"piper/medium", "espeak/default", "kokoro/v1"}
+    assert both.free("tone/v1") == 1
+    assert first([["a", "b"], ["c"]], "c") == [["c"], ["a", "b"]]
+    assert first([["a", "b"], ["c"]], "b") == [["b"], ["a"], ["c"]]
+    assert first([["a"], ["c"]], "a") == [["a"], ["c"]]
+    assert first([["a"], ["c"]], "z") == [["a"], ["c"]]

@@ -41,58 +41,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .._manage.installer import GROUP_LEADER
+from .directory import DIRECTORY, NodeDirectory, directory as _directory
 from .ranking import promise, still_promised
 
 __all__ = ["DIRECTORY", "NodeDirectory", "RhapsodeNode", "app_from_env", "application"]
 
-#: The named actor every replica registers its node core with.
-DIRECTORY = "rhapsode-node-directory"
 #: How long a node core may take to answer /health after it is started.
 START_SECONDS = 120.0
-#: A node its replica has not said again for this long (a few health checks) is gone.
-FORGET_SECONDS = 10.0
 #: Headers a request to a node keeps (the rest are the proxy's or the front's own).
 _FORWARDED = ("content-type", "content-length", "x-rhapsode-keep-alive", "authorization", "accept", "x-request-id")
 #: Headers an answer from a node keeps.
 _ANSWERED = ("content-type", "content-length", "x-rhapsode-duration-ms", "x-rhapsode-node", "retry-after",
              "x-request-id", "location", "allow")
-
-
-@ray.remote(num_cpus=0)
-class NodeDirectory:
-    """
-    The node cores of the cluster, by name: where each answers, as its replica said.
-    """
-
-    def __init__(self) -> None:
-        self._nodes: dict[str, dict[str, Any]] = {}
-
-    def register(self, name: str, url: str, replica: str, ray_node: str) -> None:
-        known = self._nodes.get(name)
-        since = known["since"] if known is not None and known["url"] == url else time.time()
-        self._nodes[name] = {"node": name, "url": url, "replica": replica, "rayNode": ray_node, "since": since,
-                             "seen": time.monotonic()}
-
-    def unregister(self, name: str) -> None:
-        self._nodes.pop(name, None)
-
-    def nodes(self) -> list[dict[str, Any]]:
-        # A replica says its node again at each health check: one that stopped is gone.
-        now = time.monotonic()
-        for name in [n for n, node in self._nodes.items() if now - node["seen"] > FORGET_SECONDS]:
-            del self._nodes[name]
-        return sorted(({k: v for k, v in node.items() if k != "seen"} for node in self._nodes.values()),
-                      key=lambda node: str(node["node"]))
-
-
-def _directory() -> Any:
-    # ray.remote made NodeDirectory an actor class, which Ray's types do not say.  On the
-    # head, which stays as long as the cluster does (a node may leave with its actors).
-    actor: Any = NodeDirectory
-    return actor.options(
-        name=DIRECTORY, namespace="serve", get_if_exists=True, lifetime="detached",
-        resources={"node:__internal_head__": 0.001},
-    ).remote()
 
 
 def _free_port(host: str) -> int:

@@ -26,6 +26,13 @@ loads nothing), the ranks are, best first:
      evictionWaitSeconds decides.
 
 Eviction stays with each node's residency manager; a router never evicts by count.
+
+A cluster has a router in each of Serve's proxies (one on each Ray node, reached in turn
+behind a load balancer or a shared port), and each knows only its own choices until the
+nodes report them, half a second or more later.  A model that no node shows in a router's view is placed through
+L{Claims}, which the cluster's directory actor keeps for every router: a model another
+router placed a moment ago goes where that one went, and a slot another router just gave
+to another model counts as taken.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 __all__ = [
-    "PROMISE_SECONDS", "REMEMBER_SECONDS", "SPILL_SECONDS", "SPREAD_AT", "Candidate", "NodeReport", "Sent", "model_of",
-    "offered", "promise", "rank", "still_promised",
+    "CLAIM_SECONDS", "CLAIMS_KEPT", "PROMISE_SECONDS", "REMEMBER_SECONDS", "SPILL_SECONDS", "SPREAD_AT", "Candidate",
+    "Claims", "NodeReport", "Sent", "first", "model_of", "offered", "promise", "rank", "still_promised", "unplaced",
 ]
 
 #: Leases on a model at which the node holding it counts as busy with it, and a node
@@ -50,6 +57,13 @@ PROMISE_SECONDS = 10.0
 REMEMBER_SECONDS = 5.0
 #: How long a request is offered only its best rank before the ranks after it too.
 SPILL_SECONDS = 5.0
+#: How long a model placed on a node stays claimed there for every router (L{Claims}):
+#: as long as the node's replica counts it promised, by which time every router's view
+#: shows it.
+CLAIM_SECONDS = PROMISE_SECONDS
+#: The most models L{Claims} keeps (a model id comes from a request's header): the
+#: oldest claims go first.
+CLAIMS_KEPT = 1024
 
 _R = TypeVar("_R")
 _K = TypeVar("_K")
@@ -160,6 +174,34 @@ class Candidate(Generic[_R]):
     #: Requests for this model the router sent it since its report, each a lease the
     #: report does not count yet.
     routed: int = 0
+    #: The other models the router sent it that its report does not show yet (as many
+    #: as C{pending}, by name).
+    coming: frozenset[str] = frozenset()
+
+    def shows(self, model_id: str) -> bool:
+        """
+        Whether this router's view puts C{model_id} on this node: resident, promised, or
+        sent (or routed) here by this router since the node's last report.
+        """
+        engine, variant = model_of(model_id)
+        report = self.report
+        return bool(
+            report.holds(engine, variant) is not None or self.sent or self.routed or report.expects(engine, variant)
+        )
+
+    def free(self, model_id: str) -> int:
+        """
+        The slots this router's view counts free here for C{model_id}: the report's,
+        less those the other models sent or promised here will take.
+        """
+        return self.report.slots - max(self.pending, self.report.others_promised(model_id))
+
+    def placed(self) -> frozenset[str]:
+        """
+        Every model this router's view puts on this node (C{engine/variant} keys).
+        """
+        resident = {f"{engine}/{variant}" for engine, variant in self.report.resident}
+        return frozenset(resident | self.report.promised | self.coming)
 
 
 def rank(
@@ -188,13 +230,10 @@ def rank(
     rest: list[Candidate[_R]] = []
     for candidate in candidates:
         report = candidate.report
-        leases = report.holds(engine, variant)
-        if leases is not None or candidate.sent or candidate.routed or report.expects(engine, variant):
-            load = (leases or 0) + candidate.routed
+        if candidate.shows(model_id):
+            load = (report.holds(engine, variant) or 0) + candidate.routed
             (busy if load >= spread_at else held).append((load, candidate))
-        elif report.slots - max(candidate.pending, report.others_promised(model_id)) > 0 and (
-            size is None or report.free_bytes is None or report.free_bytes >= size
-        ):
+        elif candidate.free(model_id) > 0 and (size is None or report.free_bytes is None or report.free_bytes >= size):
             room.append(candidate)
         elif report.lru_leases == 0:
             evictable.append(candidate)
@@ -286,16 +325,94 @@ class Sent(Generic[_K]):
                     or report.expects(engine, variant)):
                 del self._sent[other]
         sent = self._sent.get(model_id)
+        coming = {
+            key: frozenset(other for other, (where, _) in self._sent.items() if other != model_id and where == key)
+            for key in reports
+        }
         return [
             Candidate(
-                replica, report, sent=sent is not None and sent[0] == key,
-                pending=sum(1 for other, (where, _) in self._sent.items() if other != model_id and where == key),
+                replica, report, sent=sent is not None and sent[0] == key, pending=len(coming[key]), coming=coming[key],
                 routed=self._routed.get(key, (None, {}))[1].get(model_id, 0) + sum(
                     1 for model, where, _ in self._chosen.values() if model == model_id and where == key
                 ),
             )
             for key, replica, report in nodes
         ]
+
+
+def unplaced(candidates: Sequence[Candidate[_R]], model_id: str) -> bool:
+    """
+    Whether a request for C{model_id} would place it: it names a model (an engine alone
+    loads nothing), and this router's view shows it on no node.
+    """
+    return _names_model(model_id) and not any(candidate.shows(model_id) for candidate in candidates)
+
+
+def first(ranks: list[list[_R]], chosen: _R) -> list[list[_R]]:
+    """
+    C{ranks} with C{chosen} taken out of its rank and put before them all, in a rank of
+    its own; C{ranks} unchanged where C{chosen} is in none of them.
+    """
+    if not any(chosen in each for each in ranks):
+        return ranks
+    rest = [[replica for replica in each if replica != chosen] for each in ranks]
+    return [[chosen], *(each for each in rest if each)]
+
+
+class Claims(Generic[_K]):
+    """
+    Where models were placed a moment ago, for every router of a cluster: its directory
+    actor keeps one, and a router asks it (L{place}) before it places a model its own
+    view shows on no node.
+
+    Each router knows only its own choices until the nodes report them, so two routers
+    placing two models at once, or one placing a model another has just placed, would
+    send both models to one empty node, or load one model on two nodes, as often as
+    their views were older than the requests between them (a front speaking one request
+    after another through proxies that answer in turn did so in 2 of 5 runs).  A claim
+    lasts L{CLAIM_SECONDS}: by then every router's view shows the model, resident or
+    promised.
+    """
+
+    def __init__(self) -> None:
+        #: model -> (the node it was placed on, when).
+        self._claims: dict[str, tuple[_K, float]] = {}
+
+    def place(self, model_id: str, offers: Sequence[tuple[_K, int, frozenset[str]]], now: float) -> _K | None:
+        """
+        The node to place C{model_id} on, at C{now}, from a router's C{offers}: each node
+        in the router's order (best first), the slots its view counts free there for
+        the model, and the models its view puts there.
+
+        Where the model is claimed on one of those nodes, that node.  Otherwise, where the
+        router's best node has room in its view, the first node whose room is not taken by
+        models claimed there that the router's view does not show; where it has none (the
+        router would evict), or no node keeps room, the first node with no such claims, or
+        the router's best.  The node chosen is claimed for the model; None without offers.
+        """
+        for model, (_, when) in list(self._claims.items()):
+            if now - when > CLAIM_SECONDS:
+                del self._claims[model]
+        if not offers:
+            return None
+        claimed = self._claims.get(model_id)
+        if claimed is not None and any(key == claimed[0] for key, _, _ in offers):
+            return claimed[0]
+
+        def unseen(key: _K, shown: frozenset[str]) -> int:
+            return sum(1 for model, (where, _) in self._claims.items()
+                       if where == key and model != model_id and model not in shown)
+
+        chosen: _K | None = None
+        if offers[0][1] > 0:
+            chosen = next((key for key, free, shown in offers if free - unseen(key, shown) > 0), None)
+        if chosen is None:
+            chosen = next((key for key, _, shown in offers if not unseen(key, shown)), offers[0][0])
+        self._claims.pop(model_id, None)
+        self._claims[model_id] = (chosen, now)
+        while len(self._claims) > CLAIMS_KEPT:
+            del self._claims[next(iter(self._claims))]
+        return chosen
 
 
 def offered(ranks: list[list[_R]], waited: float, spill_seconds: float = SPILL_SECONDS) -> list[list[_R]]:
