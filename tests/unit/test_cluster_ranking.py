@@ -10,8 +10,8 @@ import random
 from typing import Any
 
 from rhapsode._cluster.ranking import (
-    CLAIM_SECONDS, CLAIMS_KEPT, PROMISE_SECONDS, REMEMBER_SECONDS, SPILL_SECONDS, Candidate, Claims, NodeReport, Sent,
-    first, model_of, offered, promise, rank, still_promised, unplaced,
+    CLAIM_SECONDS, CLAIMS_KEPT, PROMISE_SECONDS, REMEMBER_SECONDS, SPILL_SECONDS, Candidate, Claims, NodeReport, Offer,
+    Sent, first, model_of, offered, promise, rank, still_promised, unplaced,
 )
 
 
@@ -393,7 +393,7 @@ def _routed_alone(router: Sent[str], nodes: list[tuple[str, str, NodeReport]], m
     if claims is not None and unplaced(candidates, model):
         by_key = {c.replica.lower(): c for c in candidates}
         keys = [r.lower() for each in ranks for r in each]
-        placed = claims.place(model, [(key, by_key[key].free(model), by_key[key].placed()) for key in keys], now)
+        placed = claims.place(model, [by_key[key].offer(key, model) for key in keys], now)
         assert placed is not None
         ranks = first(ranks, placed.upper())
     where = offered(ranks, 0.0)[0][0].lower()
@@ -436,6 +436,14 @@ def test_routers_of_several_proxies_place_models_apart_through_the_claims_whatev
     assert apart < 100  # the routers alone, with no report to go by, rarely did
 
 
+def room(key: str, free: int = 1, *placed: str, ready: bool | None = None) -> Offer[str]:
+    """
+    A node offered to the claims: C{free} slots in the router's view, C{placed} the
+    models its view puts there; ready where it has room unless told otherwise.
+    """
+    return Offer(key, free, frozenset(placed), free > 0 if ready is None else ready)
+
+
 def test_a_claim_sends_its_model_where_it_went_and_takes_the_slot_from_others_until_it_grows_old() -> None:
     """
     A model claimed on a node goes there again for any router, while that node is among
@@ -444,17 +452,33 @@ def test_a_claim_sends_its_model_where_it_went_and_takes_the_slot_from_others_un
     after CLAIM_SECONDS the claim is gone.
     """
     claims: Claims[str] = Claims()
-    empty = frozenset[str]()
-    assert claims.place("tone/v1", [("a", 1, empty), ("b", 1, empty)], 0.0) == "a"
-    assert claims.place("tone/v1", [("b", 1, empty), ("a", 1, empty)], 1.0) == "a"
-    assert claims.place("tone/v1", [("b", 1, empty), ("c", 1, empty)], 1.0) == "b"  # a gone: placed anew
-    assert claims.place("piper/medium", [("b", 1, empty), ("c", 1, empty)], 2.0) == "c"
-    assert claims.place("kokoro/v1", [("b", 1, frozenset({"tone/v1"})), ("c", 1, empty)], 2.0) == "b"
-    assert claims.place("espeak/default", [("d", 1, empty)], 2.0 + CLAIM_SECONDS / 2) == "d"
+    assert claims.place("tone/v1", [room("a"), room("b")], 0.0) == "a"
+    assert claims.place("tone/v1", [room("b"), room("a")], 1.0) == "a"
+    assert claims.place("tone/v1", [room("b"), room("c")], 1.0) == "b"  # a gone: placed anew
+    assert claims.place("piper/medium", [room("b"), room("c")], 2.0) == "c"
+    assert claims.place("kokoro/v1", [room("b", 1, "tone/v1"), room("c")], 2.0) == "b"
+    assert claims.place("espeak/default", [room("d")], 2.0 + CLAIM_SECONDS / 2) == "d"
     # tone, piper and kokoro grew old; espeak did not.
-    assert claims.place("dia/v1", [("b", 1, empty), ("c", 1, empty), ("d", 1, empty)], 2.5 + CLAIM_SECONDS) == "b"
-    assert claims.place("tone/v1", [("d", 2, empty), ("b", 1, empty)], 2.5 + CLAIM_SECONDS) == "d"
+    assert claims.place("dia/v1", [room("b"), room("c"), room("d")], 2.5 + CLAIM_SECONDS) == "b"
+    assert claims.place("tone/v1", [room("d", 2), room("b")], 2.5 + CLAIM_SECONDS) == "d"
     assert claims.place("x/v1", [], 0.0) is None
+
+
+def test_a_claim_on_a_node_the_model_could_not_start_on_now_gives_way() -> None:
+    """
+    A claimed node that the asking router's view shows full of leased models (it evicted
+    the model since, for one now in use) is not where the model goes again: the model
+    is placed anew, and claimed there; one whose model could be evicted still is.
+    """
+    claims: Claims[str] = Claims()
+    assert claims.place("tone/v1", [room("a"), room("b")], 0.0) == "a"
+    assert claims.place("tone/v1", [room("b"), room("a", 0, "piper/medium", ready=True)], 1.0) == "a"
+    assert claims.place("tone/v1", [room("b"), room("a", 0, "piper/medium", ready=False)], 2.0) == "b"
+    assert claims.place("tone/v1", [room("a"), room("b")], 3.0) == "b"
+    leased = Candidate("a", report(("piper", "medium", 1)))
+    idle = Candidate("a", report(("piper", "medium", 0)))
+    assert leased.offer("a", "tone/v1") == Offer("a", 0, frozenset({"piper/medium"}), False)
+    assert idle.offer("a", "tone/v1") == Offer("a", 0, frozenset({"piper/medium"}), True)
 
 
 def test_a_router_that_would_evict_is_sent_to_a_node_no_other_router_just_filled() -> None:
@@ -464,13 +488,12 @@ def test_a_router_that_would_evict_is_sent_to_a_node_no_other_router_just_filled
     the router cannot see; and where every node has one, the router's best.
     """
     claims: Claims[str] = Claims()
-    empty = frozenset[str]()
-    assert claims.place("tone/v1", [("a", 1, empty)], 0.0) == "a"
-    assert claims.place("piper/medium", [("a", 0, empty), ("b", 0, empty)], 0.5) == "b"
-    assert claims.place("espeak/default", [("a", 0, empty), ("b", 0, empty)], 1.0) == "a"
+    assert claims.place("tone/v1", [room("a")], 0.0) == "a"
+    assert claims.place("piper/medium", [room("a", 0, ready=True), room("b", 0, ready=True)], 0.5) == "b"
+    assert claims.place("espeak/default", [room("a", 0, ready=True), room("b", 0, ready=True)], 1.0) == "a"
     # A best node with room that another model just filled: the next with room, else
     # the first with no such claim.
-    assert claims.place("kokoro/v1", [("a", 1, empty), ("b", 1, empty), ("c", 0, empty)], 1.5) == "c"
+    assert claims.place("kokoro/v1", [room("a"), room("b"), room("c", 0, ready=True)], 1.5) == "c"
 
 
 def test_claims_keep_at_most_claims_kept_models_the_newest() -> None:
@@ -479,15 +502,14 @@ def test_claims_keep_at_most_claims_kept_models_the_newest() -> None:
     and a model placed again where it is claimed keeps its claim as it was.
     """
     claims: Claims[str] = Claims()
-    empty = frozenset[str]()
-    claims.place("first/v1", [("a", 1, empty)], 0.0)
-    claims.place("second/v1", [("b", 1, empty)], 0.0)
-    assert claims.place("first/v1", [("c", 1, empty), ("a", 1, empty)], 0.5) == "a"
+    claims.place("first/v1", [room("a")], 0.0)
+    claims.place("second/v1", [room("b")], 0.0)
+    assert claims.place("first/v1", [room("c"), room("a")], 0.5) == "a"
     for n in range(CLAIMS_KEPT - 1):
-        claims.place(f"model/{n}", [(f"n{n}", 1, empty)], 1.0)
+        claims.place(f"model/{n}", [room(f"n{n}")], 1.0)
     # second/v1 is still claimed on b; first/v1, the oldest, was dropped.
-    assert claims.place("second/v1", [("c", 1, empty), ("b", 1, empty)], 2.0) == "b"
-    assert claims.place("first/v1", [("c", 1, empty), ("a", 1, empty)], 2.0) == "c"
+    assert claims.place("second/v1", [room("c"), room("b")], 2.0) == "b"
+    assert claims.place("first/v1", [room("c"), room("a")], 2.0) == "c"
 
 
 def test_a_model_is_unplaced_where_the_routers_view_shows_it_on_no_node() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from .ranking import Claims
+from .ranking import Claims, Offer
 
 __all__ = ["DIRECTORY", "FORGET_SECONDS", "PLACEMENTS_KEPT", "NodeDirectory", "directory"]
 
@@ -54,7 +54,7 @@ class NodeDirectory:
         return sorted(({k: v for k, v in node.items() if k != "seen"} for node in self._nodes.values()),
                       key=lambda node: str(node["node"]))
 
-    def place(self, model_id: str, offers: list[tuple[str, int, frozenset[str]]]) -> str | None:
+    def place(self, model_id: str, offers: list[Offer[str]]) -> str | None:
         """
         The replica to place C{model_id} on, from a router's offers (L{Claims.place}), by
         this actor's clock: one clock and one order for every router.

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Generic, Hashable, Iterable, Mapping, NamedTuple, Sequence, TypeVar
 
 __all__ = [
     "CLAIM_SECONDS", "CLAIMS_KEPT", "PROMISE_SECONDS", "REMEMBER_SECONDS", "SPILL_SECONDS", "SPREAD_AT", "Candidate",
-    "Claims", "NodeReport", "Sent", "first", "model_of", "offered", "promise", "rank", "still_promised", "unplaced",
+    "Claims", "NodeReport", "Offer", "Sent", "first", "model_of", "offered", "promise", "rank", "still_promised",
+    "unplaced",
 ]
 
 #: Leases on a model at which the node holding it counts as busy with it, and a node
@@ -203,6 +204,14 @@ class Candidate(Generic[_R]):
         resident = {f"{engine}/{variant}" for engine, variant in self.report.resident}
         return frozenset(resident | self.report.promised | self.coming)
 
+    def offer(self, key: _K, model_id: str) -> "Offer[_K]":
+        """
+        This node, known as C{key}, as this router's view offers it to L{Claims} for
+        C{model_id}.
+        """
+        free = self.free(model_id)
+        return Offer(key, free, self.placed(), free > 0 or self.report.lru_leases == 0)
+
 
 def rank(
     candidates: Sequence[Candidate[_R]], model_id: str, spread_at: int = SPREAD_AT, ties: random.Random | None = None
@@ -359,6 +368,22 @@ def first(ranks: list[list[_R]], chosen: _R) -> list[list[_R]]:
     return [[chosen], *(each for each in rest if each)]
 
 
+class Offer(NamedTuple, Generic[_K]):
+    """
+    One node as a router's view offers it for a model to L{Claims.place}.
+    """
+
+    #: The router's key for the node.
+    key: _K
+    #: The slots the router's view counts free there for the model.
+    free: int
+    #: The models the router's view puts there.
+    placed: frozenset[str]
+    #: Whether the model could start there without waiting: a free slot, or a least
+    #: recently used model with no lease, which its residency can evict.
+    ready: bool
+
+
 class Claims(Generic[_K]):
     """
     Where models were placed a moment ago, for every router of a cluster: its directory
@@ -378,17 +403,19 @@ class Claims(Generic[_K]):
         #: model -> (the node it was placed on, when).
         self._claims: dict[str, tuple[_K, float]] = {}
 
-    def place(self, model_id: str, offers: Sequence[tuple[_K, int, frozenset[str]]], now: float) -> _K | None:
+    def place(self, model_id: str, offers: Sequence[Offer[_K]], now: float) -> _K | None:
         """
-        The node to place C{model_id} on, at C{now}, from a router's C{offers}: each node
-        in the router's order (best first), the slots its view counts free there for
-        the model, and the models its view puts there.
+        The node to place C{model_id} on, at C{now}, from a router's C{offers}, in the
+        router's order (best first).
 
-        Where the model is claimed on one of those nodes, that node.  Otherwise, where the
-        router's best node has room in its view, the first node whose room is not taken by
-        models claimed there that the router's view does not show; where it has none (the
-        router would evict), or no node keeps room, the first node with no such claims, or
-        the router's best.  The node chosen is claimed for the model; None without offers.
+        Where the model is claimed on one of those nodes and the router's view has it
+        ready there (room, or a model it can evict: a node that evicted the model since
+        for a model now leased would make it wait), that node.  Otherwise, where the
+        router's best node has room in its view, the first node whose room is not taken
+        by models claimed there that the router's view does not show; where it has none
+        (the router would evict), or no node keeps room, the first node with no such
+        claims, or the router's best.  The node chosen is claimed for the model; None
+        without offers.
         """
         for model, (_, when) in list(self._claims.items()):
             if now - when > CLAIM_SECONDS:
@@ -396,18 +423,18 @@ class Claims(Generic[_K]):
         if not offers:
             return None
         claimed = self._claims.get(model_id)
-        if claimed is not None and any(key == claimed[0] for key, _, _ in offers):
+        if claimed is not None and any(offer.key == claimed[0] and offer.ready for offer in offers):
             return claimed[0]
 
-        def unseen(key: _K, shown: frozenset[str]) -> int:
+        def unseen(offer: Offer[_K]) -> int:
             return sum(1 for model, (where, _) in self._claims.items()
-                       if where == key and model != model_id and model not in shown)
+                       if where == offer.key and model != model_id and model not in offer.placed)
 
         chosen: _K | None = None
-        if offers[0][1] > 0:
-            chosen = next((key for key, free, shown in offers if free - unseen(key, shown) > 0), None)
+        if offers[0].free > 0:
+            chosen = next((offer.key for offer in offers if offer.free - unseen(offer) > 0), None)
         if chosen is None:
-            chosen = next((key for key, _, shown in offers if not unseen(key, shown)), offers[0][0])
+            chosen = next((offer.key for offer in offers if not unseen(offer)), offers[0].key)
         self._claims.pop(model_id, None)
         self._claims[model_id] = (chosen, now)
         while len(self._claims) > CLAIMS_KEPT:

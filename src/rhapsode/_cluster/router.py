@@ -105,10 +105,8 @@ class ResidencyRouter(RequestRouter):  # type: ignore[misc]
         router's ranks and view; C{ranked} unchanged where the directory does not answer.
         """
         by_key = {candidate.replica.replica_id.unique_id: candidate for candidate in candidates}
-        offers = [
-            (key, by_key[key].free(model), by_key[key].placed())
-            for key in (replica.replica_id.unique_id for each in ranked for replica in each)
-        ]
+        keys = [replica.replica_id.unique_id for each in ranked for replica in each]
+        offers = [by_key[key].offer(key, model) for key in keys]
         try:
             if getattr(self, "_directory", None) is None:
                 self._directory = directory()
