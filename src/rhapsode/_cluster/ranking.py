@@ -27,9 +27,9 @@ loads nothing), the ranks are, best first:
 
 Eviction stays with each node's residency manager; a router never evicts by count.
 
-A cluster has a router in each of Serve's proxies (one on each Ray node, reached in turn
-behind a load balancer or a shared port), and each knows only its own choices until the
-nodes report them, half a second or more later.  A model that no node shows in a router's view is placed through
+A cluster has a router in each of Serve's proxies (one on the head and on each node with a
+replica, which clients reach in turn behind a load balancer or a shared port), and each
+knows only its own choices until the nodes report them, half a second or more later.  A model that no node shows in a router's view is placed through
 L{Claims}, which the cluster's directory actor keeps for every router: a model another
 router placed a moment ago goes where that one went, and a slot another router just gave
 to another model counts as taken.
