@@ -532,3 +532,31 @@ def test_a_model_is_unplaced_where_the_routers_view_shows_it_on_no_node() -> Non
     assert first([["a", "b"], ["c"]], "b") == [["b"], ["a"], ["c"]]
     assert first([["a"], ["c"]], "a") == [["a"], ["c"]]
     assert first([["a"], ["c"]], "z") == [["a"], ["c"]]
+
+
+def test_a_node_speaking_another_variant_of_the_engine_has_no_room_for_this_one() -> None:
+    """
+    A node's engine speaks one variant at a time, so a node holding tone/expressive has no
+    room for tone/classic whatever slots it has left: the classic variant would take the
+    expressive one's place.  An empty node comes first; the swap ranks with the nodes
+    that can evict when no stream holds the other variant, and with the rest when one
+    does; a variant promised or just sent there counts as held by its coming request.
+    """
+    swapper = Candidate("swapper", report(("tone", "expressive", 0), slots=1))
+    leased = Candidate("leased", report(("tone", "expressive", 1), slots=1))
+    promised = Candidate("promised", report(slots=2, promised=("tone/expressive",)))
+    sent = Candidate("sent", report(slots=2), pending=1, coming=frozenset({"tone/expressive"}))
+    empty = Candidate("empty", report(slots=1))
+    other = Candidate("other", report(("piper", "medium", 0), slots=1))
+    assert swapper.swaps("tone/classic") == 0 and swapper.free("tone/classic") == 0
+    assert leased.swaps("tone/classic") == 1 and promised.swaps("tone/classic") == 1
+    assert sent.swaps("tone/classic") == 1 and other.swaps("tone/classic") is None
+    assert swapper.swaps("tone") is None and swapper.swaps("tone/expressive") is None
+    assert rank([swapper, leased, empty, other], "tone/classic") == [["empty", "other"], ["swapper"], ["leased"]]
+    assert rank([swapper, leased], "tone/classic") == [["swapper"], ["leased"]]
+    assert rank([promised, sent, other], "tone/classic") == [["other"], ["promised", "sent"]]
+    # Its own variant is still held there: a request for it goes there first.
+    assert rank([swapper, empty], "tone/expressive") == [["swapper"], ["empty"]]
+    assert swapper.offer("s", "tone/classic") == Offer("s", 0, frozenset({"tone/expressive"}), True)
+    assert leased.offer("l", "tone/classic") == Offer("l", 0, frozenset({"tone/expressive"}), False)
+    assert other.offer("o", "tone/classic").ready is True

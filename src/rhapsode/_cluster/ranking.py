@@ -14,10 +14,13 @@ loads nothing), the ranks are, best first:
      count yet (a burst of requests arrives well inside one report period);
   2. nodes with room for it: a free slot (not counting those that models just sent or
      promised there will take; a node that has not reported yet counts one), and free
-     memory for its measured size where any node has measured it;
+     memory for its measured size where any node has measured it; a node holding
+     another variant of its engine has no room for it, whatever its slots, for a node's
+     engine speaks one variant at a time and the model would take that one's place;
   3. nodes whose least recently used model has no lease, so their own residency can
      evict it, the coldest first (the one whose model was used longest ago: the cluster
-     evicts as one residency would, least recently used first);
+     evicts as one residency would, least recently used first), and nodes holding
+     another variant of its engine that no stream holds;
   4. nodes that hold it but are busy with it: a model in demand spreads to a node with
      room before it waits behind its own requests, and before it evicts another's; each
      in a rank of its own, fewest leases first, so the next request goes to the node with
@@ -29,10 +32,11 @@ Eviction stays with each node's residency manager; a router never evicts by coun
 
 A cluster has a router in each of Serve's proxies (one on the head and on each node with a
 replica, which clients reach in turn behind a load balancer or a shared port), and each
-knows only its own choices until the nodes report them, half a second or more later.  A model that no node shows in a router's view is placed through
-L{Claims}, which the cluster's directory actor keeps for every router: a model another
-router placed a moment ago goes where that one went, and a slot another router just gave
-to another model counts as taken.
+knows only its own choices until the nodes report them, half a second or more later.  A
+model that no node shows in a router's view is placed through L{Claims}, which the
+cluster's directory actor keeps for every router: a model another router placed a moment
+ago goes where that one went, and a slot another router just gave to another model counts
+as taken.
 """
 
 from __future__ import annotations
@@ -190,12 +194,40 @@ class Candidate(Generic[_R]):
             report.holds(engine, variant) is not None or self.sent or self.routed or report.expects(engine, variant)
         )
 
+    def swaps(self, model_id: str) -> int | None:
+        """
+        Where this router's view puts another variant of C{model_id}'s engine on this
+        node, the leases on it (a variant promised or sent here counts one: its request
+        is on its way); None where it puts none.  A node's engine speaks one variant at a
+        time, so the model would take that variant's place there, not a free slot.
+        """
+        engine, variant = model_of(model_id)
+        if variant is None:
+            return None
+        leases = [n for (e, v), n in self.report.resident.items() if e == engine and v != variant]
+        for other in self.report.promised | self.coming:
+            other_engine, other_variant = model_of(other)
+            if other_engine == engine and other_variant != variant:
+                leases.append(1)
+        return max(leases) if leases else None
+
     def free(self, model_id: str) -> int:
         """
         The slots this router's view counts free here for C{model_id}: the report's,
-        less those the other models sent or promised here will take.
+        less those the other models sent or promised here will take; none where another
+        variant of its engine is here (L{swaps}).
         """
+        if self.swaps(model_id) is not None:
+            return 0
         return self.report.slots - max(self.pending, self.report.others_promised(model_id))
+
+    def evicts(self, model_id: str) -> bool:
+        """
+        Whether C{model_id} could start here by evicting a model no stream holds: the
+        variant of its engine it would replace, or else the least recently used model.
+        """
+        swap = self.swaps(model_id)
+        return swap == 0 if swap is not None else self.report.lru_leases == 0
 
     def placed(self) -> frozenset[str]:
         """
@@ -210,7 +242,7 @@ class Candidate(Generic[_R]):
         C{model_id}.
         """
         free = self.free(model_id)
-        return Offer(key, free, self.placed(), free > 0 or self.report.lru_leases == 0)
+        return Offer(key, free, self.placed(), free > 0 or self.evicts(model_id))
 
 
 def rank(
@@ -244,7 +276,7 @@ def rank(
             (busy if load >= spread_at else held).append((load, candidate))
         elif candidate.free(model_id) > 0 and (size is None or report.free_bytes is None or report.free_bytes >= size):
             room.append(candidate)
-        elif report.lru_leases == 0:
+        elif candidate.evicts(model_id):
             evictable.append(candidate)
         else:
             rest.append(candidate)
@@ -379,8 +411,8 @@ class Offer(NamedTuple, Generic[_K]):
     free: int
     #: The models the router's view puts there.
     placed: frozenset[str]
-    #: Whether the model could start there without waiting: a free slot, or a least
-    #: recently used model with no lease, which its residency can evict.
+    #: Whether the model could start there without waiting: a free slot, or a model no
+    #: stream holds for it to replace (L{Candidate.evicts}).
     ready: bool
 
 
@@ -394,7 +426,7 @@ class Claims(Generic[_K]):
     placing two models at once, or one placing a model another has just placed, would
     send both models to one empty node, or load one model on two nodes, as often as
     their views were older than the requests between them (a front speaking one request
-    after another through proxies that answer in turn did so in 2 of 5 runs).  A claim
+    after another through proxies that answer in turn did so in 3 of 6 runs in CI).  A claim
     lasts L{CLAIM_SECONDS}: by then every router's view shows the model, resident or
     promised.
     """
