@@ -72,7 +72,7 @@ for line in sys.stdin:
     text = json.loads(line)["text"]
     start = time.perf_counter()
     pcm = 0
-    pieces = split_text(text, engine.segment_characters, engine.first_segment_characters)
+    pieces = split_text(text, engine.segment_characters, engine.first_segment_characters, engine.segment_growth)
     for i, piece in enumerate(pieces):
         for chunk in engine.speak(SpeakRequest(text=piece, segment_index=i, segment_count=len(pieces), **request)):
             pcm += len(chunk)

@@ -36,7 +36,7 @@ def in_process_rtf() -> float:
     engine.load("expressive")
     start = time.perf_counter()
     pcm = 0
-    for piece in split_text(LONG, engine.segment_characters, engine.first_segment_characters):
+    for piece in split_text(LONG, engine.segment_characters, engine.first_segment_characters, engine.segment_growth):
         for chunk in engine.speak(SpeakRequest(text=piece, variant="expressive", seed=1)):
             pcm += len(chunk)
     elapsed = time.perf_counter() - start

@@ -883,6 +883,40 @@ def test_only_a_streamed_answer_is_cut_with_a_short_first_segment(tmp_path: Path
         assert len(answer.body) == 320 * len("".join(pieces))  # no joint silence declared
 
 
+class GrowingEngine(FirstCutEngine):
+    """
+    A 10-character first segment, each later one up to twice the one before.
+    """
+
+    segment_growth = 2
+    spoken: list[str] = []
+
+
+def test_a_streamed_answer_grows_its_segments_where_the_engine_says(tmp_path: Path) -> None:
+    """
+    An engine that declares a growth gets a streamed answer's segments growing from the
+    short first one (10, then at most 20, then 40 characters), and declares it in its
+    capabilities; a buffered answer is cut at the segment size alone.
+    """
+    from rhapsode_protocol.text import split_text
+    from rhapsode_worker.testing import WorkerHarness
+
+    worker = WorkerHarness(GrowingEngine, tmp_path)
+    text = "one two three four five six seven eight nine ten eleven twelve."
+    growing = ["one two", "three four five six", "seven eight nine ten eleven twelve."]
+    whole = ["one two three four five six seven eight", "nine ten eleven twelve."]
+    assert split_text(text, 40) == whole
+    for stream, pieces in ((True, growing), (False, whole)):
+        GrowingEngine.spoken.clear()
+        answer = worker.post("/speak", {"text": text, "format": "pcm", "stream": stream})
+        assert answer.code == 200 and GrowingEngine.spoken == pieces, stream
+    segmentation = worker.get("/capabilities").json()["variants"]["v1"]["segmentation"]
+    assert segmentation == {"supported": True, "segmentCharacters": 40, "firstSegmentCharacters": 10,
+                            "segmentGrowth": 2, "jointSilenceMs": 0}
+    plain = WorkerHarness(FirstCutEngine, tmp_path / "plain").get("/capabilities").json()
+    assert "segmentGrowth" not in plain["variants"]["v1"]["segmentation"]
+
+
 def test_float_pcm_is_converted_inside_the_step_the_synthesis_pool_runs() -> None:
     """
     The conversion is part of each step the scheduler hands to the synthesis pool: a

@@ -47,16 +47,18 @@ def locate(text: str, pieces: list[str]) -> list[tuple[int, int]]:
     return spans
 
 
-def check(text: str, limit: int, first_limit: int | None = None) -> list[str]:
+def check(text: str, limit: int, first_limit: int | None = None, growth: int | None = None) -> list[str]:
     """
     Split C{text} and assert every invariant of the contract on the result.
     """
-    pieces = split_text(text, limit, first_limit)
+    pieces = split_text(text, limit, first_limit, growth)
     spans = locate(text, pieces)
     assert "".join("".join(p.split()) for p in pieces) == "".join(text.split())
     caps = [limit] * len(pieces)
     if caps and first_limit is not None:
         caps[0] = min(first_limit, limit)
+        for i in range(1, len(caps)):
+            caps[i] = limit if growth is None else min(limit, caps[i - 1] * growth)
     for piece, cap in zip(pieces, caps):
         assert len(piece) <= cap or not any(c.isspace() for c in piece), (piece, cap)
     for i in range(len(pieces) - 1):
@@ -80,13 +82,21 @@ texts = st.lists(
 
 
 @settings(max_examples=1000, deadline=None)
-@given(text=texts, limit=st.integers(1, 60), first_limit=st.none() | st.integers(1, 60))
-def test_properties_hold_for_arbitrary_text(text: str, limit: int, first_limit: int | None) -> None:
+@given(
+    text=texts,
+    limit=st.integers(1, 60),
+    first_limit=st.none() | st.integers(1, 60),
+    growth=st.none() | st.integers(2, 4),
+)
+def test_properties_hold_for_arbitrary_text(
+    text: str, limit: int, first_limit: int | None, growth: int | None
+) -> None:
     """
     For any text and limits, pieces tile the text in order modulo whitespace, respect their
-    limits unless they are single words, and no two neighbours could have been joined.
+    limits (the first's, and with a growth each later one's at most that many times the
+    one before it) unless they are single words, and no two neighbours could have been joined.
     """
-    check(text, limit, first_limit)
+    check(text, limit, first_limit, growth)
 
 
 @settings(max_examples=500, deadline=None)
@@ -322,6 +332,52 @@ def test_first_limit_applies_to_the_first_piece_only() -> None:
     assert split_text(text, 30, first_limit=300) == split_text(text, 30)
 
 
+def test_pieces_grow_from_the_first_limit() -> None:
+    """
+    With a growth, each piece after the short first one may hold at most that many times
+    the one before it, until the main limit: a slow engine's second piece is made while
+    the first plays, rather than the listener waiting on a whole segment after it.
+    """
+    sentence = "The ferry left the harbour at nine."  # 35 characters
+    text = " ".join([sentence] * 12)
+    pieces = check(text, 200, first_limit=40, growth=2)
+    assert [len(piece) for piece in pieces] == [35, 71, 143, 179]
+    # Without a growth the second piece takes the main limit at once.
+    assert [len(piece) for piece in check(text, 200, first_limit=40)] == [35, 179, 179, 35]
+    # A buffered answer has no first limit, and so no growth.
+    assert split_text(text, 200, None, 2) == split_text(text, 200)
+
+
+def test_a_sentence_cut_for_the_first_piece_goes_on_in_clauses() -> None:
+    """
+    The sentence the short first piece cuts into words goes on in the pieces after it as
+    whole clauses where they fit the larger limits, never cut between two words of one.
+    """
+    text = ("It was late. The station had emptied hours before, and the last train was long "
+            "gone, so she walked home along the river, counting the lamps.")
+    assert check(text, 400, first_limit=30, growth=2) == [
+        "It was late. The station had",
+        "emptied hours before, and the last train was long gone,",
+        "so she walked home along the river, counting the lamps.",
+    ]
+    assert check(text, 60, first_limit=30) == [
+        "It was late. The station had",
+        "emptied hours before, and the last train was long gone,",
+        "so she walked home along the river, counting the lamps.",
+    ]
+
+
+@pytest.mark.parametrize("growth", [0, 1, -2])
+def test_a_growth_under_two_is_refused(growth: int) -> None:
+    """
+    A growth that would never let the pieces grow is a mistake in the adapter, refused.
+    """
+    with pytest.raises(ValueError, match="growth"):
+        split_text("One. Two.", 10, 4, growth)
+    with pytest.raises(ValueError, match="growth"):
+        split_pieces("One. Two.", 10, 4, growth)
+
+
 def test_hundred_kilobyte_text() -> None:
     """
     A 100 kB mixed text splits with every invariant held and every piece within the limit.
@@ -368,9 +424,9 @@ def test_a_short_sentence_takes_the_short_path(monkeypatch: pytest.MonkeyPatch) 
     calls: list[str] = []
     original = _split._pack
 
-    def counting(text: str, limit: int, first: int) -> list[str]:
+    def counting(text: str, limit: int, first: int, growth: int | None = None) -> list[str]:
         calls.append(text)
-        return original(text, limit, first)
+        return original(text, limit, first, growth)
 
     monkeypatch.setattr(_split, "_pack", counting)
     assert split_text("  The ferry pulled away. It was late!  ", 400) == ["The ferry pulled away. It was late!"]

@@ -87,7 +87,9 @@ _ABBREVIATIONS_EXACT = frozenset(
 Span = tuple[int, int]
 
 
-def split_text(text: str, limit: int | None, first_limit: int | None = None) -> list[str]:
+def split_text(
+    text: str, limit: int | None, first_limit: int | None = None, growth: int | None = None
+) -> list[str]:
     """
     Split text where a reader would pause, packing pieces greedily up to C{limit} characters.
 
@@ -95,23 +97,44 @@ def split_text(text: str, limit: int | None, first_limit: int | None = None) -> 
         L{None} means the adapter declared no size and gets the whole text as one piece.
     @param first_limit: when smaller than C{limit}, the limit for the first piece only, so
         that first audio leaves sooner on slow engines.
+    @param growth: with C{first_limit}, each later piece's limit is at most this many
+        times the one before it (up to C{limit}) rather than C{limit} at once, so that on
+        an engine slower than a few times realtime each piece is made while the one
+        before it plays.  L{None}: C{limit} from the second piece.
     @return: the pieces in order, each stripped and non-empty.  Pieces that were separated
         by whitespace in C{text} are joined by one space when packed, and ones that were
         not (CJK sentences) are joined directly.
-    @raise ValueError: if a limit is given that is less than one.
+    @raise ValueError: if a limit is given that is less than one, or a growth less than two.
     """
     if limit is None:
         whole = text.strip()
         return [whole] if whole else []
-    if limit < 1 or (first_limit is not None and first_limit < 1):
-        raise ValueError(f"limits must be at least 1, not {limit!r} and {first_limit!r}")
+    _check(limit, first_limit, growth)
     first = limit if first_limit is None else min(first_limit, limit)
     whole = text.strip()
     if len(whole) <= first and _plainly_spaced(whole):
         # The common request, one short utterance: packing would give it back whole,
         # because every gap it could cut at is already a single space.
         return [whole] if whole else []
-    return _pack(text, limit, first)
+    return _pack(text, limit, first, growth)
+
+
+def _check(limit: int, first_limit: int | None, growth: int | None) -> None:
+    if limit < 1 or (first_limit is not None and first_limit < 1):
+        raise ValueError(f"limits must be at least 1, not {limit!r} and {first_limit!r}")
+    if growth is not None and growth < 2:
+        raise ValueError(f"growth must be at least 2, not {growth!r}")
+
+
+def piece_limits(limit: int, first: int, growth: int | None = None) -> Iterator[int]:
+    """
+    The limit of each piece in turn: C{first}, then C{limit}, or with C{growth} each
+    at most C{growth} times the one before until C{limit}.
+    """
+    cap = min(first, limit)
+    while True:
+        yield cap
+        cap = limit if growth is None else min(limit, cap * growth)
 
 
 @dataclass(frozen=True)
@@ -167,15 +190,17 @@ class Piece:
         return ends[index]
 
 
-def split_pieces(text: str, limit: int | None, first_limit: int | None = None) -> list[Piece]:
+def split_pieces(
+    text: str, limit: int | None, first_limit: int | None = None, growth: int | None = None
+) -> list[Piece]:
     """
     L{split_text}'s pieces, each with the spans of C{text} it holds, so that an offset
     into a piece can be taken back to C{text} (L{Piece.source}).
 
-    @raise ValueError: if a limit is given that is less than one.
+    @raise ValueError: if a limit is given that is less than one, or a growth less than two.
     """
-    if limit is not None and (limit < 1 or (first_limit is not None and first_limit < 1)):
-        raise ValueError(f"limits must be at least 1, not {limit!r} and {first_limit!r}")
+    if limit is not None:
+        _check(limit, first_limit, growth)
     whole = text.strip()
     if not whole:
         return []
@@ -185,7 +210,7 @@ def split_pieces(text: str, limit: int | None, first_limit: int | None = None) -
         start = len(text) - len(text.lstrip())
         return [Piece(whole, ((start, start + len(whole)),))]
     first = limit if first_limit is None else min(first_limit, limit)
-    return _pack_pieces(text, limit, first)
+    return _pack_pieces(text, limit, first, growth)
 
 
 def _plainly_spaced(text: str) -> bool:
@@ -196,17 +221,19 @@ def _plainly_spaced(text: str) -> bool:
     return text.isprintable() and "  " not in text
 
 
-def _pack(text: str, limit: int, first: int) -> list[str]:
+def _pack(text: str, limit: int, first: int, growth: int | None = None) -> list[str]:
     """
     L{split_text} in general: the sentences, refined to fit, packed greedily.
     """
-    return [piece.text for piece in _pack_pieces(text, limit, first)]
+    return [piece.text for piece in _pack_pieces(text, limit, first, growth)]
 
 
-def _pack_pieces(text: str, limit: int, first: int) -> list[Piece]:
+def _pack_pieces(text: str, limit: int, first: int, growth: int | None = None) -> list[Piece]:
     """
     L{_pack}, each piece with the spans it was packed from.
     """
+    caps = piece_limits(limit, first, growth)
+    cap = next(caps)
     pieces: list[Piece] = []
     parts: list[str] = []
     atoms: list[Span] = []
@@ -214,17 +241,28 @@ def _pack_pieces(text: str, limit: int, first: int) -> list[Piece]:
     last_end = 0
     closed = True  # whether the last atom packed ended its sentence
     for sentence in _sentences(text):
-        for start, end in _refine(text, sentence, limit if pieces else first):
+        spans = list(_refine(text, sentence, cap))
+        index = 0
+        while index < len(spans):
+            start, end = spans[index]
             atom = text[start:end]
             joint = " " if parts and start > last_end else ""
-            if parts and size + len(joint) + len(atom) > (limit if pieces else first):
+            if parts and size + len(joint) + len(atom) > cap:
                 pieces.append(Piece("".join(parts), tuple(atoms), closed))
                 parts, atoms, size, joint = [], [], 0, ""
+                smaller, cap = cap, next(caps)
+                if cap > smaller and index:
+                    # The rest of a sentence cut for the smaller cap, refined afresh for
+                    # this one: whole clauses where the smaller had cut it into words.
+                    spans[index:] = _refine(text, (start, sentence[1]), cap)
+                    start, end = spans[index]
+                    atom = text[start:end]
             parts.append(joint + atom)
             atoms.append((start, end))
             size += len(joint) + len(atom)
             last_end = end
             closed = end == sentence[1]
+            index += 1
     if parts:
         pieces.append(Piece("".join(parts), tuple(atoms), closed))
     return pieces

@@ -464,6 +464,12 @@ VARIANT_CAPS: Schema = _object(
                     "A shorter first segment of a streamed answer, for a quicker first byte"
                     " (a buffered one is cut at segmentCharacters alone).", minimum=1
                 ),
+                "segmentGrowth": _integer(
+                    "With firstSegmentCharacters: each later segment of a streamed answer holds at"
+                    " most this many times the one before it, up to segmentCharacters, so that on"
+                    " a slow engine each is made while the one before it plays.  Absent: the second"
+                    " segment may hold segmentCharacters.", minimum=2
+                ),
                 "jointSilenceMs": _integer(
                     "Silence between segments where one ends a sentence; a segment cut inside a"
                     " sentence (the shorter first one, or a sentence over segmentCharacters) runs"

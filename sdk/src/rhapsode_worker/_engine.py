@@ -384,6 +384,10 @@ class IEngine(Interface):
     max_characters = Attribute("Most text one request may carry")
     segment_characters = Attribute("Most text one generation gets; None: the whole text")
     first_segment_characters = Attribute("A shorter first segment of a streamed answer, or None")
+    segment_growth = Attribute(
+        "With first_segment_characters, how many times the one before each later segment of a"
+        " streamed answer may hold, up to segment_characters; None: segment_characters at once"
+    )
     joint_silence_ms = Attribute("Silence inserted between segments, where one ends a sentence")
     concurrency = Attribute("Generations that may run at once (default 1)")
     reference_formats = Attribute("File types create_voice reads, e.g. ('wav',)")
@@ -548,6 +552,7 @@ class Engine:
     max_characters: int = 4096
     segment_characters: int | None = None
     first_segment_characters: int | None = None
+    segment_growth: int | None = None
     joint_silence_ms: int = 0
     concurrency: int = 1
     reference_formats: Sequence[str] = ()

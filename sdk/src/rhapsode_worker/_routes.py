@@ -101,6 +101,8 @@ def variant_capabilities(engine: IEngine, variant: Variant) -> dict[str, Any]:
         segmentation["segmentCharacters"] = engine.segment_characters
         if engine.first_segment_characters:
             segmentation["firstSegmentCharacters"] = engine.first_segment_characters
+            if engine.segment_growth:
+                segmentation["segmentGrowth"] = engine.segment_growth
         segmentation["jointSilenceMs"] = engine.joint_silence_ms
     doc: dict[str, Any] = {
         "cues": list(variant.cues),
@@ -795,20 +797,24 @@ class WorkerApp:
     def _ceiling(self, variant: str) -> int:
         return self.variants[variant].max_characters or self.engine.max_characters
 
-    def _first_limit(self, stream: bool) -> int | None:
+    def _pieces(self, text: str, stream: bool) -> list[Piece]:
         """
-        The shorter first segment, for a streamed answer only: it buys first audio with
-        one more generation (a 72-character Piper sentence cut in two cost 17% more CPU
-        and 22% more time in all), and an answer sent whole has no first audio to buy.
+        C{text} split for the engine.  The shorter first segment, and the segments that
+        grow from it, are for a streamed answer only: it buys first audio with one more
+        generation (a 72-character Piper sentence cut in two cost 17% more CPU and 22%
+        more time in all), and an answer sent whole has no first audio to buy.
         """
-        return self.engine.first_segment_characters if stream else None
+        engine = self.engine
+        if not stream:
+            return split_pieces(text, engine.segment_characters)
+        return split_pieces(text, engine.segment_characters, engine.first_segment_characters, engine.segment_growth)
 
     def _segments(
         self, request: SpeakRequest, pieces: Sequence[Piece] | None = None, stream: bool = True
     ) -> "_Segments":
         engine = self.engine
         if pieces is None:
-            pieces = split_pieces(request.text, engine.segment_characters, self._first_limit(stream))
+            pieces = self._pieces(request.text, stream)
         count = len(pieces)
         requests = [
             replace(request, text=piece.text, segment_index=i, segment_count=count) for i, piece in enumerate(pieces)
@@ -896,8 +902,7 @@ class WorkerApp:
             if timed is None:
                 segments = self._segments(speak, stream=stream)
                 return await self._respond(request, variant, segments, fmt, stream, rate)
-            engine = self.engine
-            pieces = split_pieces(text, engine.segment_characters, self._first_limit(stream))
+            pieces = self._pieces(text, stream)
             sources = [Source(body["text"], cleaned, piece) for piece in pieces]
             segments = self._segments(speak, pieces)
             timeline = self._timeline(variant, timed[0], sources)
