@@ -242,7 +242,9 @@ async def test_catalog_record_agrees_with_the_adapter(kokoro: Worker) -> None:
     assert "espeak-ng" in capabilities["license"]["notes"]
     variant = capabilities["variants"][VARIANT]
     assert variant["languages"] == list(LANGUAGES)
-    assert variant["segmentation"]["segmentCharacters"] == 200
+    assert variant["segmentation"]["segmentCharacters"] == 400
+    assert variant["segmentation"]["firstSegmentCharacters"] == 30
+    assert variant["segmentation"]["segmentGrowth"] == 2
     assert variant["segmentation"]["jointSilenceMs"] == 250
 
 

@@ -15,16 +15,32 @@ once, 4.0-4.9 s for both on one thread each, 5.0-5.7 s on one two-thread session
 Sharing a session is safe: onnxruntime runs one session from several threads, and
 kokoro-onnx phonemizes under a lock, espeak-ng's state being global.
 
-Segments: the SDK hands speak() up to 200 characters at a time and puts 250 ms of
+Segments: the SDK hands speak() up to 400 characters at a time and puts 250 ms of
 silence at each joint.  The graph has no streaming output, and a call has no fixed cost
 worth the name: of a 30-character piece's 1.08 s, phonemes take 0.3 ms, trimming and
 conversion 1 ms, and the rest is the onnxruntime run (70% of it ConvInteger), which costs
 about 0.5 s for each second of audio it renders.  What makes short pieces dear is that the
 graph renders about 0.55 s of silence around every piece (0.26 s before, 0.30 s after, for
 its start and end tokens), which kokoro-onnx trims away: about 0.28 s of compute a piece.
-The first segment is kept to 30 characters, out in about 1.1 s on one thread alone and
-1.35-1.5 s on one of two busy cores; four requests arriving together get first audio
-after one or two first segments (1.34, 1.36, 2.75, 2.77 s through a core at best).  The session gives a run's memory back when it ends (L{_session}).
+400 characters are about as many phonemes in English, within the 510 the graph reads at
+once (a piece that phonemizes longer, numbers say, kokoro-onnx cuts in two), and near the
+batches kokoro-onnx's own create() makes of a long text.  With 200-character pieces a
+~2000-character text took 1.13-1.16x that create() in bench/side_by_side.py; with 400,
+0.94-1.10x (median 1.01, four rounds; 450, which cuts that text into exactly create()'s
+batches, read 1.02-1.11x in six).  The price is a run's working memory, about 1.5 MiB a
+character while it runs: the worker's peak over that text was 583-614 MiB with 200 and
+974 MiB with 400 (a kokoro-onnx process peaks at 1.14 GiB and keeps it), given back when
+the run ends (L{_session}).
+
+A streamed answer's first segment is kept to 30 characters, out in about 1.1 s on one
+thread alone and 1.35-1.5 s on one of two busy cores; four requests arriving together get
+first audio after one or two first segments (1.34, 1.36, 2.75, 2.77 s through a core at
+best).  Each later segment holds at most twice the one before (30, 60, 120, 240, then
+400: C{segment_growth}), so that on two cores each is made while the one before it plays
+(the graph renders about 2.5 s of audio a second there).  With 200 characters straight
+after the first 30, a listener heard the first piece's 2 s of audio and then waited
+2.3 s for the second; with the growing pieces, not at all (the same text streamed through
+a core, twice: bench/stalls.py).
 
 Weights are fetched into a cache outside the virtualenv (L{_fetch}); a load with no
 weights fetches them first.  The same phonemes, voice and speed give the same bytes, so
@@ -99,8 +115,9 @@ class KokoroEngine(Engine):
     # The graph makes float samples; the SDK converts them to 16-bit on the synthesis thread.
     native_format = NativeFormat(sample_rate=SAMPLE_RATE, encoding="pcm_f32le")
     upstream_distribution = "kokoro-onnx"
-    segment_characters = 200
+    segment_characters = 400
     first_segment_characters = 30
+    segment_growth = 2
     joint_silence_ms = 250
     concurrency = 2
     reference_formats = ("npy", "pt")

@@ -28,7 +28,8 @@ def shrinking_session(path: Path, environ: Mapping[str, str] | None = None) -> B
     kernel mapping those pages afresh for every run: 1.2 s more system time over a
     2000-character text that takes 73 s, within the noise of its wall-clock time.  With
     two generations at once the two runs' needs add up while they overlap (a peak of
-    about 940 MiB for two 190-character segments) and are not kept afterwards.  The
+    about 940 MiB for two 190-character segments, 1.75 GiB for two ~2000-character texts
+    in the adapter's 400-character segments) and are not kept afterwards.  The
     budget's second session (one thread, beside the whole budget's) would hold the graph
     a second time (139 MiB), so the SDK makes it only when two runs first overlap: a
     worker at rest measured 481 MiB with both, on a shared 2-core box.
