@@ -365,6 +365,15 @@ def test_a_sentence_cut_for_the_first_piece_goes_on_in_clauses() -> None:
         "emptied hours before, and the last train was long gone,",
         "so she walked home along the river, counting the lamps.",
     ]
+    # Also a sentence that only begins after the first piece, refined while it was open.
+    text = ("Late. The station had emptied hours before, and the last train was long gone, "
+            "so she walked home along the river.")
+    assert check(text, 60, first_limit=6) == [
+        "Late.",
+        "The station had emptied hours before,",
+        "and the last train was long gone,",
+        "so she walked home along the river.",
+    ]
 
 
 @pytest.mark.parametrize("growth", [0, 1, -2])

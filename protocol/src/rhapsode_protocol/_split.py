@@ -251,9 +251,9 @@ def _pack_pieces(text: str, limit: int, first: int, growth: int | None = None) -
                 pieces.append(Piece("".join(parts), tuple(atoms), closed))
                 parts, atoms, size, joint = [], [], 0, ""
                 smaller, cap = cap, next(caps)
-                if cap > smaller and index:
-                    # The rest of a sentence cut for the smaller cap, refined afresh for
-                    # this one: whole clauses where the smaller had cut it into words.
+                if cap > smaller:
+                    # The rest of the sentence, refined for the smaller cap, refined afresh
+                    # for this one: whole clauses where the smaller had cut it into words.
                     spans[index:] = _refine(text, (start, sentence[1]), cap)
                     start, end = spans[index]
                     atom = text[start:end]
