@@ -29,7 +29,7 @@ batches kokoro-onnx's own create() makes of a long text.  With 200-character pie
 0.94-1.10x (median 1.01, four rounds; 450, which cuts that text into exactly create()'s
 batches, read 1.02-1.11x in six).  The price is a run's working memory, about 1.5 MiB a
 character while it runs: the worker's peak over that text was 583-614 MiB with 200 and
-974 MiB with 400 (a kokoro-onnx process peaks at 1.14 GiB and keeps it), given back when
+939-974 MiB with 400 (a kokoro-onnx process peaks at 1.14 GiB and keeps it), given back when
 the run ends (L{_session}).
 
 A streamed answer's first segment is kept to 30 characters, out in about 1.1 s on one
@@ -40,7 +40,7 @@ best).  Each later segment holds at most twice the one before (30, 60, 120, 240,
 (the graph renders about 2.5 s of audio a second there).  With 200 characters straight
 after the first 30, a listener heard the first piece's 2 s of audio and then waited
 2.3 s for the second; with the growing pieces, not at all (the same text streamed through
-a core, twice: bench/stalls.py).
+a core, in three runs, the last with bench/stalls.py).
 
 Weights are fetched into a cache outside the virtualenv (L{_fetch}); a load with no
 weights fetches them first.  The same phonemes, voice and speed give the same bytes, so
