@@ -29,7 +29,7 @@ batches kokoro-onnx's own create() makes of a long text.  With 200-character pie
 0.94-1.10x (median 1.01, four rounds; 450, which cuts that text into exactly create()'s
 batches, read 1.02-1.11x in six).  The price is a run's working memory, about 1.5 MiB a
 character while it runs: the worker's peak over that text was 583-614 MiB with 200 and
-939-974 MiB with 400 (a kokoro-onnx process peaks at 1.14 GiB and keeps it), given back when
+939-974 MiB with 400 (a kokoro-onnx process peaks at 1.11 GiB and keeps 1.10), given back when
 the run ends (L{_session}).
 
 A streamed answer's first segment is kept to 30 characters, out in about 1.1 s on one
