@@ -226,13 +226,20 @@ def kokoro_library(rounds: int = 3) -> float:
     return float(json.loads(run.stdout.strip().splitlines()[-1])["factor"])
 
 
+def worker_pid(port: int, engine: str) -> int:
+    """
+    The pid of C{engine}'s worker process, as the core's /health reports it.
+    """
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        health = json.loads(r.read())
+    return int(next(e for e in health["engines"] if e["id"] == engine)["pid"])
+
+
 def resident_mib(port: int, engine: str) -> float:
     """
     The resident memory of C{engine}'s worker process, from the pid the core reports.
     """
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
-        health = json.loads(r.read())
-    pid = next(e for e in health["engines"] if e["id"] == engine)["pid"]
+    pid = worker_pid(port, engine)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024

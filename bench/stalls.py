@@ -30,12 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = engines_bench.LONG
 
 
-def worker_pid(port: int, engine: str) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
-        health = json.loads(r.read())
-    return int(next(e for e in health["engines"] if e["id"] == engine)["pid"])
-
-
 def memory(pid: int) -> str:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -109,7 +103,7 @@ def main() -> None:
     core, port = engines_bench.start_core(tmp / "core", [args.engine], environ)
     try:
         engines_bench.through_core(port, args.engine, "Warm up.", 1, False)
-        pid = worker_pid(port, args.engine)
+        pid = engines_bench.worker_pid(port, args.engine)
         print(f"{args.engine}, {len(TEXT)} characters; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
         for round_ in range(1, args.rounds + 1):
             got, per_second = arrivals(port, args.engine, TEXT)
