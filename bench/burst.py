@@ -9,9 +9,9 @@ Each round starts a fresh core (`rhapsode serve`) with Kokoro alone, warms it, s
 same four streamed requests at once and prints every first byte and the time until all
 four ended.  With `--against DIR` (a source tree of another commit, e.g. made with
 `git worktree add DIR COMMIT`), every round is run twice, once by this checkout and once
-by that tree's core, worker SDK and Kokoro adapter (put first on PYTHONPATH, so the same
-virtualenvs run the other code), taking turns, so that a box whose speed drifts slows
-both alike.  `--sequential` also times the four one after another.  Asserts nothing.
+by that tree's core, worker SDK, shared protocol and Kokoro adapter (put first on
+PYTHONPATH, so the same virtualenvs run the other code), taking turns, so that a box
+whose speed drifts slows both alike.  `--sequential` also times the four one after another.  Asserts nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def start_core(tmp: Path, source: Path | None) -> tuple[subprocess.Popen[bytes],
     environ = dict(os.environ)
     if source is not None:
         # The worker inherits the core's environment, so both run the other tree's code.
-        environ["PYTHONPATH"] = os.pathsep.join([str(source / "src"), str(source / "engines" / "kokoro" / "src")])
+        environ["PYTHONPATH"] = os.pathsep.join(
+            str(source / part) for part in ("src", "sdk/src", "protocol/src", "engines/kokoro/src")
+        )
     return engines.start_core(tmp, ["kokoro"], environ)
 
 

@@ -11,7 +11,9 @@ each text (short, medium, long) is synthesized with the wyoming library's client
 two servers taking turns request by request, one at a time and four at once, each turn
 after a pause that lets the other's threads settle (L{_common.SETTLE_SECONDS}); printed:
 the median time to the first audio-chunk and to audio-stop, and the door's over
-wyoming-piper's.  The goals (issue 24): first chunk at most 0.5x, whole at most 1.05x.
+wyoming-piper's; and what a listener hears, as a player that starts at the first chunk
+and waits whenever the next has not come: the median time its last audio ends, and the
+seconds it spent waiting mid-speech, added over every request of the row.  The goals (issue 24): first chunk at most 0.5x, whole at most 1.05x.
 Asserts nothing.  Everything runs on this machine, clients and servers alike.
 """
 
@@ -102,10 +104,14 @@ def start_core(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
     return process, door
 
 
-async def once(port: int, text: str, voice: str | None) -> tuple[float, float, float]:
+Result = tuple[float, float, float, float, float]
+
+
+async def once(port: int, text: str, voice: str | None) -> Result:
     """
     One synthesize on a fresh connection: seconds to the first audio-chunk and to
-    audio-stop, and the seconds of audio.
+    audio-stop, the seconds of audio, when a player starting at the first chunk ends it,
+    and how long that player waited for audio after it began.
     """
     from wyoming.audio import AudioChunk, AudioStop
     from wyoming.client import AsyncTcpClient
@@ -115,20 +121,27 @@ async def once(port: int, text: str, voice: str | None) -> tuple[float, float, f
         started = time.perf_counter()
         await client.write_event(Synthesize(text, voice=SynthesizeVoice(name=voice) if voice else None).event())
         first, audio = 0.0, 0.0
+        # The player's clock: when what it has been given so far ends.
+        playing, stalled = 0.0, 0.0
         while True:
             event = await client.read_event()
             if event is None or event.type == "error":
                 raise RuntimeError(f"no audio from port {port}: {event}")
             if AudioChunk.is_type(event.type):
                 chunk = AudioChunk.from_event(event)
+                now = time.perf_counter() - started
                 audio += chunk.seconds
-                first = first or time.perf_counter() - started
+                if first:
+                    stalled += max(0.0, now - playing)
+                else:
+                    first = now
+                playing = max(playing, now) + chunk.seconds
             elif AudioStop.is_type(event.type):
-                return first, time.perf_counter() - started, audio
+                return first, time.perf_counter() - started, audio, playing, stalled
 
 
-async def run(servers: dict[str, tuple[int, str | None]]) -> dict[tuple[str, str, int], list[tuple[float, float, float]]]:
-    results: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
+async def run(servers: dict[str, tuple[int, str | None]]) -> dict[tuple[str, str, int], list[Result]]:
+    results: dict[tuple[str, str, int], list[Result]] = {}
     for name, (port, voice) in servers.items():
         for _ in range(2):
             await once(port, TEXTS["medium"], voice)  # load, and the first run's costs
@@ -154,8 +167,10 @@ def main() -> None:
             for process in (core, piper):
                 process.terminate()
                 process.wait(20)
-    print(f"{'text':7} {'at once':>7} | {'first chunk (s)':>24} | {'whole (s)':>24} | audio (s)")
-    print(f"{'':7} {'':>7} | {'piper':>7} {'door':>7} {'ratio':>7} | {'piper':>7} {'door':>7} {'ratio':>7} |")
+    print(f"{'text':7} {'at once':>7} | {'first chunk (s)':>24} | {'whole (s)':>24} | {'heard to the end (s)':>24}"
+          f" | {'waits mid-speech (s)':>20} | audio (s)")
+    print(f"{'':7} {'':>7} | {'piper':>7} {'door':>7} {'ratio':>7} | {'piper':>7} {'door':>7} {'ratio':>7}"
+          f" | {'piper':>7} {'door':>7} {'ratio':>7} | {'piper':>9} {'door':>9} |")
     for label in TEXTS:
         for concurrent in ROUNDS:
             theirs = results[("wyoming-piper", label, concurrent)]
@@ -163,8 +178,12 @@ def main() -> None:
             first_p, first_r = (statistics.median(r[0] for r in rs) for rs in (theirs, ours))
             whole_p, whole_r = (statistics.median(r[1] for r in rs) for rs in (theirs, ours))
             audio_p, audio_r = (statistics.median(r[2] for r in rs) for rs in (theirs, ours))
+            heard_p, heard_r = (statistics.median(r[3] for r in rs) for rs in (theirs, ours))
+            stalled_p, stalled_r = (sum(r[4] for r in rs) for rs in (theirs, ours))
             print(f"{label:7} {concurrent:>7} | {first_p:7.3f} {first_r:7.3f} {first_r / first_p:7.2f} |"
-                  f" {whole_p:7.3f} {whole_r:7.3f} {whole_r / whole_p:7.2f} | {audio_p:.1f} / {audio_r:.1f}")
+                  f" {whole_p:7.3f} {whole_r:7.3f} {whole_r / whole_p:7.2f} |"
+                  f" {heard_p:7.3f} {heard_r:7.3f} {heard_r / heard_p:7.2f} |"
+                  f" {stalled_p:9.3f} {stalled_r:9.3f} | {audio_p:.1f} / {audio_r:.1f}")
     print(f"({sum(ROUNDS.values())} rounds per row and server, medians over every request; "
           f"{os.cpu_count()} cores)")
 
