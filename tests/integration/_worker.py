@@ -181,7 +181,9 @@ class RawResponse:
     chunks: list[bytes]
     trailers: dict[str, str]
     complete: bool
+    #: When each read from the socket returned, and how many bytes it brought.
     arrivals: list[float]
+    received: list[int]
 
     @property
     def body(self) -> bytes:
@@ -215,6 +217,7 @@ def raw_request(
     sock.sendall(head + body)
     buffer = b""
     arrivals: list[float] = []
+    received_sizes: list[int] = []
 
     def more() -> bool:
         nonlocal buffer
@@ -226,6 +229,7 @@ def raw_request(
             return False
         if data:
             arrivals.append(time.monotonic())
+            received_sizes.append(len(data))
         buffer += data
         return bool(data)
 
@@ -245,13 +249,13 @@ def raw_request(
             while True:
                 while b"\r\n" not in buffer:
                     if not more():
-                        return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                        return RawResponse(status, headers, chunks, trailers, False, arrivals, received_sizes)
                 size_line, buffer = buffer.split(b"\r\n", 1)
                 size = int(size_line.split(b";")[0], 16)
                 if size == 0:
                     while b"\r\n\r\n" not in b"\r\n" + buffer:
                         if not more():
-                            return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                            return RawResponse(status, headers, chunks, trailers, False, arrivals, received_sizes)
                     block = (b"\r\n" + buffer).split(b"\r\n\r\n", 1)[0]
                     for line in block.decode("latin-1").split("\r\n"):
                         if ":" in line:
@@ -261,12 +265,12 @@ def raw_request(
                     break
                 while len(buffer) < size + 2:
                     if not more():
-                        return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                        return RawResponse(status, headers, chunks, trailers, False, arrivals, received_sizes)
                 chunks.append(buffer[:size])
                 received += size
                 buffer = buffer[size + 2:]
                 if stop_after is not None and received >= stop_after:
-                    return RawResponse(status, headers, chunks, trailers, False, arrivals)
+                    return RawResponse(status, headers, chunks, trailers, False, arrivals, received_sizes)
         else:
             length = int(headers.get("content-length", "-1"))
             while length < 0 or len(buffer) < length:
@@ -274,7 +278,7 @@ def raw_request(
                     break
             chunks.append(buffer if length < 0 else buffer[:length])
             complete = length >= 0 and len(buffer) >= length
-        return RawResponse(status, headers, chunks, trailers, complete, arrivals)
+        return RawResponse(status, headers, chunks, trailers, complete, arrivals, received_sizes)
     finally:
         sock.close()
 

@@ -127,7 +127,7 @@ def tcp_request(
         sock.close()
     if not data:
         # The server dropped the connection before any byte: status 0, nothing complete.
-        return RawResponse(0, {}, [], {}, False, [])
+        return RawResponse(0, {}, [], {}, False, [], [])
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
@@ -155,7 +155,7 @@ def tcp_request(
     else:
         chunks.append(rest)
         complete = len(rest) == int(headers.get("content-length", -1))
-    return RawResponse(status, headers, chunks, trailers, complete, [])
+    return RawResponse(status, headers, chunks, trailers, complete, [], [])
 
 
 async def call(core: Core, method: str, target: str, body: Any = None, **kw: Any) -> Any:

@@ -1,13 +1,14 @@
 """
 Speaking through a real tone worker (protocol.md sections 4, 6 and 8): streaming and
 buffered responses, the duration header and trailer, every format decoding to the right
-length, round-robin turns, and a slow reader that does not grow the worker.
+length, first audio for a second caller, and a slow reader that does not grow the worker.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from twisted.internet.defer import gatherResults
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
-from _worker import Worker, decode_pcm, deferred_raw, resident_kib, rms
+from _worker import Worker, decode_pcm, deferred_raw, resident_kib, rms, spawn_worker
 
 RATE = 24000
 LONG = " ".join(
@@ -119,7 +120,7 @@ async def test_longer_text_makes_longer_audio(tone: Worker) -> None:
 @pytest_twisted.ensureDeferred
 async def test_second_caller_waits_one_segment_not_the_whole_text(tone: Worker) -> None:
     """
-    Round robin: a second request's first audio arrives while the first request is still
+    A second streamed request's first audio arrives while the first request is still
     being synthesised, not after it.
     """
     huge = " ".join([LONG] * 4)[:4000]
@@ -129,6 +130,33 @@ async def test_second_caller_waits_one_segment_not_the_whole_text(tone: Worker) 
     a, b = await gatherResults([first, second])
     assert a.complete and b.complete
     assert b.arrivals[0] < a.arrivals[-1]
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_streams_at_once_are_spoken_one_after_the_other(tmp_path: Path) -> None:
+    """
+    Two streamed requests for the same text at once, on a worker paced like a model
+    (fifty times faster than realtime): the second gets its first audio at once, then
+    waits with audio in hand while the first is spoken to its end, and is spoken after
+    it, rather than both taking turns and finishing together.  Its listener never runs
+    dry: what reaches it before the first ends is its first segment, seconds of speech.
+    """
+    from twisted.internet import reactor
+
+    worker = await spawn_worker(reactor, tmp_path, extra_env={"RHAPSODE_TONE_PACE": "0.02"})
+    try:
+        text = body(text=LONG, format="pcm")
+        first = deferred_raw(worker.socket_path, "POST", "/speak", text)
+        await deferLater(reactor, 0.05, lambda: None)
+        second = deferred_raw(worker.socket_path, "POST", "/speak", text)
+        a, b = await gatherResults([first, second])
+    finally:
+        await worker.stop()
+    assert a.complete and b.complete and len(a.body) == len(b.body)
+    early = sum(size for at, size in zip(b.arrivals, b.received) if at < a.arrivals[-1])
+    # The head, and the first segment (at most 60 characters of the ~1000) as its audio.
+    assert 0 < early < len(b.body) / 8, (early, len(b.body))
+    assert b.arrivals[0] < a.arrivals[len(a.arrivals) // 2]
 
 
 @pytest_twisted.ensureDeferred

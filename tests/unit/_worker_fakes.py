@@ -205,8 +205,15 @@ class FakePool:
 @implementer(IReactorFromThreads)
 class ImmediateReactor:
     """
-    Runs what a thread hands it at once, on the calling thread.
+    Runs what a thread hands it at once, on the calling thread; its clock reads C{now},
+    which only the test moves.
     """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def seconds(self) -> float:
+        return self.now
 
     def callFromThread(self, callable: Callable[..., Any], *args: object, **kwargs: object) -> None:
         callable(*args, **kwargs)

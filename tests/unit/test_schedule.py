@@ -1,5 +1,6 @@
 """
-The scheduler: round-robin turns a segment at a time, exclusive model operations,
+The scheduler: turns a segment at a time to the listener who needs one most (first audio,
+then a lead running low, then the fewest characters left), exclusive model operations,
 parking behind slow readers, and waiting for abandoned synthesis.
 
 The thread pool is a fake that runs a queued call only when the test says so, and the
@@ -66,22 +67,104 @@ def step(events: list[str], name: str) -> Callable[[], Iterator[bytes]]:
     return run
 
 
-def test_round_robin_segment_at_a_time() -> None:
+def test_answers_sent_whole_go_fewest_characters_first_then_one_after_another() -> None:
     """
-    Two waiting requests alternate segment by segment, after one load for both.
+    Answers sent whole (no listener plays along) are spoken as from a queue: the one
+    with the fewest characters left first, the oldest among equals, each to its end
+    rather than taking turns; a short one that arrives while a long one speaks goes
+    next, not after it.
     """
     events: list[str] = []
     scheduler, pool, _ = make(events)
+    reactor = scheduler._reactor
     got: list[bytes] = []
-    a = Job("a", [step(events, "a0"), step(events, "a1"), step(events, "a2")], got.append)
-    b = Job("a", [step(events, "b0"), step(events, "b1")], got.append)
-    scheduler.submit(a)
-    scheduler.submit(b)
+    a = Job("a", [step(events, f"a{i}") for i in range(3)], got.append, sizes=[10, 10, 10])
+    b = Job("a", [step(events, f"b{i}") for i in range(2)], got.append, sizes=[10, 10])
+    c = Job("a", [step(events, f"c{i}") for i in range(3)], got.append, sizes=[10, 10, 10])
+    for job in (a, b, c):
+        scheduler.submit(job)
+        reactor.now += 1
+    pool.run_next()  # the load
+    pool.run_next()
+    pool.run_next()  # b's two steps; a0 is handed to the pool
+    short = Job("a", [step(events, "s0")], got.append, sizes=[5])
+    scheduler.submit(short)
     pool.run_all()
-    assert events == ["load a", "speak a0", "speak b0", "speak a1", "speak b1", "speak a2"]
-    assert got == [b"a0", b"b0", b"a1", b"b1", b"a2"]
-    assert a.done.called and b.done.called
+    assert events == [
+        "load a", "speak b0", "speak b1", "speak a0", "speak s0", "speak a1", "speak a2",
+        "speak c0", "speak c1", "speak c2",
+    ]
+    assert got == [b"b0", b"b1", b"a0", b"s0", b"a1", b"a2", b"c0", b"c1", b"c2"]
+    assert all(job.done.called for job in (a, b, c, short))
     assert not scheduler.busy
+
+
+def timed_step(reactor: ImmediateReactor, events: list[str], name: str, seconds: float, pcm: bytes) -> Callable[[], Iterator[bytes]]:
+    """
+    A step that takes C{seconds} on the reactor's clock, then yields C{pcm}.
+    """
+
+    def run() -> Iterator[bytes]:
+        events.append(name)
+        reactor.now += seconds
+        yield pcm
+
+    return run
+
+
+def test_a_streamed_answer_with_no_audio_yet_goes_before_the_others_next_steps() -> None:
+    """
+    A streamed request that has sent nothing gets the next step, though another has
+    fewer characters left: a second caller's first audio waits one step, not a whole
+    text.  Sent whole, the same request waits its turn by what it has left.
+    """
+    for streamed, expected in ((True, ["a0", "b0", "a1", "a2"]), (False, ["a0", "a1", "a2", "b0"])):
+        events: list[str] = []
+        scheduler, pool, _ = make(events)
+        reactor = scheduler._reactor
+        a = Job("a", [timed_step(reactor, events, f"a{i}", 0.1, b"xx") for i in range(3)], _ignore_pcm,
+                sizes=[10, 10, 10], stream_bytes_per_second=1)
+        scheduler.submit(a)
+        pool.run_next()  # the load; a0 (two seconds of audio in a tenth of one) is handed over
+        b = Job("a", [timed_step(reactor, events, "b0", 0.1, b"xx")], _ignore_pcm, sizes=[100],
+                stream_bytes_per_second=1 if streamed else None)
+        scheduler.submit(b)
+        pool.run_all()
+        assert events == ["load a", *expected], streamed
+        assert a.done.called and b.done.called
+
+
+def test_a_listener_whose_lead_runs_low_is_given_a_step_before_it_runs_out() -> None:
+    """
+    Two streamed answers at once, synthesised four times faster than they play: the
+    older speaks on to its end as from a queue, except that the other is given a step
+    whenever what its listener still has to hear falls below two steps' time, so
+    neither listener, once they hear something, waits in silence.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    reactor = scheduler._reactor
+    jobs = {
+        name: Job("a", [timed_step(reactor, events, f"{name}{i}", 0.25, b"xx") for i in range(10)], _ignore_pcm,
+                  sizes=[10] * 10, stream_bytes_per_second=2)
+        for name in "ab"
+    }
+    for job in jobs.values():
+        scheduler.submit(job)
+    pool.run_next()  # the load
+    leads: list[float] = []
+    while pool.calls:
+        for job in jobs.values():
+            lead = job.lead(reactor.now)
+            if lead is not None and job._steps:
+                leads.append(lead)
+        pool.run_next()
+    assert all(job.done.called for job in jobs.values())
+    assert min(leads) >= 0, leads
+    order = "".join(event[0] for event in events[1:])
+    # The first audio of both; then a speaks on, b given a step each time its lead
+    # falls below two steps' time (half a second), and the rest of b once a is done.
+    assert order == "ab" + "aaab" * 3 + "b" * 6, order
 
 
 def test_one_generation_at_a_time_by_default() -> None:
@@ -107,11 +190,10 @@ def test_paused_job_is_parked_until_resumed() -> None:
     events: list[str] = []
     scheduler, pool, _ = make(events)
     slow = Job("a", [step(events, "s0"), step(events, "s1")], lambda _: None)
-    other = Job("a", [step(events, "o0"), step(events, "o1")], lambda _: None)
+    other = Job("a", [step(events, "o0"), step(events, "o1")], lambda _: None, sizes=[5, 5])
     scheduler.submit(slow)
     scheduler.submit(other)
-    pool.run_next()  # load
-    pool.run_next()  # s0
+    pool.run_next()  # load; s0 is handed to the pool
     slow.pauseProducing()
     pool.run_all()
     assert events == ["load a", "speak s0", "speak o0", "speak o1"]
@@ -339,7 +421,7 @@ def test_a_steps_last_audio_arrives_with_its_end() -> None:
     """
     events: list[Any] = []
 
-    class CountingReactor:
+    class CountingReactor(ImmediateReactor):
         def callFromThread(self, f: Callable[..., Any], *args: Any) -> None:
             events.append("hand-over")
             f(*args)
@@ -653,7 +735,7 @@ def test_a_reactor_step_that_fails_fails_its_job_and_the_next_step_never_runs() 
     scheduler, pool, _ = make(events)
     relay, later = Relay(2), Relay(1)
     job = Job("a", [ReactorStep(relay.speak), ReactorStep(later.speak)], _ignore_pcm)
-    other = Job("a", [step(events, "o0")], _ignore_pcm)
+    other = Job("a", [step(events, "o0")], _ignore_pcm, sizes=[5])
     scheduler.submit(job)
     scheduler.submit(other)
     pool.run_next()

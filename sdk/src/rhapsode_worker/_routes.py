@@ -161,12 +161,14 @@ def check_unit(variant: Variant, name: str, unit: str) -> None:
 
 class _Segments(NamedTuple):
     """
-    A request's segments as steps, and the milliseconds of silence before each step
-    after the first.
+    A request's segments as steps, the milliseconds of silence before each step after
+    the first, and each step's characters (what the scheduler weighs a request's work
+    left by).
     """
 
     steps: "list[Step | ReactorStep]"
     joints: list[int]
+    sizes: list[int]
 
 
 class _ListSink:
@@ -824,11 +826,12 @@ class WorkerApp:
         # the next with only the silence the model leaves at its edges (Kokoro's 250 ms
         # there made a 400 ms gap mid-phrase, where its reading of the whole has none).
         joints = [engine.joint_silence_ms if piece.ends_sentence else 0 for piece in pieces[:-1]]
+        sizes = [len(piece.text) for piece in pieces]
         if self._speaks_async:
             # speak() is declared as a generator; this engine's is an asynchronous one.
             draw = cast(Callable[[SpeakRequest], AsyncIterator[Any]], engine.speak)
-            return _Segments([ReactorStep(partial(draw, each)) for each in requests], joints)
-        return _Segments([partial(self._pcm, engine.speak, each) for each in requests], joints)
+            return _Segments([ReactorStep(partial(draw, each)) for each in requests], joints, sizes)
+        return _Segments([partial(self._pcm, engine.speak, each) for each in requests], joints, sizes)
 
     def _timed(self, request: IRequest, body: Mapping[str, Any], variant: str) -> tuple[str, Framing] | None:
         """
@@ -956,7 +959,7 @@ class WorkerApp:
                 timestamps=unit,
             )
             # One generation: no joint.
-            segments = _Segments([partial(self._pcm, self.engine.dialogue, dialogue)], [])
+            segments = _Segments([partial(self._pcm, self.engine.dialogue, dialogue)], [], [total])
             if timed is None:
                 return await self._respond(
                     request, variant, segments, fmt, body.get("stream", True), body.get("sampleRate")
@@ -1001,6 +1004,10 @@ class WorkerApp:
             on_step=next_step,
             on_timing=None if timeline is None else (lambda marks: output.timings(marks)),
             gather=lambda: gathered(request),
+            sizes=segments.sizes,
+            stream_bytes_per_second=(
+                self.pcm16.sample_rate * self.pcm16.bytes_per_frame if stream else None
+            ),
         )
         output = _AudioResponse(self, request, fmt, stream, job, rate, timeline, framing)
 

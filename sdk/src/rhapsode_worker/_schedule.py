@@ -1,11 +1,23 @@
 """
 Who synthesises next (protocol.md section 8, "Serialises requests").
 
-One model runs C{concurrency} generations at a time (1 by default).  Requests take turns
-a segment at a time, round robin, so a second caller's first audio waits for one segment
-of the first caller's text rather than all of it.  Model operations (load, unload) are
-exclusive: they wait for every running generation, abandoned ones included, to end, and
-nothing starts while they run.
+One model runs C{concurrency} generations at a time (1 by default), a segment (a step)
+at a time.  When a thread is free, the next step goes to the request whose listener
+needs it most:
+
+  1. a streamed request that has sent no audio yet, oldest first: a second caller's
+     first audio waits for one segment of the first caller's text, not all of it;
+  2. a streamed request whose lead (the audio it has sent, less the time since its first
+     audio: what its player still holds if it began playing then) is below the margin,
+     about two steps' time: the least lead first, so a listener who has begun hearing
+     is not left in silence;
+  3. otherwise, the request with the fewest characters left to speak, oldest first among
+     equals: requests that arrive together finish one after another, as in a queue,
+     rather than all near the end as round robin leaves them, and a short request is
+     not held behind a long one.
+
+Model operations (load, unload) are exclusive: they wait for every running generation,
+abandoned ones included, to end, and nothing queued after them starts while they run.
 
 A job is an C{IPushProducer}: its consumer pauses it when the client reads slowly, and a
 paused job is simply not given its next turn, so at most one segment of audio per
@@ -73,6 +85,12 @@ SEND_BUFFER_BYTES = _BATCH_BYTES * 3 // 2
 # or Python around its native calls) would otherwise keep the reactor from writing that
 # audio until the whole segment is made: first audio would wait for the segment.
 _FIRST_AUDIO_WAIT = 0.005
+#: A streamed request whose lead is below this many steps' time goes before the rest.
+#: One step is what may run before it gets its turn, another what its own step takes
+#: to make its first audio.
+_MARGIN_STEPS = 2
+#: How many of the latest steps' times the margin is measured from (their longest).
+_STEPS_REMEMBERED = 8
 
 
 def _ignore(_: object) -> None:
@@ -93,6 +111,12 @@ class Job:
     one turn: a connection that gathers its writes sends them as one.
     C{done} fires when every step has run, or fails with the step's exception, or with
     L{CancelledError} once a stopped job's running step has returned.
+
+    C{sizes} are the steps' characters (1 each when not given): what is left to speak,
+    which orders the requests whose listeners are not waiting.  C{stream_bytes_per_second}
+    is given for a streamed answer, the PCM bytes of a second of its audio: with it the
+    scheduler keeps the listener's lead.  An answer sent whole has no listener playing
+    along, so none.
     """
 
     def __init__(
@@ -103,10 +127,22 @@ class Job:
         on_step: Callable[[int], None] = lambda index: None,
         on_timing: Callable[[Sequence[Timing]], None] | None = None,
         gather: Callable[[], AbstractContextManager[None]] = nullcontext,
+        sizes: Sequence[int] | None = None,
+        stream_bytes_per_second: int | None = None,
     ) -> None:
+        if sizes is not None and len(sizes) != len(steps):
+            raise ValueError(f"{len(sizes)} sizes for {len(steps)} steps")
         self.variant = variant
         self.gather = gather
         self._steps: "deque[Step | ReactorStep]" = deque(steps)
+        self._sizes: deque[int] = deque(sizes if sizes is not None else [1] * len(steps))
+        #: Characters (or steps) left to speak, the running step's included until it ends.
+        self.left = sum(self._sizes)
+        self._rate = stream_bytes_per_second
+        #: When it was submitted, and when its first audio went out, on the reactor's clock.
+        self.since = 0.0
+        self.first_audio: float | None = None
+        self.sent_bytes = 0
         self._index = 0
         self.on_pcm = on_pcm
         self.on_step = on_step
@@ -158,6 +194,37 @@ class Job:
         if self._scheduler is not None:
             self._scheduler._wake(self)
 
+    def _heard(self, pcm: bytes) -> None:
+        """
+        C{pcm} goes to the reader now.
+        """
+        if self.first_audio is None and self._scheduler is not None:
+            self.first_audio = self._scheduler._reactor.seconds()
+        self.sent_bytes += len(pcm)
+        self.on_pcm(pcm)
+
+    def lead(self, now: float) -> float | None:
+        """
+        Seconds of audio the listener of a streamed answer still has to hear, if they
+        began playing at its first audio; None for an answer sent whole, or one that has
+        sent nothing yet.
+        """
+        if self._rate is None or self.first_audio is None:
+            return None
+        return self.sent_bytes / self._rate - (now - self.first_audio)
+
+    def _rank(self, now: float, margin: float) -> tuple[float, ...]:
+        """
+        Lower goes first: see the module's docstring.
+        """
+        if self._rate is not None:
+            lead = self.lead(now)
+            if lead is None:
+                return (0, self.since)
+            if lead < margin:
+                return (1, lead, self.since)
+        return (2, self.left, self.since)
+
     def _finish(self, result: None | Failure) -> None:
         # A finished job delivers nothing more, and lets go of what it delivered to:
         # that is usually the response holding this job, a reference cycle that would
@@ -179,7 +246,8 @@ class _Exclusive:
 
 class Scheduler:
     """
-    Round-robin turns over a thread pool of C{concurrency} threads.
+    Turns over a thread pool of C{concurrency} threads, to the request whose listener
+    needs the next step most (the module's docstring says how that is judged).
 
     @param relays: the engine relays audio made elsewhere (L{rhapsode_worker.Engine.relays}):
         a paused job's running step waits on its thread before drawing the next chunk,
@@ -200,6 +268,8 @@ class Scheduler:
         self._running = 0
         self._exclusive = False
         self._idle_waiters: list[Deferred[None]] = []
+        #: The latest steps' times, in seconds: the margin a streamed lead is kept above.
+        self._step_seconds: deque[float] = deque(maxlen=_STEPS_REMEMBERED)
 
     @property
     def busy(self) -> bool:
@@ -214,6 +284,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> "Deferred[None]":
         job._scheduler = self
+        job.since = self._reactor.seconds()
         self._queue.append(job)
         self._pump()
         return job.done
@@ -243,34 +314,56 @@ class Scheduler:
 
     def _pump(self) -> None:
         while self._queue and not self._exclusive:
-            item = self._queue[0]
-            if isinstance(item, Job):
-                if item.cancelled:
-                    self._queue.popleft()
-                    item._finish(Failure(CancelledError()))
-                    continue
-                if item.paused:
-                    self._queue.popleft()
-                    self._parked.add(item)
-                    continue
-                if not self._model.resident(item.variant):
-                    # The load is this job's turn; it runs alone, then the job goes first.
-                    if self._running:
-                        break
-                    self._queue.popleft()
-                    self._run_exclusive(lambda: _deferred(self._model.ensure(item.variant)), item)
+            job = self._choose()
+            if job is None:
+                if not self._queue:
                     break
-                if self._running >= self._concurrency:
-                    break
-                self._queue.popleft()
-                self._run_step(item)
-            else:
+                item = self._queue[0]
+                assert isinstance(item, _Exclusive)
                 if self._running:
                     break
                 self._queue.popleft()
                 self._run_exclusive(item.operation, item)
+                continue
+            if not self._model.resident(job.variant):
+                # The load is this job's turn; it runs alone, then the job is queued again.
+                if self._running:
+                    break
+                self._queue.remove(job)
+                self._run_exclusive(lambda: _deferred(self._model.ensure(job.variant)), job)
+                break
+            if self._running >= self._concurrency:
+                break
+            self._queue.remove(job)
+            self._run_step(job)
         self._tell_demand()
         self._notify_idle()
+
+    def _choose(self) -> Job | None:
+        """
+        The job to be given the next step, among those queued before the first model
+        operation; None when that operation is first.  Cancelled jobs met on the way are
+        finished and paused ones parked.
+        """
+        now = self._reactor.seconds()
+        margin = _MARGIN_STEPS * max(self._step_seconds, default=0.0)
+        best: Job | None = None
+        best_rank: tuple[float, ...] = ()
+        for item in list(self._queue):
+            if not isinstance(item, Job):
+                break
+            if item.cancelled:
+                self._queue.remove(item)
+                item._finish(Failure(CancelledError()))
+                continue
+            if item.paused:
+                self._queue.remove(item)
+                self._parked.add(item)
+                continue
+            rank = item._rank(now, margin)
+            if best is None or rank < best_rank:
+                best, best_rank = item, rank
+        return best
 
     def _run_exclusive(
         self, operation: Callable[[], "Deferred[Any]"], item: Job | _Exclusive
@@ -295,6 +388,8 @@ class Scheduler:
 
     def _run_step(self, job: Job) -> None:
         step = job._steps.popleft()
+        size = job._sizes.popleft()
+        began = self._reactor.seconds()
         index = job._index
         job._index += 1
         if index:
@@ -308,6 +403,8 @@ class Scheduler:
 
         def finished(result: Any) -> None:
             self._running -= 1
+            job.left -= size
+            self._step_seconds.append(self._reactor.seconds() - began)
             with job.gather():
                 if isinstance(result, (bytes, _Batch)) and not job.cancelled:
                     # The step's last audio, written in the same turn as whatever its
@@ -429,7 +526,7 @@ async def _draw(job: Job, step: ReactorStep) -> None:
                 if job.on_timing is not None:
                     job.on_timing([chunk])
             elif chunk:
-                job.on_pcm(chunk)
+                job._heard(chunk)
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:
@@ -457,12 +554,12 @@ def _deliver(job: Job, batch: "bytes | _Batch") -> None:
     On the reactor: a batch to its job, the timings first.
     """
     if isinstance(batch, bytes):
-        job.on_pcm(batch)
+        job._heard(batch)
         return
     if job.on_timing is not None:
         job.on_timing(batch.marks)
     if batch.pcm:
-        job.on_pcm(batch.pcm)
+        job._heard(batch.pcm)
 
 
 def _hand_over(job: Job, pcm: "bytes | _Batch", written: threading.Event) -> None:
