@@ -99,6 +99,39 @@ def test_answers_sent_whole_go_fewest_characters_first_then_one_after_another() 
     assert not scheduler.busy
 
 
+def test_a_long_answer_is_not_held_back_for_ever_by_short_ones_that_keep_coming() -> None:
+    """
+    An answer sent whole with many characters left, while shorter ones keep arriving,
+    is given its next step once it has waited four steps' time: the short ones go first
+    until then, and it is never left waiting longer.
+    """
+    events: list[str] = []
+    scheduler, pool, _ = make(events)
+    reactor = scheduler._reactor
+
+    def work(name: str) -> Callable[[], Iterator[bytes]]:
+        def run() -> Iterator[bytes]:
+            events.append(name)
+            reactor.now += 1.0
+            yield b"x"
+
+        return run
+
+    long = Job("a", [work(f"long{i}") for i in range(3)], _ignore_pcm, sizes=[100] * 3)
+    scheduler.submit(long)
+    pool.run_next()  # the load; long0 is handed over
+    for i in range(12):
+        # A short answer arrives during every step.
+        scheduler.submit(Job("a", [work(f"short{i}")], _ignore_pcm, sizes=[10]))
+        pool.run_next()
+    pool.run_all()
+    assert long.done.called and not scheduler.busy
+    begins = [i for i, event in enumerate(events) if event.startswith("long")]
+    # Each of long's steps after the first waits while the short ones go, five steps
+    # (over four steps' time), then goes.
+    assert [b - a for a, b in zip(begins, begins[1:])] == [6, 6], events
+
+
 def timed_step(reactor: ImmediateReactor, events: list[str], name: str, seconds: float, pcm: bytes) -> Callable[[], Iterator[bytes]]:
     """
     A step that takes C{seconds} on the reactor's clock, then yields C{pcm}.

@@ -11,7 +11,10 @@ needs it most:
      audio: what its player still holds if it began playing then) is below the margin,
      about two steps' time: the least lead first, so a listener who has begun hearing
      is not left in silence;
-  3. otherwise, the request with the fewest characters left to speak, oldest first among
+  3. an answer sent whole that has waited for its next step longer than four steps'
+     time, the longest waiting first: a long one is not held back for ever by short
+     ones that keep arriving (a stream's lead already sees to that);
+  4. otherwise, the request with the fewest characters left to speak, oldest first among
      equals: requests that arrive together finish one after another, as in a queue,
      rather than all near the end as round robin leaves them, and a short request is
      not held behind a long one.
@@ -91,6 +94,9 @@ _FIRST_AUDIO_WAIT = 0.005
 _MARGIN_STEPS = 2
 #: How many of the latest steps' times the margin is measured from (their longest).
 _STEPS_REMEMBERED = 8
+#: A request that has waited this many steps' time for its next step goes before those
+#: with fewer characters left.
+_PATIENCE_STEPS = 4
 
 
 def _ignore(_: object) -> None:
@@ -143,6 +149,8 @@ class Job:
         self.since = 0.0
         self.first_audio: float | None = None
         self.sent_bytes = 0
+        #: Since when it has waited in the queue for its next step.
+        self.waiting = 0.0
         self._index = 0
         self.on_pcm = on_pcm
         self.on_step = on_step
@@ -213,7 +221,7 @@ class Job:
             return None
         return self.sent_bytes / self._rate - (now - self.first_audio)
 
-    def _rank(self, now: float, margin: float) -> tuple[float, ...]:
+    def _rank(self, now: float, margin: float, patience: float) -> tuple[float, ...]:
         """
         Lower goes first: see the module's docstring.
         """
@@ -223,7 +231,12 @@ class Job:
                 return (0, self.since)
             if lead < margin:
                 return (1, lead, self.since)
-        return (2, self.left, self.since)
+        else:
+            # A listener's lead already keeps a stream from waiting for ever.
+            waited = now - self.waiting
+            if patience and waited > patience:
+                return (2, -waited, self.since)
+        return (3, self.left, self.since)
 
     def _finish(self, result: None | Failure) -> None:
         # A finished job delivers nothing more, and lets go of what it delivered to:
@@ -284,7 +297,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> "Deferred[None]":
         job._scheduler = self
-        job.since = self._reactor.seconds()
+        job.since = job.waiting = self._reactor.seconds()
         self._queue.append(job)
         self._pump()
         return job.done
@@ -309,7 +322,7 @@ class Scheduler:
     def _wake(self, job: Job) -> None:
         if job in self._parked:
             self._parked.discard(job)
-            self._queue.append(job)
+            self._enqueue(job)
         self._pump()
 
     def _pump(self) -> None:
@@ -339,6 +352,10 @@ class Scheduler:
         self._tell_demand()
         self._notify_idle()
 
+    def _enqueue(self, job: Job) -> None:
+        job.waiting = self._reactor.seconds()
+        self._queue.append(job)
+
     def _choose(self) -> Job | None:
         """
         The job to be given the next step, among those queued before the first model
@@ -346,7 +363,8 @@ class Scheduler:
         finished and paused ones parked.
         """
         now = self._reactor.seconds()
-        margin = _MARGIN_STEPS * max(self._step_seconds, default=0.0)
+        step = max(self._step_seconds, default=0.0)
+        margin, patience = _MARGIN_STEPS * step, _PATIENCE_STEPS * step
         best: Job | None = None
         best_rank: tuple[float, ...] = ()
         for item in list(self._queue):
@@ -360,7 +378,7 @@ class Scheduler:
                 self._queue.remove(item)
                 self._parked.add(item)
                 continue
-            rank = item._rank(now, margin)
+            rank = item._rank(now, margin, patience)
             if best is None or rank < best_rank:
                 best, best_rank = item, rank
         return best
@@ -376,6 +394,7 @@ class Scheduler:
                 if isinstance(result, Failure):
                     item._finish(result)
                 else:
+                    item.waiting = self._reactor.seconds()
                     self._queue.appendleft(item)
             elif isinstance(result, Failure):
                 item.done.errback(result)
@@ -422,7 +441,7 @@ class Scheduler:
                 elif job.paused:
                     self._parked.add(job)
                 else:
-                    self._queue.append(job)
+                    self._enqueue(job)
                 self._pump()
 
         d.addBoth(finished)
