@@ -94,8 +94,8 @@ _FIRST_AUDIO_WAIT = 0.005
 _MARGIN_STEPS = 2
 #: How many of the latest steps' times the margin is measured from (their longest).
 _STEPS_REMEMBERED = 8
-#: A request that has waited this many steps' time for its next step goes before those
-#: with fewer characters left.
+#: An answer sent whole that has waited this many steps' time for its next step goes
+#: before those with fewer characters left.
 _PATIENCE_STEPS = 4
 
 
@@ -297,8 +297,8 @@ class Scheduler:
 
     def submit(self, job: Job) -> "Deferred[None]":
         job._scheduler = self
-        job.since = job.waiting = self._reactor.seconds()
-        self._queue.append(job)
+        job.since = self._reactor.seconds()
+        self._enqueue(job)
         self._pump()
         return job.done
 
