@@ -212,6 +212,52 @@ class KeptAlive:
         return (first or time.perf_counter()) - start, time.perf_counter() - start, total
 
 
+def arrivals(port: int, engine: str, text: str) -> tuple[list[tuple[float, int]], int]:
+    """
+    A streamed pcm answer read chunk by chunk: when each chunk of its body arrived
+    (seconds from the request, bytes of audio), and the audio's bytes per second.
+    """
+    connection = tcp(port)()
+    connection.sendall(request_bytes("/speak", {"engine": engine, "text": text, "format": "pcm", "stream": True}))
+    started = time.perf_counter()
+    reader = connection.makefile("rb")
+    status = reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(status.decode(errors="replace"))
+    rate = 0
+    while (line := reader.readline().strip()):
+        name, _, value = line.decode().partition(":")
+        if name.lower() == "content-type":
+            rate = int(value.split("rate=")[1].split(";")[0])
+    got: list[tuple[float, int]] = []
+    while True:
+        size = int(reader.readline().split(b";")[0], 16)
+        if size == 0:
+            break
+        data = reader.read(size)
+        reader.readline()
+        got.append((time.perf_counter() - started, len(data)))
+    connection.close()
+    return got, rate * 2
+
+
+def played(got: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """
+    A player that starts at the first audio and plays without pause while it has audio,
+    given when each piece arrived and its seconds of audio: when its last audio ends,
+    and every wait it made for the next piece (silence the listener hears that the text
+    did not ask for).
+    """
+    waits: list[float] = []
+    playing_until = got[0][0] if got else 0.0
+    for at, seconds in got:
+        if at > playing_until:
+            waits.append(at - playing_until)
+            playing_until = at
+        playing_until += seconds
+    return playing_until, waits
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import engines as engines_bench
-from _common import cpu_seconds, request_bytes, tcp
+from _common import arrivals, cpu_seconds, played
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = engines_bench.LONG
@@ -37,50 +37,6 @@ def memory(pid: int) -> str:
         if key in ("VmRSS", "VmHWM"):
             fields[key] = int(value.split()[0]) / 1024
     return f"worker {fields['VmRSS']:.0f} MiB, peak so far {fields['VmHWM']:.0f} MiB"
-
-
-def arrivals(port: int, engine: str, text: str) -> tuple[list[tuple[float, int]], int]:
-    """
-    When each piece of a streamed pcm answer's body arrived (seconds from the request,
-    bytes of audio), and the audio's bytes per second.
-    """
-    connection = tcp(port)()
-    connection.sendall(request_bytes("/speak", {"engine": engine, "text": text, "format": "pcm", "stream": True}))
-    started = time.perf_counter()
-    reader = connection.makefile("rb")
-    status = reader.readline()
-    if b" 200 " not in status:
-        raise RuntimeError(status.decode(errors="replace"))
-    rate = 0
-    while (line := reader.readline().strip()):
-        name, _, value = line.decode().partition(":")
-        if name.lower() == "content-type":
-            rate = int(value.split("rate=")[1].split(";")[0])
-    got: list[tuple[float, int]] = []
-    while True:
-        size = int(reader.readline().split(b";")[0], 16)
-        if size == 0:
-            break
-        data = reader.read(size)
-        reader.readline()
-        got.append((time.perf_counter() - started, len(data)))
-    connection.close()
-    return got, rate * 2
-
-
-def stalls(got: list[tuple[float, int]], bytes_per_second: int) -> list[float]:
-    """
-    The waits of a player that starts at the first audio and plays without pause while
-    it has audio.
-    """
-    waits: list[float] = []
-    playing_until = got[0][0]
-    for at, size in got:
-        if at > playing_until:
-            waits.append(at - playing_until)
-            playing_until = at
-        playing_until += size / bytes_per_second
-    return waits
 
 
 def buffered(port: int, engine: str, pid: int, text: str) -> tuple[float, float]:
@@ -107,7 +63,7 @@ def main() -> None:
         print(f"{args.engine}, {len(TEXT)} characters; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
         for round_ in range(1, args.rounds + 1):
             got, per_second = arrivals(port, args.engine, TEXT)
-            waits = stalls(got, per_second)
+            waits = played([(at, size / per_second) for at, size in got])[1]
             audio = sum(size for _, size in got) / per_second
             print(f"round {round_} streamed: first audio {got[0][0]:.2f} s, last {got[-1][0]:.2f} s, "
                   f"{audio:.1f} s of audio; {len(waits)} stalls, {sum(waits):.2f} s in all "

@@ -8,8 +8,9 @@ Each round starts a fresh core (`rhapsode serve`) with the engine alone, warms i
 sends the same ~400-character text four times at once, streamed (raw pcm), and again
 buffered (a whole WAV each).  Streamed, a listener is a player that starts at the first
 audio and waits whenever the next has not come.  Printed per side: medians over every
-request of the time to the first audio, to the end of the answer, and (streamed) to the
-end of what the listener hears; and the listener's waits mid-speech, added up.
+request of the time to the first audio, to the end of the answer (streamed: its last
+audio), and (streamed) to the end of what the listener hears; and the listener's waits
+mid-speech, added up.
 
 With `--against DIR` (a source tree of another commit, e.g. made with `git worktree add
 DIR COMMIT`), every round is run twice, by this checkout and by that tree's core, worker
@@ -27,85 +28,42 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import engines
-from _common import SETTLE_SECONDS, request_bytes, tcp, timed
+from _common import SETTLE_SECONDS, arrivals, played, request_bytes, tcp, timed
 from engines import PARAGRAPH
 
-#: What each streamed request gives: seconds to first audio, to the answer's end, to the
+_T = TypeVar("_T")
+#: What each streamed request gives: seconds to first audio, to its last audio, to the
 #: end of what its listener hears, and the listener's waits after the first audio.
 Streamed = tuple[float, float, float, float]
 
 
 def streamed(port: int, engine: str, text: str) -> Streamed:
     """
-    One streamed pcm request, read as it comes.
+    One streamed pcm request, read as it comes, and what its listener hears.
     """
-    sock = tcp(port)()
-    start = time.perf_counter()
-    sock.sendall(request_bytes("/speak", {"engine": engine, "text": text, "format": "pcm"}))
-    buffer = b""
-    rate = 0
-    first = playing = stalled = 0.0
-    # Body bytes not yet counted as audio: chunked framing is parsed as it comes.
-    pending = b""
-    left_in_chunk = 0
-    ended = False
-    while True:
-        data = sock.recv(262144)
-        now = time.perf_counter() - start
-        if not data:
-            break
-        if not rate:
-            buffer += data
-            if b"\r\n\r\n" not in buffer:
-                continue
-            head, pending = buffer.split(b"\r\n\r\n", 1)
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(head.decode(errors="replace"))
-            rate = int(head.split(b"rate=", 1)[1].split(b";")[0].split(b"\r")[0])
-        else:
-            pending += data
-        audio = 0
-        while pending and not ended:
-            if left_in_chunk:
-                take = min(left_in_chunk, len(pending))
-                audio += take
-                left_in_chunk -= take
-                pending = pending[take:]
-                if not left_in_chunk:
-                    pending = pending[2:] if len(pending) >= 2 else pending
-                continue
-            if b"\r\n" not in pending:
-                break
-            size_line, pending = pending.split(b"\r\n", 1)
-            if not size_line:
-                continue
-            left_in_chunk = int(size_line.split(b";")[0], 16)
-            ended = not left_in_chunk
-        if audio:
-            if first:
-                stalled += max(0.0, now - playing)
-            else:
-                first = now
-            playing = max(playing, now) + audio / 2 / rate
-    end = time.perf_counter() - start
-    sock.close()
-    return first, end, playing, stalled
+    got, per_second = arrivals(port, engine, text)
+    heard, waits = played([(at, size / per_second) for at, size in got])
+    return got[0][0], got[-1][0], heard, sum(waits)
 
 
-def at_once(n: int, call: "object") -> list:
-    results: list = [None] * n
+def at_once(n: int, call: Callable[[], _T]) -> list[_T]:
+    """
+    C{call} made C{n} times at once, each on a thread of its own: their results.
+    """
+    results: list[_T | None] = [None] * n
 
     def one(i: int) -> None:
-        results[i] = call()  # type: ignore[operator]
+        results[i] = call()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return results
+    return [result for result in results if result is not None]
 
 
 def side(engine: str, source: Path | None, text: str) -> tuple[list[Streamed], list[tuple[float, float, int]]]:

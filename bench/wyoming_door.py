@@ -12,8 +12,9 @@ two servers taking turns request by request, one at a time and four at once, eac
 after a pause that lets the other's threads settle (L{_common.SETTLE_SECONDS}); printed:
 the median time to the first audio-chunk and to audio-stop, and the door's over
 wyoming-piper's; and what a listener hears, as a player that starts at the first chunk
-and waits whenever the next has not come: the median time its last audio ends, and the
-seconds it spent waiting mid-speech, added over every request of the row.  The goals (issue 24): first chunk at most 0.5x, whole at most 1.05x.
+and waits whenever the next has not come (L{_common.played}): the median time its last
+audio ends, and the seconds it spent waiting mid-speech, added over every request of
+the row.  The goals (issue 24): first chunk at most 0.5x, whole at most 1.05x.
 Asserts nothing.  Everything runs on this machine, clients and servers alike.
 """
 
@@ -29,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import SETTLE_SECONDS, free_port, wait_listening
+from _common import SETTLE_SECONDS, free_port, played, wait_listening
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPER = ROOT / ".venvs" / "piper" / "bin" / "python"
@@ -120,24 +121,18 @@ async def once(port: int, text: str, voice: str | None) -> Result:
     async with AsyncTcpClient("127.0.0.1", port) as client:
         started = time.perf_counter()
         await client.write_event(Synthesize(text, voice=SynthesizeVoice(name=voice) if voice else None).event())
-        first, audio = 0.0, 0.0
-        # The player's clock: when what it has been given so far ends.
-        playing, stalled = 0.0, 0.0
+        # When each chunk came, and its seconds of audio.
+        got: list[tuple[float, float]] = []
         while True:
             event = await client.read_event()
             if event is None or event.type == "error":
                 raise RuntimeError(f"no audio from port {port}: {event}")
             if AudioChunk.is_type(event.type):
-                chunk = AudioChunk.from_event(event)
-                now = time.perf_counter() - started
-                audio += chunk.seconds
-                if first:
-                    stalled += max(0.0, now - playing)
-                else:
-                    first = now
-                playing = max(playing, now) + chunk.seconds
+                got.append((time.perf_counter() - started, AudioChunk.from_event(event).seconds))
             elif AudioStop.is_type(event.type):
-                return first, time.perf_counter() - started, audio, playing, stalled
+                whole = time.perf_counter() - started
+                heard, waits = played(got)
+                return got[0][0] if got else 0.0, whole, sum(s for _, s in got), heard, sum(waits)
 
 
 async def run(servers: dict[str, tuple[int, str | None]]) -> dict[tuple[str, str, int], list[Result]]:
