@@ -39,12 +39,6 @@ WORD, SENTENCE, END, PHONEME = 1, 2, 5, 7
 #: off espeak's thread: making a Python object of every event in the callback cost more
 #: than the rest of the timing.
 RAW_EVENT = struct.Struct("@iIiiiiP8s")
-#: Each event's fields as columns of C ints (L{Aligner._events}): the event's size in
-#: ints, and where in it the type, text position, length and sample are; the name's
-#: first byte is at byte C{_NAME} of the event.
-_WIDTH = RAW_EVENT.size // struct.calcsize("@i")
-_KIND, _POSITION, _LENGTH, _SAMPLE = 0, 2, 3, 5
-_NAME = struct.calcsize("@iIiiiiP")
 
 
 class Event(NamedTuple):
@@ -133,44 +127,52 @@ class Aligner:
     # -- events ----------------------------------------------------------------------
 
     def _events(self, raw: bytes) -> None:
-        # Read as columns, each in one C call, rather than an event at a time: most
-        # events are phonemes that, timing words, change nothing.
-        ints = memoryview(raw).cast("i")
-        kinds = ints[_KIND::_WIDTH].tolist()
-        samples = ints[_SAMPLE::_WIDTH].tolist()
-        sounding = raw[_NAME::RAW_EVENT.size]  # a phoneme's name's first byte: 0 for a pause
-        phonemes = self._phonemes
-        for index, kind in enumerate(kinds):
+        # One C call unpacks the buffer's events (a few each): cheaper than reading
+        # columns, and most are phonemes that, timing words, change nothing.
+        if not self._phonemes:
+            self._word_events(raw)
+            return
+        for kind, _, position, length, _, sample, _, name in RAW_EVENT.iter_unpack(raw):
             if kind == PHONEME:
-                sounds = sounding[index] != 0
-                if not phonemes:
-                    if sounds == self._sounding:
-                        continue  # no change: nothing ends or begins
-                    self._sounding = sounds
-                sample = samples[index]
                 self._close_phoneme(sample)
-                if sounds:
-                    if phonemes:
-                        at = index * RAW_EVENT.size + _NAME
-                        name = raw[at:at + 8].split(b"\0", 1)[0].decode("utf-8", "replace").strip()
-                    else:
-                        name = "~"
-                    self._phoneme = (sample, name)
-                continue
-            if kind != WORD and kind != END:
-                continue
-            sample = samples[index]
-            position = ints[index * _WIDTH + _POSITION]
-            if kind == WORD:
-                length = ints[index * _WIDTH + _LENGTH]
-                self._sounding = False
+                if name[0]:  # a pause has no name
+                    self._phoneme = (sample, name.split(b"\0", 1)[0].decode("utf-8", "replace").strip())
+            elif kind == WORD:
                 self._close_phoneme(sample)
-                word = _Word(sample, position - 1, position - 1 + max(length, 0))
-                self._close_word(sample, word)
-                self._word = word
-            else:
-                self._sounding = False
+                self._open_word(sample, position, length)
+            elif kind == END:
                 self._end(sample, position - 1)
+
+    def _word_events(self, raw: bytes) -> None:
+        """
+        L{_events} timing words alone: a phoneme matters only where sound begins (a
+        word's sounds are under way) or stops (the last sound so far ends there).
+        """
+        sounding = self._sounding
+        for kind, _, position, length, _, sample, _, name in RAW_EVENT.iter_unpack(raw):
+            if kind == PHONEME:
+                sounds = name[0] != 0  # a pause has no name
+                if sounds == sounding:
+                    continue  # no change: nothing ends or begins
+                sounding = sounds
+                if self._phoneme is not None:
+                    self._close_phoneme(sample)
+                if sounds:
+                    self._phoneme = (sample, "~")
+            elif kind == WORD or kind == END:
+                sounding = False
+                if kind == WORD:
+                    self._close_phoneme(sample)
+                    self._open_word(sample, position, length)
+                else:
+                    self._end(sample, position - 1)
+        self._sounding = sounding
+
+    def _open_word(self, sample: int, position: int, length: int) -> None:
+        """A word begins at C{sample}, at espeak's 1-based C{position} in the text."""
+        word = _Word(sample, position - 1, position - 1 + max(length, 0))
+        self._close_word(sample, word)
+        self._word = word
 
     def _end(self, sample: int, position: int) -> None:
         self._close_phoneme(sample)
@@ -248,14 +250,18 @@ class Aligner:
         return hold
 
     def _release(self, hold: int | None) -> list[bytes | Timing]:
-        out: list[bytes | Timing] = []
         ready = self._ready
+        received, released = self._received, self._released
+        upto = received if hold is None or hold >= received else hold if hold > released else released
+        if not ready and upto == released:
+            return []  # about half the buffers: a word goes on, nothing is complete
+        out: list[bytes | Timing] = []
         if ready:
             if len(ready) > 1:
                 # In order of start, a word before the phonemes it begins with.
                 ready.sort(key=_order)
             if hold is None or ready[-1][0] < hold:
-                out.extend(item[2] for item in ready)
+                out.extend([item[2] for item in ready])
                 self._ready = []
             else:
                 keep: list[tuple[int, int, Timing]] = []
@@ -265,13 +271,15 @@ class Aligner:
                     else:
                         keep.append(item)
                 self._ready = keep
-        received, released = self._received, self._released
-        upto = received if hold is None or hold >= received else hold if hold > released else released
         count = (upto - released) * self._frame
         if count <= 0:
             return out
-        pieces: list[bytes] = []
         held = self._held
+        self._released = upto
+        if len(held[0]) == count:  # nothing to cut: the first piece held goes whole
+            out.append(held.pop(0))
+            return out
+        pieces: list[bytes] = []
         while count and held:
             piece = held[0]
             if len(piece) <= count:
@@ -281,7 +289,6 @@ class Aligner:
                 pieces.append(piece[:count])
                 held[0] = piece[count:]
                 count = 0
-        self._released = upto
         out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         return out
 
