@@ -56,6 +56,9 @@ _SCRIPT_END = re.compile(
 #: A word with any quotes or brackets that close it standing apart, as French spaces them.
 _TOKEN = re.compile(r"\S+(?:\s+[" + _CLOSERS + r"]+(?!\S))*")
 
+#: A character that may end a Latin-style sentence (L{_TERMINAL}'s marks).
+_TERMINATOR = re.compile("[.!?\u2026\u203c\u2047\u2048\u2049]")
+
 #: The end of such a token when it may end a Latin-style sentence.
 _TERMINAL = re.compile(r"(?P<marks>[.!?\u2026\u203c\u2047\u2048\u2049]+)[\s" + _CLOSERS + "]*$")
 
@@ -303,12 +306,7 @@ def _sentence_spans(text: str) -> Iterator[tuple[int, int, bool]]:
     for p_start, p_end in _spans(text, 0, len(text), paragraphs):
         marks = (m.end() for m in _SCRIPT_END.finditer(text, p_start, p_end))
         for s_start, s_end in _spans(text, p_start, p_end, marks):
-            tokens = list(_TOKEN.finditer(text, s_start, s_end))
-            cuts = (
-                token.end()
-                for token, following in zip(tokens, tokens[1:])
-                if _ends_sentence(token.group(), following.group())
-            )
+            cuts = _terminator_cuts(text, s_start, s_end)
             last: Span | None = None
             for span in _spans(text, s_start, s_end, cuts):
                 if last is not None:
@@ -316,6 +314,31 @@ def _sentence_spans(text: str) -> Iterator[tuple[int, int, bool]]:
                 last = span
             if last is not None:
                 yield last[0], last[1], True
+
+
+def _terminator_cuts(text: str, start: int, end: int) -> list[int]:
+    """
+    Where Latin-style terminators end sentences in C{text[start:end]}: after each token
+    that L{_ends_sentence} says ends one, given the token after it.  Only a token that
+    holds a terminator can, so only those are asked: a few in a sentence, where asking
+    every token cost most of the time a long text took to split.
+    """
+    marks = [m.start() for m in _TERMINATOR.finditer(text, start, end)]
+    if not marks:
+        return []
+    tokens = list(_TOKEN.finditer(text, start, end))
+    ends = [token.end() for token in tokens]
+    cuts: list[int] = []
+    last = -1
+    for mark in marks:
+        # Every character but whitespace is in a token: the first one ending after it.
+        index = bisect_right(ends, mark)
+        if index == last or index + 1 >= len(tokens):
+            continue
+        last = index
+        if _ends_sentence(tokens[index].group(), tokens[index + 1].group()):
+            cuts.append(ends[index])
+    return cuts
 
 
 def _clauses(text: str, start: int, end: int) -> Iterator[Span]:
