@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -45,7 +46,9 @@ from ._engine import Timing
 __all__ = ["EVENTS", "FRAMED", "Framing", "LazyMap", "Source", "Timeline", "framing_for", "sse_event"]
 
 #: Seconds are written to the microsecond: below a sample at any rate an engine makes.
-_PLACES = 6
+_PER_SECOND = 1e6
+#: How the wire's JSON is written: compact, and UTF-8 as it is (made once, not per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class Spans(Protocol):
@@ -235,9 +238,11 @@ class Timeline:
         unit = entry["unit"]
         floor = self._ends.get(unit, 0.0)
         start = entry["start"]
-        start = round(start if start > floor else floor, _PLACES)
+        # To the nearest microsecond, a half up: a third of round(x, 6)'s cost, which
+        # works in decimal, for every entry.
+        start = math.floor((start if start > floor else floor) * _PER_SECOND + 0.5) / _PER_SECOND
         end = entry["end"]
-        end = round(end, _PLACES) if end > start else start
+        end = math.floor(end * _PER_SECOND + 0.5) / _PER_SECOND if end > start else start
         entry["start"], entry["end"] = start, end
         self._ends[unit] = end
         if unit == "word" and "textEnd" in entry:
@@ -261,7 +266,7 @@ def sse_event(kind: str, payload: Mapping[str, Any]) -> bytes:
     One server-sent event named C{kind}; its data is C{payload} with C{type} as JSON, on
     one line (JSON escapes every line break a string holds).
     """
-    data = json.dumps({"type": kind, **payload}, ensure_ascii=False, separators=(",", ":"))
+    data = _ENCODE({"type": kind, **payload})
     return b"event: %s\ndata: %s\n\n" % (kind.encode("ascii"), data.encode("utf-8"))
 
 
@@ -346,7 +351,7 @@ class _Frames(Framing):
 
 
 def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return _ENCODE(value).encode("utf-8")
 
 
 EVENTS: Framing = _Events()
