@@ -14,12 +14,27 @@ timed side reading the worker's frames and writing events or a document, base64
 included), the time to the whole answer and, for streams, to the first audio (the first
 audio delta, not the timings before it).  Per side the best round and the median; the
 ratios are the timed side's over the untimed.  Asserts nothing.
+
+With --instructions, the worker's cost is counted in instructions instead of seconds:
+each engine's worker runs alone under valgrind's callgrind (started with counting off,
+so its start-up costs nothing), is spoken to directly as the core speaks to it (the
+core's frames for the timed side), and counts every instruction each of its threads
+runs over N requests without timestamps and then N with, twice over.  A count does not
+move with what else the box is doing, where a CPU time on a busy box moves by a tenth
+from minute to minute; it does not see what a cache miss or a wait costs.  Needs
+valgrind (`apt-get install valgrind`).  eSpeak's three texts took 14 minutes here with
+N = 10; a Piper worker under valgrind had not finished its warm-up requests after 14
+minutes of CPU, so Piper's cost is the CPU times' (onnxruntime's run dwarfs the
+timing's bookkeeping there).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -29,7 +44,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import cpu_seconds, free_port, wait_listening
+from _common import cpu_seconds, free_port, unix, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = "The harbour lights came on one by one as the evening ferry pulled away."
@@ -133,11 +148,117 @@ def line(name: str, plain: list[Sample], timed: list[Sample], stream: bool) -> s
     return f"  {name}\n" + "".join(f"      {part}\n" for part in parts)
 
 
+FRAMES = "application/vnd.rhapsode.frames"
+
+
+def worker_request(path: str, body: dict[str, object], accept: str | None) -> None:
+    """
+    One request to a worker on its Unix socket, read to its end.
+    """
+    payload = json.dumps(body).encode()
+    sock = unix(path)()
+    sock.sendall(
+        b"POST /speak HTTP/1.1\r\nHost: worker\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        + (b"Accept: %s\r\n" % accept.encode() if accept else b"")
+        + b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
+    head = sock.recv(65536)
+    if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        raise RuntimeError(head[:400].decode(errors="replace"))
+    while sock.recv(262144):
+        pass
+    sock.close()
+
+
+def counted(folder: Path, engine: str, requests: int, texts: list[str]) -> None:
+    """
+    The --instructions bench for one engine: its worker under callgrind, each text
+    streamed and buffered, C{requests} without timestamps and then with, twice.
+    """
+    python = ROOT / ".venvs" / engine / "bin" / "python"
+    path = str(folder / f"{engine}.sock")
+    out = folder / f"{engine}.callgrind"
+    env = dict(
+        os.environ,
+        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
+        RHAPSODE_WORKER_ENGINE=engine,
+        RHAPSODE_WORKER_CONTRACT="1",
+        RHAPSODE_WORKER_VOICE_DIR=str(folder / "voices"),
+        RHAPSODE_WORKER_LOG_LEVEL="error",
+    )
+    worker = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+         f"--callgrind-out-file={out}", str(python), "-m", f"rhapsode_engine_{engine}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    assert worker.stdout is not None
+    json.loads(worker.stdout.readline())  # the handshake: listening
+    dumps = 0
+
+    def count(label: str, body: dict[str, object], accept: str | None) -> dict[str, int]:
+        nonlocal dumps
+        subprocess.run(["callgrind_control", "--zero", str(worker.pid)], check=True, capture_output=True)
+        for _ in range(requests):
+            worker_request(path, body, accept)
+        time.sleep(0.5)  # the last answer's bookkeeping, after its end was sent
+        subprocess.run(["callgrind_control", f"--dump={label}", str(worker.pid)], check=True, capture_output=True)
+        dumps += 1
+        threads: dict[str, int] = {}
+        for file in folder.glob(f"{engine}.callgrind.{dumps}-*"):
+            found = re.search(r"^summary: (\d+)", file.read_text(errors="replace"), re.M)
+            threads[file.name.rpartition("-")[2]] = int(found.group(1)) if found else 0
+        return threads
+
+    try:
+        for text in (SENTENCE, "Warm up."):
+            for stream in (True, False):
+                worker_request(path, {"text": text, "stream": stream, "format": "pcm" if stream else "wav"}, None)
+                worker_request(path, {"text": text, "stream": stream, "format": "pcm" if stream else "wav",
+                                      "timestamps": "word"}, FRAMES)
+        subprocess.run(["callgrind_control", "--instr=on", str(worker.pid)], check=True, capture_output=True)
+        print(f"{engine}: instructions per request, without -> with word timestamps, {requests} requests a side, twice",
+              flush=True)
+        for label in texts:
+            text = TEXTS[label]
+            for stream in (True, False):
+                base: dict[str, object] = {"text": text, "stream": stream, "format": "pcm" if stream else "wav"}
+                figures = []
+                for _ in range(2):
+                    plain = count("plain", base, None)
+                    timed = count("timed", {**base, "timestamps": "word"}, FRAMES)
+                    figures.append((plain, timed))
+                how = "streamed pcm" if stream else "buffered wav"
+                parts = []
+                for plain, timed in figures:
+                    a, b = sum(plain.values()) / requests, sum(timed.values()) / requests
+                    by_thread = ", ".join(
+                        f"{(timed.get(t, 0) - plain.get(t, 0)) / requests / 1e6:+.2f}M"
+                        for t in sorted(set(plain) | set(timed))
+                    )
+                    parts.append(f"{a / 1e6:.2f}M -> {b / 1e6:.2f}M (x{b / a:.4f}; by thread {by_thread})")
+                print(f"  {label}, {how}: " + "; ".join(parts), flush=True)
+    finally:
+        worker.terminate()
+        worker.wait(120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--instructions", type=int, metavar="N", default=0,
+                        help="count the worker's instructions over N requests a side instead (valgrind)")
+    parser.add_argument("--text", action="append", choices=list(TEXTS), dest="texts",
+                        help=f"with --instructions, only this one of {', '.join(TEXTS)}, repeatable (every one by"
+                             " default; Piper's long ones take hours)")
     parser.add_argument("engines", nargs="*", default=list(ENGINES), help="of espeak and piper")
     args = parser.parse_args()
+    if args.instructions:
+        if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+            sys.exit("--instructions needs valgrind's callgrind (apt-get install valgrind)")
+        with tempfile.TemporaryDirectory() as folder:
+            for engine in args.engines:
+                counted(Path(folder), engine, args.instructions, args.texts or list(TEXTS))
+        return
     with tempfile.TemporaryDirectory() as folder:
         core, port = serve(Path(folder))
         try:
