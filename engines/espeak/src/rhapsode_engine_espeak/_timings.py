@@ -127,8 +127,8 @@ class Aligner:
     # -- events ----------------------------------------------------------------------
 
     def _events(self, raw: bytes) -> None:
-        # One C call unpacks the buffer's events (a few each): cheaper than reading
-        # columns, and most are phonemes that, timing words, change nothing.
+        # Each buffer's few events unpacked in one C call: cheaper than reading them as
+        # columns of ints.
         if not self._phonemes:
             self._word_events(raw)
             return
