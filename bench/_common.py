@@ -86,10 +86,12 @@ def start_worker(
     engine: str = "tone",
     python: str = sys.executable,
     listen: str | None = None,
+    wrapper: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
     """
     A worker on a Unix socket in C{tmp} (or on C{listen}, e.g. C{tcp:127.0.0.1:0}), once
-    its handshake line has come.  Returns the process and the socket's path, or for TCP
+    its handshake line has come, started under C{wrapper} (a command and its options,
+    valgrind's say) where one is given.  Returns the process and the socket's path, or for TCP
     the address it reported (C{tcp:HOST:PORT}).
     """
     path = str(tmp / f"{engine}.sock")
@@ -101,7 +103,7 @@ def start_worker(
         RHAPSODE_WORKER_VOICE_DIR=str(tmp / "voices"),
         RHAPSODE_WORKER_LOG_LEVEL="error",
     )
-    proc = subprocess.Popen([python, "-m", module], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*wrapper, python, "-m", module], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     handshake = json.loads(proc.stdout.readline())
     return proc, (handshake["listen"] if listen else path)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import socket
@@ -44,7 +43,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import cpu_seconds, free_port, unix, wait_listening
+from rhapsode_protocol import frames
+
+from _common import cpu_seconds, free_port, start_worker, unix, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = "The harbour lights came on one by one as the evening ferry pulled away."
@@ -148,7 +149,7 @@ def line(name: str, plain: list[Sample], timed: list[Sample], stream: bool) -> s
     return f"  {name}\n" + "".join(f"      {part}\n" for part in parts)
 
 
-FRAMES = "application/vnd.rhapsode.frames"
+FRAMES = frames.FRAMES  # what the core asks its worker for with timestamps
 
 
 def worker_request(path: str, body: dict[str, object], accept: str | None) -> None:
@@ -175,24 +176,11 @@ def counted(folder: Path, engine: str, requests: int, texts: list[str]) -> None:
     The --instructions bench for one engine: its worker under callgrind, each text
     streamed and buffered, C{requests} without timestamps and then with, twice.
     """
-    python = ROOT / ".venvs" / engine / "bin" / "python"
-    path = str(folder / f"{engine}.sock")
     out = folder / f"{engine}.callgrind"
-    env = dict(
-        os.environ,
-        RHAPSODE_WORKER_LISTEN=f"unix:{path}",
-        RHAPSODE_WORKER_ENGINE=engine,
-        RHAPSODE_WORKER_CONTRACT="1",
-        RHAPSODE_WORKER_VOICE_DIR=str(folder / "voices"),
-        RHAPSODE_WORKER_LOG_LEVEL="error",
-    )
-    worker = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
-         f"--callgrind-out-file={out}", str(python), "-m", f"rhapsode_engine_{engine}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )
-    assert worker.stdout is not None
-    json.loads(worker.stdout.readline())  # the handshake: listening
+    valgrind = ("valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                f"--callgrind-out-file={out}")
+    worker, path = start_worker(folder, f"rhapsode_engine_{engine}", engine,
+                                python=str(ROOT / ".venvs" / engine / "bin" / "python"), wrapper=valgrind)
     dumps = 0
 
     def count(label: str, body: dict[str, object], accept: str | None) -> dict[str, int]:
