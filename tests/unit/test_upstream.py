@@ -155,6 +155,55 @@ def test_a_reader_that_gathers_gets_one_read_s_pieces_and_end_inside_one_gatheri
     assert events == ["gather", "hello", "sent", "gather", " world", "end", "sent"]
 
 
+class GatheringReader(Reader):
+    """
+    A reader that gathers as a relay does, noting its gatherings among what it reads.
+    """
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return recorded(self.events)
+
+    def dataReceived(self, data: bytes) -> None:
+        super().dataReceived(data)
+        self.events.append(data.decode())
+
+    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+        super().connectionLost(reason)
+        self.events.append("end")
+
+
+def test_the_read_that_brings_the_head_gathers_for_the_reader_its_answer_attached() -> None:
+    """
+    When one read brings the head and the body after it (a short answer, or a fast
+    engine's first pieces), the reader that answering the head attaches has the rest of
+    that read, its end among it, in one gathering: the relay sends them as one write,
+    not one send per piece.
+    """
+    events: list[str] = []
+    wire = Wire()
+    wire.ask().addCallback(lambda response: response.deliverBody(GatheringReader(events)))
+    wire.answer(CHUNKED)
+    assert events == ["gather", "hello", " world", "end", "sent"]
+
+
+def test_pieces_held_for_a_late_reader_reach_it_in_one_gathering() -> None:
+    """
+    A body that came before anybody read it (held, its socket paused) reaches the reader
+    that comes later, its end among it, inside one gathering of the reader's.
+    """
+    events: list[str] = []
+    wire = Wire()
+    pending = wire.ask()
+    wire.answer(CHUNKED)
+    assert events == []
+    result_of(pending).deliverBody(GatheringReader(events))
+    assert events == ["gather", "hello", " world", "end", "sent"]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=len(CHUNKED) - 1), unique=True, max_size=12))
 def test_any_split_of_the_bytes_reads_the_same(cuts: list[int]) -> None:

@@ -20,6 +20,7 @@ HTTP Agent"): the worker's duration trailer is why it exists.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, cast
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -299,6 +300,10 @@ class Connection(Protocol):
             self._buffer += data
         else:
             self._buffer = data
+        if self._reader is None and self._state == _HEAD:
+            # The head first: answering it is what gives the body its reader (most often
+            # at once), whose gathering then takes in the pieces this read carries after it.
+            self._parse(head_only=True)
         # A reader that can gather its writes (a relay: WatchedBody.gathered) has what
         # this read brings, the body's end among it, leave for its client in one send.
         gathered = getattr(self._reader, "gathered", None)
@@ -308,12 +313,14 @@ class Connection(Protocol):
         with gathered():
             self._parse()
 
-    def _parse(self) -> None:
+    def _parse(self, head_only: bool = False) -> None:
         if self._parsing:
             return
         self._parsing = True
         try:
             while self._buffer and self._state not in (_IDLE, _DONE, _GONE):
+                if head_only and self._state != _HEAD:
+                    break
                 if not self._step():
                     break
         except ProtocolError as error:
@@ -505,11 +512,16 @@ class Connection(Protocol):
         held, self._held = self._held, []
         ending, self._ending = self._ending, None
         self._reader = reader
-        for piece in held:
-            reader.dataReceived(piece)
-        if ending is not None:
-            self._finish(ending)
-            return
+        if held or ending is not None:
+            # What came before the reader leaves as one send too, its end among it.
+            gathered = getattr(reader, "gathered", None)
+            with gathered() if gathered is not None else nullcontext():
+                for piece in held:
+                    reader.dataReceived(piece)
+                if ending is not None:
+                    self._finish(ending)
+            if ending is not None:
+                return
         self.resume("unread")
         if self._buffer and not self._parsing:
             self._parse()
