@@ -139,6 +139,34 @@ def test_audio_held_past_the_bound_pauses_the_transport_and_a_pull_resumes_it() 
     assert transport.producerState == "producing" and not reader.paused and reader.held == 0
 
 
+def test_the_first_audio_wakes_the_puller_at_once_and_later_audio_at_the_end_of_the_turn() -> None:
+    """
+    The first delta goes to a waiting puller as it arrives (first audio waits for
+    nothing); after it, the deltas one read brings (Twisted hands them over one at a
+    time) reach the puller in one piece at the end of the reactor's turn, so the worker
+    sends them as one write; and a reader let go meanwhile leaves no call behind.
+    """
+    clock = Clock()
+    reader, _ = reader_on(clock)
+    first = pulled(reader)
+    reader.dataReceived(delta(pcm_of(0, 10)))
+    assert result(first) == pcm_of(0, 10)
+    second = pulled(reader)
+    reader.dataReceived(delta(pcm_of(10, 10)))
+    reader.dataReceived(delta(pcm_of(20, 10)))
+    assert not second.called
+    clock.advance(0)
+    assert result(second) == pcm_of(10, 10) + pcm_of(20, 10)
+    third = pulled(reader)
+    reader.dataReceived(delta(pcm_of(30, 10)))
+    third.cancel()
+    with pytest.raises(CancelledError):
+        result(third)
+    reader.release()
+    clock.advance(0)
+    assert clock.getDelayedCalls() == []
+
+
 def test_only_silence_while_audio_is_awaited_counts_as_a_stall() -> None:
     """
     A reader that does not pull lets the server be silent as long as it likes; once it

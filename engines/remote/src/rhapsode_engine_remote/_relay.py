@@ -309,6 +309,9 @@ class Reader(Protocol):
         self._settled = False
         self._closer: IDelayedCall | None = None
         self._after_done = 0
+        #: Audio has been pulled: later audio wakes the puller at the end of the turn.
+        self._pulled = False
+        self._soon: IDelayedCall | None = None
 
     @property
     def held(self) -> int:
@@ -351,7 +354,10 @@ class Reader(Protocol):
             self._paused = True
             self._transport.pauseProducing()
         if self._held or self._ended or self._failure is not None:
-            self._wake()
+            if self._pulled:
+                self._wake_soon()
+            else:
+                self._wake()  # the first audio: at once
         elif self._waiter is not None and self._timer is not None:
             self._timer.reset(self._stall_seconds)  # part of an event: the server is not silent
 
@@ -391,6 +397,7 @@ class Reader(Protocol):
                 pcm = self._held[0] if len(self._held) == 1 else b"".join(self._held)
                 self._held = []
                 self._size = 0
+                self._pulled = True
                 if self._paused:
                     self._paused = False
                     if not self._closed:
@@ -427,6 +434,9 @@ class Reader(Protocol):
         self._size = 0
         self._waiter = None
         self._stop_timer()
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         if self._closed:
             return
         if self._ended and self._failure is None:
@@ -485,6 +495,17 @@ class Reader(Protocol):
         if self._waiter is waiter:
             self._waiter = None
             self._stop_timer()
+
+    def _wake_soon(self) -> None:
+        # Twisted hands over a read's chunks one at a time, each an event or two: woken
+        # at the end of the turn, the puller takes all that the read brought in one
+        # piece, which leaves the worker in one send rather than one per event.
+        if self._waiter is not None and self._soon is None:
+            self._soon = self._reactor.callLater(0, self._woken)
+
+    def _woken(self) -> None:
+        self._soon = None
+        self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter
