@@ -109,6 +109,27 @@ def start_worker(
     return proc, (handshake["listen"] if listen else path)
 
 
+#: One process that relays bytes both ways and parses nothing (Twisted's portforward):
+#: what a hop between processes costs on this box before any HTTP or speech work.
+BARE_HOP = """
+import sys
+from twisted.internet import reactor
+from twisted.protocols.portforward import ProxyFactory
+port = reactor.listenTCP(0, ProxyFactory("127.0.0.1", int(sys.argv[1])), interface="127.0.0.1")
+print(port.getHost().port, flush=True)
+reactor.run()
+"""
+
+
+def start_bare_hop(target: int) -> tuple[subprocess.Popen[bytes], int]:
+    """
+    A bare hop (L{BARE_HOP}) in front of the TCP port C{target}, and its own port.
+    """
+    proc = subprocess.Popen([sys.executable, "-c", BARE_HOP, str(target)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
 def unix(path: str) -> Callable[[], socket.socket]:
     def connect() -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import KeptAlive, free_port, percentile, request_bytes, start_worker, tcp, unix, wait_listening
+from _common import KeptAlive, free_port, percentile, request_bytes, start_bare_hop, start_worker, tcp, unix, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "integration" / "fake_vllm_omni.py"
@@ -37,24 +37,6 @@ def start_fake() -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen([sys.executable, str(FAKE), "--model", MODEL], stdout=subprocess.PIPE)
     assert proc.stdout is not None
     return proc, int(json.loads(proc.stdout.readline())["port"])
-
-
-#: One process that relays bytes both ways and parses nothing (Twisted's portforward):
-#: what a hop between processes costs on this box before any HTTP or speech work.
-BARE_HOP = """
-import sys
-from twisted.internet import reactor
-from twisted.protocols.portforward import ProxyFactory
-port = reactor.listenTCP(0, ProxyFactory("127.0.0.1", int(sys.argv[1])), interface="127.0.0.1")
-print(port.getHost().port, flush=True)
-reactor.run()
-"""
-
-
-def start_bare_hop(target: int) -> tuple[subprocess.Popen[bytes], int]:
-    proc = subprocess.Popen([sys.executable, "-c", BARE_HOP, str(target)], stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
 
 
 def start_core(tmp: Path, worker: str) -> tuple[subprocess.Popen[bytes], int]:
