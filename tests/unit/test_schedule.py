@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 from zope.interface.verify import verifyObject
 
 from rhapsode_protocol.errors import OutOfMemory
-from rhapsode_worker import Engine, Variant
+from rhapsode_worker import Engine, Timing, Variant
 from rhapsode_worker._model import ModelState
 from rhapsode_worker._schedule import Job, ReactorStep, Scheduler
 
@@ -443,6 +443,30 @@ def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.Mon
     # Each step hands over its first chunk at once; the rest is returned with its end.
     waited = [f is _schedule._hand_over for f in handed]
     assert waited == [True, False], "only a job's first step waits for its first hand-over"
+
+
+def test_a_batch_s_timings_and_its_audio_are_gathered() -> None:
+    """
+    A batch that carries timings is written inside one gathering, its timings and then
+    its audio, so that the first timing and the first audio reach the core in one send
+    (and the core in one read); a batch without timings is written as it is.
+    """
+    events: list[Any] = []
+
+    def speak() -> Iterator[bytes | Timing]:
+        yield Timing(unit="word", start=0.0, end=0.1, text="hi")
+        yield b"first"
+        yield b"second"
+
+    pool = FakePool()
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)
+    scheduler = Scheduler(ImmediateReactor(), pool, model)
+    job = Job("a", [speak], events.append, on_timing=lambda marks: events.append([m.text for m in marks]),
+              gather=lambda: recorded(events))
+    job.done.addCallback(lambda _: events.append("done"))
+    scheduler.submit(job)
+    pool.run_all()
+    assert events == ["gather", ["hi"], b"first", "sent", "gather", b"second", "done", "sent"]
 
 
 def test_a_steps_last_audio_arrives_with_its_end() -> None:

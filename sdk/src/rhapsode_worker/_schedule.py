@@ -114,7 +114,8 @@ class Job:
     before that batch's PCM (so never after the audio they time); without it they are
     dropped.  C{gather}, where given, is entered around a step's last batch and what its
     end leads to (the next step's joint, or C{done} and so the response's end), all in
-    one turn: a connection that gathers its writes sends them as one.
+    one turn, and around a batch's timings and its PCM: a connection that gathers its
+    writes sends them as one.
     C{done} fires when every step has run, or fails with the step's exception, or with
     L{CancelledError} once a stopped job's running step has returned.
 
@@ -575,10 +576,12 @@ def _deliver(job: Job, batch: "bytes | _Batch") -> None:
     if isinstance(batch, bytes):
         job._heard(batch)
         return
-    if job.on_timing is not None:
-        job.on_timing(batch.marks)
-    if batch.pcm:
-        job._heard(batch.pcm)
+    # The timings' frame or event and the audio after them leave in one send.
+    with job.gather():
+        if job.on_timing is not None:
+            job.on_timing(batch.marks)
+        if batch.pcm:
+            job._heard(batch.pcm)
 
 
 def _hand_over(job: Job, pcm: "bytes | _Batch", written: threading.Event) -> None:
