@@ -445,6 +445,26 @@ def test_first_audio_is_written_before_synthesis_goes_on(monkeypatch: pytest.Mon
     assert waited == [True, False], "only a job's first step waits for its first hand-over"
 
 
+def test_the_scheduler_says_when_it_falls_idle_and_when_work_comes() -> None:
+    """
+    C{on_idle} is told False when a job comes to an idle scheduler and True once the last
+    job has ended (a load included), and nothing while it stays busy: what the worker's
+    idle heap trim waits on (rhapsode_worker._heap).
+    """
+    said: list[bool] = []
+    pool = FakePool()
+    model = ModelState(RecordingEngine([]), ImmediateReactor(), pool)
+    scheduler = Scheduler(ImmediateReactor(), pool, model, on_idle=said.append)
+    scheduler.submit(Job("a", [step([], "one")], lambda pcm: None))
+    scheduler.submit(Job("a", [step([], "two")], lambda pcm: None))
+    assert said == [False]
+    pool.run_all()
+    assert said == [False, True] and not scheduler.busy
+    scheduler.submit(Job("a", [step([], "three")], lambda pcm: None))
+    pool.run_all()
+    assert said == [False, True, False, True]
+
+
 def test_a_batch_s_timings_and_its_audio_are_gathered() -> None:
     """
     A batch that carries timings is written inside one gathering, its timings and then

@@ -54,6 +54,7 @@ from . import _memory
 from ._context import WorkerContext
 from ._encode import probe_cache_dir, probe_ffmpeg
 from ._engine import IEngine
+from ._heap import IdleTrim
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._routes import WorkerApp
@@ -424,7 +425,12 @@ async def _run(
     files.start()
     reactor.addSystemEventTrigger("during", "shutdown", files.stop)
     model = ModelState(engine, reactor, pool)
-    scheduler = Scheduler(reactor, pool, model, engine.concurrency, relays=bool(getattr(engine, "relays", False)))
+    # Free memory goes back to the kernel once the worker has been idle a while, on the
+    # files pool (never on the reactor, never behind a synthesis).
+    trim = IdleTrim(reactor, files)
+    scheduler = Scheduler(
+        reactor, pool, model, engine.concurrency, relays=bool(getattr(engine, "relays", False)), on_idle=trim.idle
+    )
     connections = _Connections()
     lifecycle = WorkerLifecycle(idle=scheduler.when_idle, close_connections=connections.close_all)
     worker = WorkerApp(

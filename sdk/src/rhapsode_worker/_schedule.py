@@ -270,9 +270,19 @@ class Scheduler:
     """
 
     def __init__(
-        self, reactor: Any, pool: WorkerPool, model: ModelState, concurrency: int = 1, relays: bool = False
+        self,
+        reactor: Any,
+        pool: WorkerPool,
+        model: ModelState,
+        concurrency: int = 1,
+        relays: bool = False,
+        on_idle: Callable[[bool], None] | None = None,
     ) -> None:
         self._relays = relays
+        #: Told True when nothing runs, waits or is parked any more, False when something
+        #: does again (L{rhapsode_worker._heap.IdleTrim}).
+        self._on_idle = on_idle
+        self._idle = True
         self._reactor = reactor
         self._pool = pool
         self._model = model
@@ -352,6 +362,9 @@ class Scheduler:
             self._run_step(job)
         self._tell_demand()
         self._notify_idle()
+        if self._on_idle is not None and self._idle == self.busy:
+            self._idle = not self._idle
+            self._on_idle(self._idle)
 
     def _enqueue(self, job: Job) -> None:
         job.waiting = self._reactor.seconds()

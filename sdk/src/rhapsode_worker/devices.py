@@ -42,6 +42,7 @@ from twisted.logger import Logger
 from rhapsode_protocol.spawn import DEVICE_VARIABLE
 
 from . import _memory
+from ._heap import malloc_trim
 from ._threads import CoreGate, process_gate
 
 __all__ = [
@@ -328,11 +329,7 @@ class TorchDevice:
 
 
 def _trim_heap() -> None:
-    # glibc keeps freed memory in its arenas; malloc_trim hands the free top of each back
-    # to the kernel, which is what makes an unload show in the resident set.
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    # glibc keeps freed memory in its arenas; malloc_trim hands it back to the kernel,
+    # which is what makes an unload show in the resident set.
+    if malloc_trim is not None:
+        malloc_trim()
