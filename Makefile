@@ -177,6 +177,7 @@ bench: $(STAMP)
 	$(PY) bench/worker.py
 	$(PY) bench/floor.py
 	$(PY) bench/core_path.py
+	$(PY) bench/worker_path.py
 	$(PY) bench/proxy.py
 
 openapi: $(STAMP)
