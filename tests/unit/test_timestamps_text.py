@@ -48,6 +48,28 @@ def test_mapped_cleaning_is_the_cleaning_and_each_character_knows_its_source(tex
             assert source.startswith("[") and source.endswith("]"), (text, index, source)
 
 
+def test_a_text_with_nothing_to_remove_maps_each_character_to_where_it_stood() -> None:
+    """
+    A text with no tag and no dropped character (the usual one) keeps every character
+    where it was, less the whitespace stripped from its start: each character's span is
+    itself in the caller's text, and the spans at and past the end point after the last
+    character kept.
+    """
+    text = "\n  Hello there,\tworld.\nBye!  \n"
+    cleaned, origins = clean_text_mapped(text, CUES, PRIVATE)
+    assert cleaned == text.strip()
+    assert len(origins) == len(cleaned)
+    head = text.index("H")
+    for index in range(len(cleaned)):
+        assert origins.span(index, index + 1) == (head + index, head + index + 1)
+    at = cleaned.index("world.")
+    assert text[slice(*origins.span(at, at + 6))] == "world."
+    last = text.index("!") + 1
+    assert origins.span(len(cleaned), len(cleaned) + 3) == (last, last)
+    assert origins.span(3, 3) == (head + 3, head + 3)
+    assert origins.span(5, 2) == (head + 5, head + 5)
+
+
 def test_a_word_after_removed_tags_maps_to_where_the_caller_wrote_it() -> None:
     """
     Offsets past stripped tags, control characters and collapsed spaces land on the
