@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -153,7 +154,7 @@ def test_a_buffered_answer_is_read_against_the_contract() -> None:
     end = {"format": "wav", "contentType": "audio/wav", "sampleRate": 24000, "channels": 1, "durationMs": 0}
     body = timings([WORD]) + frames.frame(frames.AUDIO, b"abc") + frames.frame(frames.DONE, json.dumps(end).encode())
     audio, entries, rest = read_frames(body)
-    assert (audio, entries, rest) == (b"abc", [WORD], end)
+    assert (audio, entries, rest) == ([b"abc"], [WORD], end)
     for broken in (body[:-3], body[: body.rindex(b"d")], timings([{"unit": "syllable"}]) + body):
         with pytest.raises(Internal):
             read_frames(broken)
@@ -279,25 +280,56 @@ def test_the_event_sink_says_a_late_failure_with_an_error_event() -> None:
 def test_the_json_sink_writes_the_contracts_document() -> None:
     """
     A buffered timed answer is one TimedAudio document: the audio in base64, its type,
-    rate, channels and duration, and every entry in order.
+    rate, channels and duration, and every entry in order.  Nothing is written before
+    the first audio; from there each piece goes out as it is written, encoded across
+    pieces whose lengths are not whole base64 quanta.
     """
     request = request_with("application/json")
     sink = TimedJsonSink(request, "wav")
     sink.begin(200, [(b"Content-Type", b"audio/wav"), (b"X-Rhapsode-Sample-Rate", b"22050"),
-                     (b"X-Rhapsode-Channels", b"1")])
+                     (b"X-Rhapsode-Channels", b"1"), (b"X-Rhapsode-Duration-Ms", b"600")])
     sink.timestamps([WORD])
     sink.timestamps([LATER])
-    sink.write(b"RIFF....")
     assert request.written == []
+    pieces = [b"RI", b"FF....", b"x", b"", b"abcdefg"]
+    for piece in pieces:
+        sink.write(piece)
+    written = len(b"".join(request.written))
     sink.end(600)
-    document = json.loads(b"".join(request.written))
+    body = b"".join(request.written)
+    assert len(body) > written
+    document = json.loads(body)
     contract.validate(contract.TIMED_AUDIO, document)
-    assert base64.b64decode(document["audio"]) == b"RIFF...."
+    assert base64.b64decode(document["audio"], validate=True) == b"".join(pieces)
     assert {k: v for k, v in document.items() if k != "audio"} == {
         "format": "wav", "contentType": "audio/wav", "sampleRate": 22050, "channels": 1, "durationMs": 600,
         "alignment": [WORD, LATER],
     }
-    assert request.responseHeaders.getRawHeaders(b"content-length") == [b"%d" % len(b"".join(request.written))]
+    assert request.responseHeaders.getRawHeaders(b"content-type") == [b"application/json"]
+    assert request.responseHeaders.getRawHeaders(b"x-rhapsode-duration-ms") == [b"600"]
+
+
+def test_the_json_sink_aborts_once_its_document_has_begun() -> None:
+    """
+    A failure before any audio leaves the JSON sink untouched (the route answers the
+    envelope); once its document has begun, a failure can only cut the connection,
+    never end the document as if whole.
+    """
+    before = request_with("application/json")
+    sink = TimedJsonSink(before, "wav")
+    sink.begin(200, [(b"Content-Type", b"audio/wav")])
+    sink.timestamps([WORD])
+    assert sink.abort(Internal("the worker broke")).called
+    assert before.written == [] and not sink.started
+    during = request_with("application/json")
+    during.channel = SimpleNamespace(transport=StringTransport())
+    sink = TimedJsonSink(during, "wav")
+    sink.begin(200, [(b"Content-Type", b"audio/wav")])
+    sink.write(b"RIFF....")
+    assert during.written and sink.started
+    sink.abort(Internal("gone"))
+    assert during.channel.transport.disconnecting
+    assert not b"".join(during.written).endswith(b"}")
 
 
 def test_captioned_lines_carry_the_words_that_came_before_their_audio() -> None:

@@ -400,8 +400,15 @@ class TimedEventSink:
 class TimedJsonSink:
     """
     A buffered timed answer as the contract's JSON document (TimedAudio): the audio in
-    base64 beside the whole alignment, written in one piece at the end, so every failure
-    before it is still the route's envelope.
+    base64 beside the whole alignment.
+
+    Nothing is written before the first audio, so a failure until then is still the
+    route's envelope.  From there the document goes out as the audio is written: its
+    fields and alignment first, then each piece encoded as it comes (the bytes of a piece
+    that do not fill a base64 quantum wait for the next), then the duration that ends
+    it.  The core never holds the document whole, nor the audio twice.  The relay writes
+    only once it has read the whole answer, so what follows the first write can fail only
+    by the reader's going, and that aborts the connection.
     """
 
     def __init__(self, request: IRequest, fmt: str, finished: "Deferred[None] | None" = None) -> None:
@@ -411,7 +418,7 @@ class TimedJsonSink:
         self.started = False
         self._head: dict[bytes, bytes] = {}
         self._alignment: list[Mapping[str, Any]] = []
-        self._parts: list[bytes] = []
+        self._carry = b""
 
     def gathered(self) -> AbstractContextManager[None]:
         return gathered(self._request)
@@ -422,12 +429,39 @@ class TimedJsonSink:
     def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
         self._alignment.extend(alignment)
 
+    def _start(self) -> None:
+        self.started = True
+        head = self._head
+        fields: dict[str, Any] = {
+            "format": self._format,
+            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
+            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
+            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
+            "alignment": self._alignment,
+        }
+        request = self._request
+        request.setResponseCode(200)
+        request.setHeader(b"Content-Type", b"application/json")
+        for name in (DURATION_HEADER, NODE_HEADER):
+            value = head.get(name.lower())
+            if value is not None:
+                request.setHeader(name, value)
+        # Base64's alphabet needs no escaping: the audio is spliced into the document.
+        request.write(json.dumps(fields)[:-1].encode("utf-8") + b', "audio": "')
+
     def write(self, data: bytes) -> None:
-        self._parts.append(data)
+        if not data:
+            return
+        if not self.started:
+            self._start()
+        joined = self._carry + data if self._carry else data
+        whole = len(joined) - len(joined) % 3
+        self._carry = bytes(joined[whole:])
+        if whole:
+            self._request.write(base64.b64encode(memoryview(joined)[:whole]))
 
     def room(self) -> "Deferred[None]":
-        # Nothing is written before the end, when the document goes out in one piece.
-        return succeed(None)
+        return room_on(self._request)
 
     def registerProducer(self, producer: IPushProducer) -> None:
         pass  # read whole before anything is written
@@ -436,36 +470,20 @@ class TimedJsonSink:
         pass
 
     def end(self, duration_ms: int | None) -> None:
-        audio = b"".join(self._parts)
-        self._parts = []
-        head = self._head
-        document: dict[str, Any] = {
-            "format": self._format,
-            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
-            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
-            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
-            "durationMs": duration_ms or 0,
-            "alignment": self._alignment,
-        }
-        # Base64's alphabet needs no escaping: spliced in rather than encoded again.
-        body = b"".join((
-            b'{"audio":"', base64.b64encode(audio), b'",', json.dumps(document)[1:].encode("utf-8"),
-        ))
-        self.started = True
-        request = self._request
-        request.setResponseCode(200)
-        request.setHeader(b"Content-Type", b"application/json")
-        request.setHeader(b"Content-Length", b"%d" % len(body))
-        if duration_ms is not None:
-            request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
-        node = head.get(NODE_HEADER.lower())
-        if node is not None:
-            request.setHeader(NODE_HEADER, node)
-        request.write(body)
+        if not self.started:
+            self._start()
+        tail = base64.b64encode(self._carry)
+        self._carry = b""
+        self._request.write(tail + b'", "durationMs": %d}' % (duration_ms or 0))
 
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
-        # Nothing is written before end: a failure is still the route's envelope.
-        return succeed(None)
+        if not self.started:
+            # Nothing went out: the failure is still the route's envelope.
+            return succeed(None)
+        abort_connection(self._request)
+        landed: Deferred[None] = Deferred()
+        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
+        return landed
 
 
 @implementer(ITimedSink)

@@ -472,10 +472,15 @@ class SpeechRelay:
         counted against until C{sink}'s reader is done with it.
         """
         body = await collect(response, limit, self.budget, self.stalls)
-        sink.finished.addBoth(lambda _: self.budget.give_back(len(body)))
+        counted = len(body)
+        sink.finished.addBoth(lambda _: self.budget.give_back(counted))
+        # The frames' audio is copied out of the body, which goes now: the pieces are
+        # what stays, no more than was counted.
         audio, entries, document = read_frames(body)
-        if len(audio) < FLOOR_BYTES:
-            raise Internal(f"the worker answered 200 with {len(audio)} bytes of audio, which is not audio")
+        del body
+        size = sum(len(piece) for piece in audio)
+        if size < FLOOR_BYTES:
+            raise Internal(f"the worker answered 200 with {size} bytes of audio, which is not audio")
         duration = document["durationMs"]
         head = [
             (b"Content-Type", document["contentType"].encode("latin-1", "replace")),
@@ -488,9 +493,9 @@ class SpeechRelay:
             head.append((NODE_HEADER, node[0]))
         if measured is not None:
             measured.first_audio()
-            measured.sent = len(audio)
+            measured.sent = size
             measured.audio_ms = duration
-        return _TimedBuffered(head, entries, audio, duration)
+        return _TimedBuffered(head, entries, deque(audio), duration)
 
     async def _timed_streamed(self, sink: ITimedSink, response: Any, measured: Measured | None) -> None:
         """
@@ -551,27 +556,46 @@ class _Buffered:
         sink.end(self.duration)
 
 
+#: The most audio a buffered timed answer writes at once: a whole number of base64's
+#: three-byte quanta, so a JSON document's slices encode with nothing carried over.
+_TIMED_PIECE = 3 * 64 * 1024
+
+
 class _TimedBuffered:
     """
-    A buffered timed answer read whole: its head, its timings, its audio, its duration.
+    A buffered timed answer read whole: its head, its timings, its audio (the worker's
+    pieces), its duration.
     """
 
-    def __init__(self, head: list[tuple[bytes, bytes]], entries: list[Any], audio: bytes, duration: int) -> None:
+    def __init__(self, head: list[tuple[bytes, bytes]], entries: list[Any], pieces: "deque[bytes]", duration: int) -> None:
         self.head = head
         self.entries = entries
-        self.audio = audio
+        self.pieces = pieces
         self.duration = duration
 
     async def deliver(self, sink: IAudioSink) -> None:
         """
-        Write the answer to C{sink}: its timings, then its audio once the reader has
-        room (L{IAudioSink.room}).
+        Write the answer to C{sink}: its timings, then its audio a piece at a time, each
+        once the reader has taken the last (L{IAudioSink.room}), as L{_Buffered} does.
         """
         timed = ITimedSink(sink)
         timed.begin(200, self.head)
         timed.timestamps(self.entries)
-        await timed.room()
-        timed.write(self.audio)
+        pieces = self.pieces
+        while pieces:
+            piece = pieces.popleft()
+            if len(piece) <= _TIMED_PIECE:
+                await timed.room()
+                timed.write(piece)
+                continue
+            # A worker frames a buffered answer's audio whole: written in slices, so
+            # that what a sink makes of a write (a JSON document's base64) is a slice's
+            # worth, not a second copy of the answer.
+            view = memoryview(piece)
+            for at in range(0, len(piece), _TIMED_PIECE):
+                await timed.room()
+                timed.write(bytes(view[at:at + _TIMED_PIECE]))
+            view.release()
         timed.end(self.duration)
 
 

@@ -85,9 +85,10 @@ def _entries(value: Any) -> list[Any]:
     return list(value)
 
 
-def read_frames(raw: bytes) -> tuple[bytes, list[Any], dict[str, Any]]:
+def read_frames(raw: bytes) -> tuple[list[bytes], list[Any], dict[str, Any]]:
     """
-    A buffered timed answer: its audio, its timings and its end.
+    A buffered timed answer: its audio (the pieces the worker framed it in, in order),
+    its timings and its end.
 
     @raise Internal: a body that is not the frames of one whole answer.
     """
@@ -112,7 +113,7 @@ def read_frames(raw: bytes) -> tuple[bytes, list[Any], dict[str, Any]]:
         contract.validate(_BUFFERED_END, end)
     except SpeechError:
         raise Internal("the worker's timed answer ended without saying what its audio is") from None
-    return b"".join(audio), entries, end
+    return audio, entries, end
 
 
 class TimedStreamRelay(WatchedBody):
