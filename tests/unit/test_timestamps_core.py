@@ -332,6 +332,33 @@ def test_the_json_sink_aborts_once_its_document_has_begun() -> None:
     assert not b"".join(during.written).endswith(b"}")
 
 
+def test_the_framed_sink_writes_a_buffered_answer_as_its_pieces_come() -> None:
+    """
+    A node's buffered timed answer in frames: nothing before the first audio (a failure
+    until then is the route's envelope), then the timings and each piece as written, and
+    an end frame saying what the audio is, which the front reads back as a worker's.
+    """
+    request = request_with(frames.FRAMES)
+    sink = FramedSink(request, "wav", False)
+    sink.begin(200, [(b"Content-Type", b"audio/wav"), (b"X-Rhapsode-Sample-Rate", b"22050"),
+                     (b"X-Rhapsode-Duration-Ms", b"40")])
+    sink.timestamps([WORD])
+    assert request.written == [] and not sink.started
+    sink.write(b"RIFF")
+    assert sink.started and request.written
+    sink.write(b"....")
+    sink.end(40)
+    audio, entries, end = read_frames(b"".join(request.written))
+    assert (b"".join(audio), entries) == (b"RIFF....", [WORD])
+    assert end == {"format": "wav", "contentType": "audio/wav", "sampleRate": 22050, "channels": 1, "durationMs": 40}
+    assert request.responseHeaders.getRawHeaders(b"x-rhapsode-duration-ms") == [b"40"]
+    untouched = request_with(frames.FRAMES)
+    sink = FramedSink(untouched, "wav", False)
+    sink.begin(200, [(b"Content-Type", b"audio/wav")])
+    sink.timestamps([WORD])
+    assert sink.abort(Internal("gone")).called and untouched.written == []
+
+
 def test_captioned_lines_carry_the_words_that_came_before_their_audio() -> None:
     """
     Kokoro-FastAPI's stream: one JSON object a line per piece of audio (once the floor
@@ -358,6 +385,37 @@ def test_captioned_lines_carry_the_words_that_came_before_their_audio() -> None:
     assert json.loads(b"".join(buffered.written)) == {
         "audio": base64.b64encode(b"RIFF").decode(), "audio_format": "audio/wav", "timestamps": None,
     }
+
+
+def test_a_buffered_captioned_answer_goes_out_as_its_pieces_come() -> None:
+    """
+    Kokoro-FastAPI's buffered shape is one object with every word and all the audio:
+    nothing is written before the first audio (a failure until then is the route's
+    envelope), then each piece's base64 as it comes, whatever its length, and the end
+    closes the object.
+    """
+    request = request_with(None)
+    sink = CaptionedSink(request, stream=False, timed=True)
+    sink.begin(200, [(b"Content-Type", b"audio/wav"), (b"X-Rhapsode-Duration-Ms", b"600")])
+    sink.timestamps([WORD, LATER])
+    assert request.written == []
+    pieces = [b"RI", b"FF....", b"x", b"abcde"]
+    for piece in pieces:
+        sink.write(piece)
+    sink.end(600)
+    assert json.loads(b"".join(request.written)) == {
+        "audio": base64.b64encode(b"".join(pieces)).decode(), "audio_format": "audio/wav",
+        "timestamps": [{"word": "Hi", "start_time": 0.0, "end_time": 0.2},
+                       {"word": "there", "start_time": 0.3, "end_time": 0.6}],
+    }
+    assert request.responseHeaders.getRawHeaders(b"x-rhapsode-duration-ms") == [b"600"]
+    untouched = request_with(None)
+    untouched.channel = SimpleNamespace(transport=StringTransport())
+    sink = CaptionedSink(untouched, stream=False, timed=True)
+    sink.begin(200, [(b"Content-Type", b"audio/wav")])
+    sink.timestamps([WORD])
+    assert sink.abort(Internal("gone")).called
+    assert untouched.written == [] and not untouched.channel.transport.disconnecting
 
 
 def test_mcp_answers_the_alignment_beside_the_audio() -> None:

@@ -396,6 +396,27 @@ class TimedEventSink:
         return succeed(None)
 
 
+class _Base64Pieces:
+    """
+    The base64 of audio written a piece at a time, each piece encoded as it comes: the
+    bytes of a piece that do not fill a quantum (three bytes) wait for the next, so the
+    pieces' encodings joined are the whole audio's.
+    """
+
+    def __init__(self) -> None:
+        self._carry = b""
+
+    def encode(self, data: bytes) -> bytes:
+        joined = self._carry + data if self._carry else data
+        whole = len(joined) - len(joined) % 3
+        self._carry = bytes(joined[whole:])
+        return base64.b64encode(memoryview(joined)[:whole]) if whole else b""
+
+    def rest(self) -> bytes:
+        tail, self._carry = base64.b64encode(self._carry), b""
+        return tail
+
+
 @implementer(ITimedSink)
 class TimedJsonSink:
     """
@@ -418,7 +439,7 @@ class TimedJsonSink:
         self.started = False
         self._head: dict[bytes, bytes] = {}
         self._alignment: list[Mapping[str, Any]] = []
-        self._carry = b""
+        self._audio = _Base64Pieces()
 
     def gathered(self) -> AbstractContextManager[None]:
         return gathered(self._request)
@@ -454,11 +475,9 @@ class TimedJsonSink:
             return
         if not self.started:
             self._start()
-        joined = self._carry + data if self._carry else data
-        whole = len(joined) - len(joined) % 3
-        self._carry = bytes(joined[whole:])
-        if whole:
-            self._request.write(base64.b64encode(memoryview(joined)[:whole]))
+        encoded = self._audio.encode(data)
+        if encoded:
+            self._request.write(encoded)
 
     def room(self) -> "Deferred[None]":
         return room_on(self._request)
@@ -472,9 +491,7 @@ class TimedJsonSink:
     def end(self, duration_ms: int | None) -> None:
         if not self.started:
             self._start()
-        tail = base64.b64encode(self._carry)
-        self._carry = b""
-        self._request.write(tail + b'", "durationMs": %d}' % (duration_ms or 0))
+        self._request.write(self._audio.rest() + b'", "durationMs": %d}' % (duration_ms or 0))
 
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
         if not self.started:
@@ -496,8 +513,9 @@ class FramedSink:
     the end a C{d} frame with the duration; nothing goes out before L{FLOOR_BYTES} of
     audio, so a body that is not audio is still the route's envelope, and a failure
     after that aborts the connection (the front then fails the stream as a broken
-    worker's).  Buffered, the whole answer is written at the end, its C{d} frame saying
-    what the audio is, as a worker's buffered frames do.
+    worker's).  Buffered, nothing goes out before the first audio (the relay writes once
+    it has read the whole answer, a piece at a time as the reader takes them), and the
+    C{d} frame at the end says what the audio is, as a worker's buffered frames do.
     """
 
     def __init__(self, request: IRequest, fmt: str, stream: bool, finished: "Deferred[None] | None" = None) -> None:
@@ -526,8 +544,9 @@ class FramedSink:
             self._send(frames.head(frames.AUDIO, len(data)), data)
 
     def room(self) -> "Deferred[None]":
-        # A stream is paused through the relay; a buffered answer goes out at the end.
-        return succeed(None)
+        # A stream is paused through the relay; a buffered answer's pieces wait for the
+        # reader to take the last.
+        return succeed(None) if self._stream else room_on(self._request)
 
     def _send(self, *parts: bytes) -> None:
         if self.started:
@@ -535,10 +554,10 @@ class FramedSink:
                 self._request.write(part)
             return
         self._held.extend(parts)
-        if self._stream and self._audio >= FLOOR_BYTES:
+        if self._audio >= (FLOOR_BYTES if self._stream else 1):
             self._start()
 
-    def _start(self, length: int | None = None) -> None:
+    def _start(self) -> None:
         self.started = True
         request = self._request
         request.setResponseCode(200)
@@ -546,8 +565,10 @@ class FramedSink:
         audio_type = self._head.get(b"content-type")
         if audio_type is not None:
             request.setHeader(AUDIO_TYPE_HEADER, audio_type)
-        if length is not None:
-            request.setHeader(b"Content-Length", b"%d" % length)
+        if not self._stream:
+            duration = self._head.get(DURATION_HEADER.lower())
+            if duration is not None:
+                request.setHeader(DURATION_HEADER, duration)
         held, self._held = self._held, []
         request.write(b"".join(held))
 
@@ -563,23 +584,18 @@ class FramedSink:
 
     def end(self, duration_ms: int | None) -> None:
         done: dict[str, Any] = {} if duration_ms is None else {"durationMs": duration_ms}
-        if self._stream:
-            if not self.started:
-                self._start()
-            self._request.write(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
-            return
-        head = self._head
-        done.update({
-            "format": self._format,
-            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
-            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
-            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
-            "durationMs": duration_ms or 0,
-        })
-        self._held.append(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
-        if duration_ms is not None:
-            self._request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
-        self._start(sum(len(part) for part in self._held))
+        if not self._stream:
+            head = self._head
+            done.update({
+                "format": self._format,
+                "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
+                "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
+                "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
+                "durationMs": duration_ms or 0,
+            })
+        if not self.started:
+            self._start()
+        self._request.write(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
 
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
         if not self.started:
@@ -614,7 +630,9 @@ class CaptionedSink:
     object a line per piece of audio, carrying the words that came before it (so a
     caption never trails its sound; Kokoro-FastAPI holds them the same way), nothing sent
     before L{FLOOR_BYTES} of audio, and a failure after that an aborted connection, as
-    for raw audio; buffered, one object with everything.
+    for raw audio; buffered, one object with everything, which goes out as its audio is
+    written (the relay writes once it has read the whole answer), its base64 a piece at a
+    time, so that the core never holds the object whole.
     """
 
     def __init__(self, request: IRequest, stream: bool, timed: bool, finished: "Deferred[None] | None" = None) -> None:
@@ -628,6 +646,8 @@ class CaptionedSink:
         self._audio: list[bytes] = []
         self._size = 0
         self._producing = False
+        self._duration: bytes | None = None
+        self._whole = _Base64Pieces()
 
     def gathered(self) -> AbstractContextManager[None]:
         return gathered(self._request)
@@ -636,6 +656,8 @@ class CaptionedSink:
         for name, value in headers:
             if name.lower() == b"content-type":
                 self._type = value.decode("latin-1").split(";")[0].strip()
+            elif name.lower() == DURATION_HEADER.lower():
+                self._duration = value
 
     def timestamps(self, alignment: Sequence[Mapping[str, Any]]) -> None:
         self._words.extend(
@@ -647,14 +669,32 @@ class CaptionedSink:
     def write(self, data: bytes) -> None:
         if not data:
             return
+        if not self._stream:
+            if not self.started:
+                self._begin_object()
+            encoded = self._whole.encode(data)
+            if encoded:
+                self._request.write(encoded)
+            return
         self._audio.append(data)
         self._size += len(data)
-        if self._stream and self._size >= FLOOR_BYTES:
+        if self._size >= FLOOR_BYTES:
             self._line()
 
     def room(self) -> "Deferred[None]":
-        # A stream is paused through the relay; a buffered answer goes out at the end.
-        return succeed(None)
+        # A stream is paused through the relay; a buffered answer's pieces wait for the
+        # reader to take the last.
+        return succeed(None) if self._stream else room_on(self._request)
+
+    def _begin_object(self) -> None:
+        self._started(None)
+        if self._duration is not None:
+            self._request.setHeader(DURATION_HEADER, self._duration)
+        words, self._words = self._words, []
+        fields = {"audio_format": self._type, "timestamps": words if self._timed else None}
+        # The audio last, spliced in: base64's alphabet needs no escaping.
+        head = json.dumps(fields, ensure_ascii=False, separators=(",", ":"))[:-1]
+        self._request.write(head.encode("utf-8") + b',"audio":"')
 
     def _object(self, audio: bytes) -> bytes:
         words, self._words = self._words, []
@@ -665,12 +705,16 @@ class CaptionedSink:
         }
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
+    def _started(self, cache: bytes | None) -> None:
+        self.started = True
+        self._request.setResponseCode(200)
+        self._request.setHeader(b"Content-Type", b"application/json")
+        if cache is not None:
+            self._request.setHeader(b"Cache-Control", cache)
+
     def _line(self) -> None:
         if not self.started:
-            self.started = True
-            self._request.setResponseCode(200)
-            self._request.setHeader(b"Content-Type", b"application/json")
-            self._request.setHeader(b"Cache-Control", b"no-cache")
+            self._started(b"no-cache")
         audio, self._audio = b"".join(self._audio), []
         self._request.write(self._object(audio) + b"\n")
 
@@ -689,18 +733,16 @@ class CaptionedSink:
             if self._audio or self._words or not self.started:
                 self._line()
             return
-        body = self._object(b"".join(self._audio))
-        self._audio = []
-        self.started = True
-        request = self._request
-        request.setResponseCode(200)
-        request.setHeader(b"Content-Type", b"application/json")
-        request.setHeader(b"Content-Length", b"%d" % len(body))
-        if duration_ms is not None:
-            request.setHeader(DURATION_HEADER, b"%d" % duration_ms)
-        request.write(body)
+        if not self.started:
+            if duration_ms is not None:
+                self._duration = b"%d" % duration_ms
+            self._begin_object()
+        self._request.write(self._whole.rest() + b'"}')
 
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
+        if not self._stream and not self.started:
+            # Nothing went out: the failure is still the route's envelope.
+            return succeed(None)
         # Lines of JSON have no way to say a stream broke: cut it, as for raw audio.
         abort_connection(self._request)
         landed: Deferred[None] = Deferred()
