@@ -14,15 +14,10 @@ most time in.  Asserts nothing beyond each answer being whole.
 
 from __future__ import annotations
 
-import cProfile
-import gc
 import json
-import pstats
 import sys
-import time
 from typing import Any
 
-from twisted.internet.abstract import FileDescriptor
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock
 
@@ -30,6 +25,8 @@ from rhapsode._config import Config, ConfigSettings
 from rhapsode._fleet.registry import EngineHandle, Registry
 from rhapsode._service import build_core
 from rhapsode._upstream.pool import WorkerClient
+
+from _in_memory import MemorySocket, best_of, print_profile
 
 CAPABILITIES = {
     "contract": 1,
@@ -48,29 +45,6 @@ SENTENCE = "The quick brown fox jumps over the lazy dog, then rests."
 AUDIO = bytes(10_000)
 
 
-class Socket(FileDescriptor):
-    """
-    A connected socket whose kernel takes every send (and forgets it, keeping a count).
-    """
-
-    def __init__(self, reactor: Any) -> None:
-        super().__init__(reactor)
-        self.connected = 1
-        self.bytes_sent = 0
-        self.last = b""
-
-    def writeSomeData(self, data: Any) -> int:
-        self.bytes_sent += len(data)
-        self.last = bytes(data[-64:])
-        return len(data)
-
-    def getPeer(self) -> IPv4Address:
-        return IPv4Address("TCP", "127.0.0.1", 50000)
-
-    def getHost(self) -> IPv4Address:
-        return IPv4Address("TCP", "127.0.0.1", 8080)
-
-
 def main() -> None:
     reactor = MemoryReactorClock()
     worker = WorkerClient(reactor, "unix:/nowhere/tone.sock")
@@ -80,7 +54,7 @@ def main() -> None:
     # As the service does: settings read from the config it loaded.
     app = build_core(Registry({"tone": handle}), reactor=reactor, settings=ConfigSettings(lambda: config))
     site = app.site(access_log=False)
-    client = Socket(reactor)
+    client = MemorySocket(reactor, IPv4Address("TCP", "127.0.0.1", 50000), IPv4Address("TCP", "127.0.0.1", 8080))
     channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
     channel.makeConnection(client)
     body = json.dumps({"engine": "tone", "text": SENTENCE, "format": "pcm", "seed": 1}).encode()
@@ -99,7 +73,7 @@ def main() -> None:
         if not upstream:
             factory = reactor.unixClients[-1][1]
             protocol = factory.buildProtocol(None)
-            protocol.makeConnection(Socket(reactor))
+            protocol.makeConnection(MemorySocket(reactor, None, None))
             upstream.append(protocol)
         upstream[0].dataReceived(answer)
         if not client.last.endswith(b"X-Rhapsode-Duration-Ms: 208\r\n\r\n"):
@@ -108,22 +82,10 @@ def main() -> None:
     for _ in range(500):
         one()
     rounds = 20_000
-    gc.collect()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(rounds // 5):
-            one()
-        best = min(best, (time.perf_counter() - start) / (rounds // 5))
+    best = best_of(rounds, one)
     print(f"core Python per kept-alive /speak (in memory, no syscalls): {best * 1e6:.1f} us (best of 5 x {rounds // 5})")
     if "--profile" in sys.argv:
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(5000):
-            one()
-        profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
-
+        print_profile(one, 5000, 30)
 
 if __name__ == "__main__":
     main()

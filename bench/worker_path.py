@@ -16,56 +16,20 @@ nothing beyond each answer being whole.
 
 from __future__ import annotations
 
-import cProfile
-import gc
 import json
-import pstats
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-from twisted.internet.abstract import FileDescriptor
 from twisted.internet.address import UNIXAddress
 
 from rhapsode_engine_tone import ToneEngine
 from rhapsode_worker import SpeakRequest, _schedule
 from rhapsode_worker.testing import WorkerHarness
 
+from _in_memory import MemorySocket, best_of, print_profile
+
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests."
-
-
-class Socket(FileDescriptor):
-    """
-    A connected socket whose kernel takes every send (and forgets it, keeping its end).
-    """
-
-    def __init__(self, reactor: Any) -> None:
-        super().__init__(reactor)
-        self.connected = 1
-        self.last = b""
-
-    def writeSomeData(self, data: Any) -> int:
-        self.last = bytes(data[-64:])
-        return len(data)
-
-    def getPeer(self) -> UNIXAddress:
-        return UNIXAddress(None)
-
-    def getHost(self) -> UNIXAddress:
-        return UNIXAddress("/nowhere/tone.sock")
-
-
-def best_of(rounds: int, one: Any) -> float:
-    gc.collect()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(rounds // 5):
-            one()
-        best = min(best, (time.perf_counter() - start) / (rounds // 5))
-    return best
 
 
 def main() -> None:
@@ -77,7 +41,7 @@ def main() -> None:
         harness = WorkerHarness(ToneEngine, Path(folder))
         reactor = harness.reactor
         site = harness.worker.site(access_log=False)
-        client = Socket(reactor)
+        client = MemorySocket(reactor, UNIXAddress(None), UNIXAddress("/nowhere/tone.sock"))
         channel = site.buildProtocol(UNIXAddress(None))
         channel.makeConnection(client)
         body = json.dumps({"text": SENTENCE, "format": "pcm", "seed": 1}).encode()
@@ -114,12 +78,7 @@ def main() -> None:
         print(f"  the tone engine's synthesis of it, called directly:            {engine_only * 1e6:.1f} us")
         print(f"  the worker's share:                                             {(whole - engine_only) * 1e6:.1f} us")
         if "--profile" in sys.argv:
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(2000):
-                one()
-            profile.disable()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(35)
+            print_profile(one, 2000, 35)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,17 @@ __all__ = [
 _log = Logger()
 
 
+def _cut(request: IRequest, finished: "Deferred[None]") -> "Deferred[None]":
+    """
+    Abort C{request}'s connection (its headers have gone): fires once the connection's
+    end has landed, which Klein waits for before it looks at the request again.
+    """
+    abort_connection(request)
+    landed: Deferred[None] = Deferred()
+    finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
+    return landed
+
+
 @implementer(IAudioSink)
 class HttpSink:
     """
@@ -114,12 +125,7 @@ class HttpSink:
         write_trailer(self._request, duration_ms)
 
     def abort(self, error: SpeechError | None) -> "Deferred[None]":
-        abort_connection(self._request)
-        # Klein looks at the request once the route returns: not before its connection's
-        # end has landed.
-        landed: Deferred[None] = Deferred()
-        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
-        return landed
+        return _cut(self._request, self.finished)
 
 
 @implementer(IAudioSink)
@@ -497,10 +503,7 @@ class TimedJsonSink:
         if not self.started:
             # Nothing went out: the failure is still the route's envelope.
             return succeed(None)
-        abort_connection(self._request)
-        landed: Deferred[None] = Deferred()
-        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
-        return landed
+        return _cut(self._request, self.finished)
 
 
 @implementer(ITimedSink)
@@ -601,10 +604,7 @@ class FramedSink:
         if not self.started:
             # Nothing went out: the failure is still the route's envelope.
             return succeed(None)
-        abort_connection(self._request)
-        landed: Deferred[None] = Deferred()
-        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
-        return landed
+        return _cut(self._request, self.finished)
 
 
 def framed_sink(request: IRequest, body: Mapping[str, Any], finished: "Deferred[None]") -> FramedSink | None:
@@ -744,7 +744,4 @@ class CaptionedSink:
             # Nothing went out: the failure is still the route's envelope.
             return succeed(None)
         # Lines of JSON have no way to say a stream broke: cut it, as for raw audio.
-        abort_connection(self._request)
-        landed: Deferred[None] = Deferred()
-        self.finished.addBoth(lambda _: landed.callback(None) if not landed.called else None)
-        return landed
+        return _cut(self._request, self.finished)
