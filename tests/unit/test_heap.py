@@ -14,7 +14,8 @@ import pytest
 from _worker_fakes import FakePool
 from twisted.internet.task import Clock
 
-from rhapsode_worker._heap import IDLE_SECONDS, IdleTrim, malloc_trim
+from rhapsode_worker import Engine
+from rhapsode_worker._heap import IDLE_SECONDS, IdleTrim, malloc_trim, rest_then_trim
 
 
 class ThreadedClock(Clock):
@@ -86,6 +87,40 @@ def test_a_trim_that_fails_is_logged_not_raised() -> None:
 
 
 @pytest.mark.skipif(malloc_trim is None, reason="the C library has no malloc_trim")
+class Resting(Engine):
+    """An adapter that records its rests, failing the ones it is told to."""
+
+    def __init__(self, done: list[str], fail: bool = False) -> None:
+        self.done = done
+        self.fail = fail
+
+    def rest(self) -> None:
+        self.done.append("rest")
+        if self.fail:
+            raise RuntimeError("the arena would not shrink")
+
+
+def test_an_idle_worker_rests_its_engine_before_it_trims() -> None:
+    """
+    What an idle worker runs on its pool: the adapter's rest() and then the trim, which
+    runs even when rest() fails (the failure logged); an adapter with no rest of its own
+    (the Engine base's does nothing) costs nothing, and with no trim the rest still runs.
+    """
+    done: list[str] = []
+    rest_then_trim(Resting(done), lambda: done.append("trim"))()
+    assert done == ["rest", "trim"]
+    done.clear()
+    rest_then_trim(Resting(done, fail=True), lambda: done.append("trim"))()
+    assert done == ["rest", "trim"]
+    done.clear()
+    rest_then_trim(object(), lambda: done.append("trim"))()
+    rest_then_trim(Engine.__new__(Engine), lambda: done.append("trim"))()
+    assert done == ["trim", "trim"]
+    done.clear()
+    rest_then_trim(Resting(done), None)()
+    assert done == ["rest"]
+
+
 def test_the_trim_gives_a_fragmented_heap_back_to_the_kernel() -> None:
     """
     glibc keeps 80 MB of freed blocks, a few of which are still held, in the process's

@@ -431,6 +431,14 @@ class IEngine(Interface):
     def memory_bytes() -> int | None:
         """What the loaded model holds, when the adapter knows better than a delta."""
 
+    def rest() -> None:
+        """
+        Blocking, on a worker thread: the worker has had nothing to do for a while (the
+        SDK's idle trim, L{rhapsode_worker._heap}); give back what the last requests left
+        held beyond the model, if anything.  Called with or without a model loaded, and
+        possibly while a new request starts.  Optional.
+        """
+
     def unreachable() -> Mapping[str, str]:
         """
         Variants whose model, served elsewhere, cannot be reached now, with why.  Called
@@ -621,6 +629,9 @@ class Engine:
 
     def memory_bytes(self) -> int | None:
         return None
+
+    def rest(self) -> None:
+        pass
 
     def unreachable(self) -> Mapping[str, str]:
         return {}

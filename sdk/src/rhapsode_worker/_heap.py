@@ -11,7 +11,8 @@ requests left the same worker at 331 MiB in one run and over 400 in another.
 L{IdleTrim} trims once the worker's scheduler has been idle for L{IDLE_SECONDS}: never
 between two requests that follow each other closely (the next would only fault the same
 pages back in), and never on the reactor thread (the trim walks every arena).  Where the
-C library has no C{malloc_trim} (musl, macOS), it does nothing.
+C library has no C{malloc_trim} (musl, macOS), it does nothing.  Before the trim the
+adapter's C{rest()} runs (L{rest_then_trim}), for memory only the adapter can let go of.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-__all__ = ["IDLE_SECONDS", "IdleTrim", "malloc_trim"]
+__all__ = ["IDLE_SECONDS", "IdleTrim", "malloc_trim", "rest_then_trim"]
 
 #: How long a worker stays idle before its free memory is handed back.
 IDLE_SECONDS = 2.0
@@ -47,6 +48,27 @@ def _find_trim() -> Callable[[], None] | None:
 
 #: glibc's C{malloc_trim(0)}, or None where the C library has none.
 malloc_trim = _find_trim()
+
+
+def rest_then_trim(engine: Any, trim: Callable[[], None] | None = malloc_trim) -> Callable[[], None]:
+    """
+    What an idle worker does on its files pool: the adapter's C{rest()} first (it may
+    free memory of its own, an arena, say), then C{trim}, which hands the C library's
+    free memory back whatever the adapter did.  A failing C{rest} is logged and the trim
+    still runs.
+    """
+
+    def rested() -> None:
+        rest = getattr(engine, "rest", None)
+        if rest is not None:
+            try:
+                rest()
+            except Exception:
+                log.failure("the engine's rest() failed")
+        if trim is not None:
+            trim()
+
+    return rested
 
 
 class IdleTrim:

@@ -54,7 +54,7 @@ from . import _memory
 from ._context import WorkerContext
 from ._encode import probe_cache_dir, probe_ffmpeg
 from ._engine import IEngine
-from ._heap import IdleTrim
+from ._heap import IdleTrim, rest_then_trim
 from ._lifecycle import WorkerLifecycle
 from ._model import ModelState
 from ._routes import WorkerApp
@@ -427,7 +427,7 @@ async def _run(
     model = ModelState(engine, reactor, pool)
     # Free memory goes back to the kernel once the worker has been idle a while, on the
     # files pool (never on the reactor, never behind a synthesis).
-    trim = IdleTrim(reactor, files)
+    trim = IdleTrim(reactor, files, rest_then_trim(engine))
     scheduler = Scheduler(
         reactor, pool, model, engine.concurrency, relays=bool(getattr(engine, "relays", False)), on_idle=trim.idle
     )

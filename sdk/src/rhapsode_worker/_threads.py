@@ -423,10 +423,11 @@ class BudgetedSession:
     setting, say); C{whole} is true for the session that runs a run holding the whole
     budget (the only session when the budget is one core), false for the one-thread
     session of runs that share the cores.  C{run_config} are run configuration entries
-    (C{RunOptions.add_run_config_entry}) for every C{run} given no options of its own:
-    each such run gets options of its own, so that a run holding every core can be
-    stopped and run again on one when another arrives (L{CoreGate.acquire}).  C{run}
-    blocks until a core is free.
+    (C{RunOptions.add_run_config_entry}) for every C{run} given no options of its own, or
+    a callable that gives them for the run about to start, on the thread that runs it
+    (an adapter's say of which runs end its request); each such run gets options of its
+    own, so that a run holding every core can be stopped and run again on one when
+    another arrives (L{CoreGate.acquire}).  C{run} blocks until a core is free.
 
     The load.  onnxruntime spends most of a session's making on optimising the graph
     (Piper's voice: 0.45 s of a 0.55 s session, 0.10 s from a graph optimised before),
@@ -452,12 +453,12 @@ class BudgetedSession:
         *,
         gate: CoreGate | None = None,
         configure: Callable[[Any, bool], None] | None = None,
-        run_config: Mapping[str, str] | None = None,
+        run_config: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         environ = os.environ if environ is None else environ
         self.gate = process_gate(environ) if gate is None else gate
-        self.run_config = dict(run_config or {})
+        self.run_config = run_config if callable(run_config) else dict(run_config or {})
         self.cut = 0
         self._configure = configure
         self._sessions: dict[int, Any] = {}
@@ -588,7 +589,8 @@ class BudgetedSession:
         import onnxruntime
 
         options = onnxruntime.RunOptions()
-        for key, value in self.run_config.items():
+        entries = self.run_config() if callable(self.run_config) else self.run_config
+        for key, value in entries.items():
             options.add_run_config_entry(key, value)
         return options
 

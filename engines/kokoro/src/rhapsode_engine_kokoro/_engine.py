@@ -30,7 +30,8 @@ batches kokoro-onnx's own create() makes of a long text.  With 200-character pie
 batches, read 1.02-1.11x in six).  The price is a run's working memory, about 1.5 MiB a
 character while it runs: the worker's peak over that text was 583-614 MiB with 200 and
 939-974 MiB with 400 (a kokoro-onnx process peaks at 1.11 GiB and keeps 1.10), given back when
-the run ends (L{_session}).
+the request's last segment ends, or by L{KokoroEngine.rest} once the worker is idle if the
+request was cut short (L{_session.Shrinking}).
 
 A streamed answer's first segment is kept to 30 characters, out in about 1.1 s on one
 thread alone and 1.35-1.5 s on one of two busy cores; four requests arriving together get
@@ -82,6 +83,8 @@ from ._voices import (
 if TYPE_CHECKING:
     from kokoro_onnx import Kokoro
 
+    from ._session import Shrinking
+
 log = Logger(namespace="rhapsode_engine_kokoro")
 
 
@@ -96,6 +99,8 @@ logging.getLogger("phonemizer").addFilter(_not_word_count_noise)
 
 VARIANT = "v1.0-int8"
 SAMPLE_RATE = 24_000
+#: What rest() has the model say to give the arena back: one phoneme, the least it takes.
+_A_SOUND = "ə"
 
 _VARIANTS: dict[str, Variant] = {
     VARIANT: Variant(
@@ -129,6 +134,7 @@ class KokoroEngine(Engine):
     def __init__(self, context: WorkerContext | None = None) -> None:
         super().__init__(context)
         self._environ = self.context.environ
+        self._shrinking: Shrinking | None = None
         self._cache = cache_dir(self._environ, self.context.cache_dir)
 
     def variants(self) -> Mapping[str, Variant]:
@@ -142,12 +148,14 @@ class KokoroEngine(Engine):
         # without paying for onnxruntime and espeak-ng until a model is wanted.
         from kokoro_onnx import Kokoro
 
-        from ._session import shrinking_session
+        from ._session import Shrinking, shrinking_session
 
         ensure(self._cache)
         started = time.monotonic()
-        session = shrinking_session(self._cache / MODEL.name, self._environ)
+        shrinking = Shrinking()
+        session = shrinking_session(self._cache / MODEL.name, self._environ, shrinking)
         self._kokoro = Kokoro.from_session(session, str(self._cache / VOICES.name))
+        self._shrinking = shrinking
         log.info("{variant} loaded in {seconds:.2f} s with sessions of {threads} intra-op thread(s)",
                  variant=variant, seconds=time.monotonic() - started,
                  threads=" and ".join(map(str, session.counts)))
@@ -156,6 +164,7 @@ class KokoroEngine(Engine):
         # Also called after a failed load, which may have set nothing.
         if hasattr(self, "_kokoro"):
             del self._kokoro
+        self._shrinking = None
 
     def voices(self) -> Sequence[Voice]:
         return [builtin_listing(name) for name in BUILTIN_VOICES] + self._store().created()
@@ -177,8 +186,21 @@ class KokoroEngine(Engine):
                 )
             # One unpronounceable piece of a longer text is silence, not a failure.
             return iter(())
-        audio, _ = kokoro.create(phonemes, style, speed=request.params["speed"], is_phonemes=True)
+        shrinking = self._shrinking
+        assert shrinking is not None
+        with shrinking.segment(request.segment_index == request.segment_count - 1):
+            audio, _ = kokoro.create(phonemes, style, speed=request.params["speed"], is_phonemes=True)
         return iter((audio.astype("<f4", copy=False).tobytes(),))
+
+    def rest(self) -> None:
+        # A request cut short between its segments (or a failed run) left the arena at
+        # its largest: one small run that shrinks gives it back, about a quarter second
+        # of CPU here, once per such idle spell.
+        kokoro, shrinking = getattr(self, "_kokoro", None), self._shrinking
+        if kokoro is None or shrinking is None or not shrinking.owed:
+            return
+        with shrinking.segment(True):
+            kokoro.create(_A_SOUND, kokoro.voices[0], speed=1.0, is_phonemes=True)
 
     def create_voice(self, voice_id: str, label: str, reference: Reference) -> Voice:
         style = style_from_voicepack(reference.filename, reference.data)
