@@ -61,7 +61,7 @@ def main() -> None:
 
         engine = harness.engine
         variant = next(iter(engine.variants()))
-        engine.load(variant)  # the worker loads its own on the first request; this copy is the bench's
+        engine.load(variant)  # the worker's own engine: loaded here for the direct calls, which need no route
         alone = SpeakRequest(text=SENTENCE, variant=variant, seed=1)
 
         def synthesis() -> None:

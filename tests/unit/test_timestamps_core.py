@@ -10,11 +10,13 @@ and a node's frames for a cluster's front.
 from __future__ import annotations
 
 import base64
+from collections import deque
 import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
@@ -26,7 +28,7 @@ from rhapsode._http.sinks import CaptionedSink, FramedSink, TimedEventSink, Time
 from rhapsode._speech.inprocess import MemorySink
 from rhapsode._speech.limits import BufferBudget, Hold
 from rhapsode._speech.preflight import forward_dialogue, forward_speak
-from rhapsode._speech.relay import FLOOR_BYTES
+from rhapsode._speech.relay import _TIMED_PIECE, FLOOR_BYTES, _TimedBuffered
 from rhapsode._speech.timed import AUDIO_TYPE_HEADER, TimedStreamRelay, read_frames
 from rhapsode._upstream.body import Stalls
 from rhapsode_protocol import contract, frames
@@ -307,6 +309,34 @@ def test_the_json_sink_writes_the_contracts_document() -> None:
     }
     assert request.responseHeaders.getRawHeaders(b"content-type") == [b"application/json"]
     assert request.responseHeaders.getRawHeaders(b"x-rhapsode-duration-ms") == [b"600"]
+
+
+def test_a_buffered_timed_answer_is_written_in_slices_each_after_room() -> None:
+    """
+    The relay writes a buffered timed answer's audio to its sink in slices of at most
+    _TIMED_PIECE bytes (a whole number of base64 quanta), each once the sink has room,
+    after the timings and before the end: a worker's one large piece never reaches a
+    sink whole, and a small one goes as it is.
+    """
+    sink = TimedRecordingSink()
+    rooms: list[int] = []
+
+    def room() -> Any:
+        rooms.append(len(sink.written))
+        return succeed(None)
+
+    sink.room = room  # type: ignore[method-assign]
+    large = bytes(range(256)) * ((_TIMED_PIECE * 2 + 1000) // 256)
+    small = b"\x01" * 10
+    held = _TimedBuffered([(b"Content-Type", b"audio/wav")], [WORD], deque([large, small]), 600)
+    done = Deferred.fromCoroutine(held.deliver(sink))
+    assert done.called
+    assert [len(w) for w in sink.written] == [_TIMED_PIECE, _TIMED_PIECE, len(large) - 2 * _TIMED_PIECE, 10]
+    assert _TIMED_PIECE % 3 == 0
+    assert b"".join(sink.written) == large + small
+    assert sink.written[-1] is small
+    assert rooms == [0, 1, 2, 3]
+    assert sink.order[0] == ("timestamps", [WORD]) and sink.ended == 600
 
 
 def test_the_json_sink_aborts_once_its_document_has_begun() -> None:

@@ -459,13 +459,7 @@ class TimedJsonSink:
     def _start(self) -> None:
         self.started = True
         head = self._head
-        fields: dict[str, Any] = {
-            "format": self._format,
-            "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
-            "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
-            "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
-            "alignment": self._alignment,
-        }
+        fields = dict(_audio_fields(self._format, head), alignment=self._alignment)
         request = self._request
         request.setResponseCode(200)
         request.setHeader(b"Content-Type", b"application/json")
@@ -588,14 +582,7 @@ class FramedSink:
     def end(self, duration_ms: int | None) -> None:
         done: dict[str, Any] = {} if duration_ms is None else {"durationMs": duration_ms}
         if not self._stream:
-            head = self._head
-            done.update({
-                "format": self._format,
-                "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
-                "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
-                "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
-                "durationMs": duration_ms or 0,
-            })
+            done.update(_audio_fields(self._format, self._head), durationMs=duration_ms or 0)
         if not self.started:
             self._start()
         self._request.write(frames.frame(frames.DONE, json.dumps(done).encode("utf-8")))
@@ -619,6 +606,19 @@ def framed_sink(request: IRequest, body: Mapping[str, Any], finished: "Deferred[
 
 def _number(value: bytes | None) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
+
+
+def _audio_fields(fmt: str, head: Mapping[bytes, bytes]) -> dict[str, Any]:
+    """
+    What a buffered timed answer says of its audio, from the worker's head (names in
+    lower case): its format, type, rate and channels.
+    """
+    return {
+        "format": fmt,
+        "contentType": head.get(b"content-type", b"application/octet-stream").decode("latin-1"),
+        "sampleRate": _number(head.get(RATE_HEADER.lower())) or 1,
+        "channels": _number(head.get(CHANNELS_HEADER.lower())) or 1,
+    }
 
 
 @implementer(ITimedSink)

@@ -68,10 +68,10 @@ class Shrinking:
         return {_SHRINK_ARENA: "cpu:0"} if getattr(self._local, "last", True) else {}
 
 
-def shrinking_session(path: Path, environ: Mapping[str, str] | None = None, shrinking: Shrinking | None = None) -> BudgetedSession:
+def shrinking_session(path: Path, environ: Mapping[str, str] | None, shrinking: Shrinking) -> BudgetedSession:
     """
     A CPU session whose runs give their working memory back to the system at the end of
-    a request (L{Shrinking}; at the end of every run without one).
+    a request (L{Shrinking}).
 
     A run's activations grow with the audio it renders, about 1.5 MiB per character of
     text, and onnxruntime's arena otherwise keeps its largest size for the life of the
@@ -85,5 +85,4 @@ def shrinking_session(path: Path, environ: Mapping[str, str] | None = None, shri
     MiB with both, on a shared 2-core box.
     """
     # kokoro-onnx calls run(None, inputs) and has no way to pass options of its own.
-    config = shrinking.run_config if shrinking is not None else {_SHRINK_ARENA: "cpu:0"}
-    return BudgetedSession(path, run_config=config, environ=environ)
+    return BudgetedSession(path, run_config=shrinking.run_config, environ=environ)
